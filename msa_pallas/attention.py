@@ -1,0 +1,103 @@
+"""The public op `msa_row_attention` and its dispatch between implementations."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from msa_pallas.block_sizes import BlockConfig, default_block_config
+from msa_pallas.kernels.vjp import fused_attention
+from msa_pallas.reference import msa_row_attention_xla
+from msa_pallas.validation import KERNEL_DTYPES, MAX_KERNEL_HEAD_DIM, validate_arguments
+
+
+def on_gpu() -> bool:
+    """True when JAX's default backend is a GPU, where the kernels compile."""
+    return jax.default_backend() == "gpu"
+
+
+def _resolve_implementation(implementation, q) -> str:
+    if implementation is not None:
+        return implementation
+    kernel_fits = (
+        jnp.dtype(q.dtype) in KERNEL_DTYPES and q.shape[-1] <= MAX_KERNEL_HEAD_DIM
+    )
+    return "pallas" if on_gpu() and kernel_fits else "xla"
+
+
+def msa_row_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array,
+    mask: jax.Array | None = None,
+    gate: jax.Array | None = None,
+    *,
+    scale: float | None = None,
+    implementation: str | None = None,
+    block_config: BlockConfig | None = None,
+) -> jax.Array:
+    """Row-wise gated self-attention over an MSA, with a pair bias.
+
+    For each batch element b, MSA row s, head h and query residue i::
+
+        logits[j] = scale * <q[b,s,i,h], k[b,s,j,h]> + bias[b,h,i,j]
+        logits[j] = -1e9                     where mask[b,s,j] is False / 0
+        out[b,s,i,h] = softmax(logits) @ v[b,s,:,h] * sigmoid(gate[b,s,i,h])
+
+    The softmax and every accumulation run in float32; a row whose keys are
+    all masked gets uniform weights (finite, never NaN).
+
+    Args:
+      q, k, v: `[*batch, S, N, H, d]`, float16, bfloat16 or float32 (float64
+        too with `implementation="xla"`). The layout a Dense projection of
+        `[*batch, S, N, C]` produces, so no transposes are needed.
+      bias: `[*batch, H, N, N]`, floating; shared by all S rows.
+      mask: `[*batch, S, N]`, bool or numeric (nonzero keeps a key), or None.
+      gate: `[*batch, S, N, H, d]` gate logits, or None for no gate.
+      scale: multiplies `q . k`; default `1 / sqrt(d)`.
+      implementation: None picks `"pallas"` on a GPU and `"xla"` elsewhere;
+        `"pallas"` on a machine without a GPU runs the same kernels in Pallas
+        interpret mode (slow; for tests); `"xla"` is the plain-`jnp` path.
+      block_config: tiles for the Pallas kernels; default chosen by
+        `msa_pallas.block_sizes.default_block_config(N, d, dtype)`.
+
+    Returns:
+      `[*batch, S, N, H, d]` in q's dtype. Differentiable in q, k, v, bias and
+      gate; the bias gradient is summed over S inside the kernels.
+
+    Example::
+
+        q = k = v = jnp.ones((2, 8, 32, 4, 16), jnp.bfloat16)
+        bias = jnp.zeros((2, 4, 32, 32), jnp.float32)
+        out = msa_pallas.msa_row_attention(q, k, v, bias)   # [2, 8, 32, 4, 16]
+    """
+    implementation = _resolve_implementation(implementation, q)
+    validate_arguments(q, k, v, bias, mask, gate, scale, implementation)
+    *batch_shape, rows, n_res, heads, head_dim = q.shape
+    batch = math.prod(batch_shape)
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    scale = float(scale)
+
+    # One flat batch axis: a free reshape, undone on the output.
+    rows_shape = (batch, rows, n_res, heads, head_dim)
+    q, k, v = (x.reshape(rows_shape) for x in (q, k, v))
+    gate = None if gate is None else gate.reshape(rows_shape)
+    bias = bias.reshape(batch, heads, n_res, n_res)
+    if mask is not None:
+        mask = mask.reshape(batch, rows, n_res) != 0
+
+    if implementation == "xla":
+        out = msa_row_attention_xla(q, k, v, bias, mask, gate, scale=scale)
+    else:
+        if block_config is None:
+            block_config = default_block_config(n_res, head_dim, q.dtype)
+        out = fused_attention(
+            q, k, v, bias,
+            None if mask is None else mask.astype(jnp.int8),
+            gate, scale, block_config.clipped(n_res), not on_gpu(),
+        )
+    return out.reshape(*batch_shape, rows, n_res, heads, head_dim)

@@ -1,0 +1,106 @@
+"""Tile sizes and launch parameters for the Pallas kernels.
+
+Triton tiles must be powers of two and the matrix units need every tile side
+>= 16, so tiles along N are powers of two in [16, 128] and the head dim is
+padded (inside the kernel, by masked loads) to `padded_head_dim(d)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+MIN_TILE = 16
+
+
+def next_power_of_2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The head dim the kernels compute with: a power of two, at least 16."""
+    return max(MIN_TILE, next_power_of_2(head_dim))
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelTiles:
+    """Tiles and launch parameters of one kernel.
+
+    Attributes:
+      block_q: query rows per tile (power of two >= 16).
+      block_k: key rows per tile (power of two >= 16).
+      num_warps: warps per program.
+      num_stages: software-pipelining depth of the key/query loop.
+    """
+
+    block_q: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k"):
+            value = getattr(self, name)
+            if value < MIN_TILE or value != next_power_of_2(value):
+                raise ValueError(
+                    f"{name}={value}; expected a power of two >= {MIN_TILE}."
+                )
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps={self.num_warps}; expected 1, 2, 4, 8 or 16.")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages={self.num_stages}; expected >= 1.")
+
+    def clipped(self, n_res: int) -> "KernelTiles":
+        """The same tiles, no larger than N rounded up to a power of two."""
+        cap = max(MIN_TILE, next_power_of_2(n_res))
+        return dataclasses.replace(
+            self, block_q=min(self.block_q, cap), block_k=min(self.block_k, cap)
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+    """Tiles for the forward kernel and the three backward kernels.
+
+    Hashable, so it can be a static argument of `jax.jit` / `custom_vjp`.
+
+    Attributes:
+      forward: the forward kernel (grid over query tiles, loop over key tiles).
+      backward_dkdv: dk/dv kernel (grid over key tiles, loop over query tiles).
+      backward_dq: dq kernel (grid over query tiles, loop over key tiles).
+      backward_dbias: bias-gradient kernel (grid over query x key tiles,
+        loop over the S MSA rows, so the sum over S never leaves registers).
+    """
+
+    forward: KernelTiles
+    backward_dkdv: KernelTiles
+    backward_dq: KernelTiles
+    backward_dbias: KernelTiles
+
+    def clipped(self, n_res: int) -> "BlockConfig":
+        return BlockConfig(
+            *(getattr(self, f.name).clipped(n_res) for f in dataclasses.fields(self))
+        )
+
+
+def default_block_config(n_res: int, head_dim: int, dtype) -> BlockConfig:
+    """A heuristic choice by (N, d, dtype) that needs no tuning run.
+
+    Args:
+      n_res: N, the residues per MSA row.
+      head_dim: d.
+      dtype: q's dtype.
+    """
+    wide = jnp.dtype(dtype).itemsize >= 4 or padded_head_dim(head_dim) >= 128
+    if wide:
+        forward = KernelTiles(block_q=64, block_k=32, num_warps=4, num_stages=2)
+        dkdv = KernelTiles(block_q=32, block_k=64, num_warps=4, num_stages=2)
+        dq = KernelTiles(block_q=64, block_k=32, num_warps=4, num_stages=2)
+        dbias = KernelTiles(block_q=32, block_k=32, num_warps=4, num_stages=2)
+    else:
+        forward = KernelTiles(block_q=64, block_k=64, num_warps=4, num_stages=3)
+        dkdv = KernelTiles(block_q=32, block_k=64, num_warps=4, num_stages=2)
+        dq = KernelTiles(block_q=64, block_k=32, num_warps=4, num_stages=2)
+        dbias = KernelTiles(block_q=64, block_k=64, num_warps=4, num_stages=2)
+    return BlockConfig(forward, dkdv, dq, dbias).clipped(n_res)

@@ -1,0 +1,150 @@
+"""The Pallas forward kernel: flash-style biased, masked, gated row attention.
+
+One program computes one query tile of one (batch, MSA row, head): it walks
+the key tiles with an online softmax (running max and sum in float32), reads
+the key mask as a `[block_k]` vector and the pair bias as a
+`[block_q, block_k]` tile, applies the sigmoid gate in the epilogue and, for
+the backward, saves the row max and log2 row sum. No `[S, H, N, N]` array
+exists anywhere.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from msa_pallas.block_sizes import KernelTiles, padded_head_dim
+from msa_pallas.kernels import common
+
+
+def _forward_kernel(
+    q_ref, k_ref, v_ref, bias_ref, mask_ref, gate_ref,  # inputs
+    out_ref, row_max_ref, row_log2_sum_ref,  # outputs
+    *, qk_scale_log2: float, n_res: int, head_dim: int, block_q: int, block_k: int,
+):
+    q_start = pl.program_id(0) * block_q
+    q = common.load_rows(q_ref, (), q_start, block_q, n_res, head_dim)
+    d_pad = q.shape[-1]
+    precision = common.dot_precision(q.dtype)
+
+    def visit_key_tile(key_tile, carry):
+        acc, row_max, row_sum = carry
+        k_start = key_tile * block_k
+        k = common.load_rows(k_ref, (), k_start, block_k, n_res, head_dim)
+        v = common.load_rows(v_ref, (), k_start, block_k, n_res, head_dim)
+        bias = common.load_bias_tile(bias_ref, q_start, k_start, block_q, block_k, n_res)
+        keep = common.load_key_keep(mask_ref, (), k_start, block_k, n_res)
+        t = common.log2_logits(
+            q, k, bias, keep, k_start, qk_scale_log2=qk_scale_log2, n_res=n_res
+        )
+        new_max = jnp.maximum(row_max, jnp.max(t, axis=1))
+        rescale = jnp.exp2(row_max - new_max)
+        p = jnp.exp2(t - new_max[:, None])
+        row_sum = row_sum * rescale + jnp.sum(p, axis=1)
+        acc = acc * rescale[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+        return acc, new_max, row_sum
+
+    init = (
+        jnp.zeros((block_q, d_pad), jnp.float32),
+        jnp.full((block_q,), -jnp.inf, jnp.float32),
+        jnp.zeros((block_q,), jnp.float32),
+    )
+    acc, row_max, row_sum = jax.lax.fori_loop(
+        0, pl.cdiv(n_res, block_k), visit_key_tile, init
+    )
+    out = acc / row_sum[:, None]
+    if gate_ref is not None:
+        gate = common.load_rows(gate_ref, (), q_start, block_q, n_res, head_dim)
+        out = out * jax.nn.sigmoid(gate.astype(jnp.float32))
+    common.store_rows(out_ref, (), q_start, out, n_res, head_dim)
+    if row_max_ref is not None:
+        common.store_vector(row_max_ref, (), q_start, row_max, n_res)
+        common.store_vector(row_log2_sum_ref, (), q_start, jnp.log2(row_sum), n_res)
+
+
+def row_specs(n_res: int, d_pad: int) -> pl.BlockSpec:
+    """`[B, S, N, H, d]` arrays, one (MSA row, head) per program of a (tile, s, h, b) grid."""
+    return pl.BlockSpec((None, None, n_res, None, d_pad), lambda t, s, h, b: (b, s, 0, h, 0))
+
+
+def bias_spec(n_res: int) -> pl.BlockSpec:
+    return pl.BlockSpec((None, None, n_res, n_res), lambda t, s, h, b: (b, h, 0, 0))
+
+
+def mask_spec(n_res: int) -> pl.BlockSpec:
+    return pl.BlockSpec((None, None, n_res), lambda t, s, h, b: (b, s, 0))
+
+
+def stats_spec(n_res: int) -> pl.BlockSpec:
+    """`[B, S, H, N]` float32 row statistics."""
+    return pl.BlockSpec((None, None, None, n_res), lambda t, s, h, b: (b, s, h, 0))
+
+
+@functools.partial(
+    jax.jit, static_argnames=("scale", "tiles", "interpret", "save_stats")
+)
+def attention_forward(
+    q, k, v, bias, mask, gate, *, scale: float, tiles: KernelTiles, interpret: bool,
+    save_stats: bool,
+):
+    """Runs the forward kernel.
+
+    Args:
+      q, k, v: `[B, S, N, H, d]`, float16 / bfloat16 / float32.
+      bias: `[B, H, N, N]` floating.
+      mask: `[B, S, N]` int8 (nonzero keeps) or None.
+      gate: `[B, S, N, H, d]` gate logits or None.
+      scale: multiplies q . k.
+      tiles: forward tiles (block_q, block_k, num_warps, num_stages).
+      interpret: run in Pallas interpret mode (CPU).
+      save_stats: also return the softmax row statistics for the backward.
+
+    Returns:
+      out `[B, S, N, H, d]` in q's dtype, and, if `save_stats`, the float32
+      row max and log2 row sum, each `[B, S, H, N]`, in base-2 units.
+    """
+    batch, rows, n_res, heads, head_dim = q.shape
+    d_pad = padded_head_dim(head_dim)
+    grid = (pl.cdiv(n_res, tiles.block_q), rows, heads, batch)
+    kernel = functools.partial(
+        _forward_kernel,
+        qk_scale_log2=scale * common.LOG2E,
+        n_res=n_res, head_dim=head_dim, block_q=tiles.block_q, block_k=tiles.block_k,
+    )
+    rows_spec = row_specs(n_res, d_pad)
+    in_specs = [
+        rows_spec, rows_spec, rows_spec, bias_spec(n_res),
+        None if mask is None else mask_spec(n_res),
+        None if gate is None else rows_spec,
+    ]
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+    out_specs = [rows_spec]
+    if save_stats:
+        stats = jax.ShapeDtypeStruct((batch, rows, heads, n_res), jnp.float32)
+        out_shape += [stats, stats]
+        out_specs += [stats_spec(n_res), stats_spec(n_res)]
+    else:
+        kernel = _without_stats(kernel)
+    results = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages
+        ),
+        interpret=interpret,
+        name="msa_row_attention_fwd",
+    )(q, k, v, bias, mask, gate)
+    return tuple(results) if save_stats else results[0]
+
+
+def _without_stats(kernel):
+    def kernel_without_stats(*refs):
+        return kernel(*refs, None, None)
+    return kernel_without_stats

@@ -1,0 +1,64 @@
+"""The plain-`jnp` path: MSA row attention written with einsum and softmax.
+
+This is the semantic definition the Pallas kernels are tested against, and the
+implementation used where no GPU is present. It materialises the full
+`[B, S, H, N, N]` logits, so it is memory-hungry at AlphaFold scale.
+
+Numerics mirror the kernels: logits and softmax in float32, the probabilities
+cast to the value dtype for the second product (as the kernels feed the matrix
+units), accumulation in float32, output in q's dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# AlphaFold's `where(mask, logits, -1e9)`: a fully masked row stays finite
+# (uniform weights) where `-inf` would give NaN.
+MASKED_LOGIT = -1e9
+
+
+def _matmul_precision(dtype) -> jax.lax.Precision:
+    # float32 must mean float32: without HIGHEST, XLA on GPU may use TF32.
+    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+
+
+def msa_row_attention_xla(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    bias: jax.Array,
+    mask: jax.Array | None = None,
+    gate: jax.Array | None = None,
+    *,
+    scale: float,
+) -> jax.Array:
+    """Biased, masked, optionally gated softmax attention along N, per MSA row.
+
+    Args:
+      q, k, v: `[B, S, N, H, d]`, one floating dtype.
+      bias: `[B, H, N, N]`, any floating dtype; shared by the S rows.
+      mask: `[B, S, N]` bool or None; True keeps a key.
+      gate: `[B, S, N, H, d]` gate logits or None.
+      scale: multiplies `q . k`.
+
+    Returns:
+      `[B, S, N, H, d]` in q's dtype.
+    """
+    precision = _matmul_precision(q.dtype)
+    logits = jnp.einsum(
+        "bsihc,bsjhc->bshij", q, k,
+        preferred_element_type=jnp.float32, precision=precision,
+    )
+    logits = logits * scale + bias.astype(jnp.float32)[:, None]
+    if mask is not None:
+        logits = jnp.where(mask[:, :, None, None, :], logits, MASKED_LOGIT)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum(
+        "bshij,bsjhc->bsihc", probs.astype(v.dtype), v,
+        preferred_element_type=jnp.float32, precision=precision,
+    )
+    if gate is not None:
+        out = out * jax.nn.sigmoid(gate.astype(jnp.float32))
+    return out.astype(q.dtype)

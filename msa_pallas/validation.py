@@ -1,0 +1,105 @@
+"""Trace-time checks of `msa_row_attention`'s arguments.
+
+Every error names the argument, shows what it got and what was expected, so a
+mistake inside a large model points at the call that made it.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+KERNEL_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+XLA_DTYPES = KERNEL_DTYPES + (jnp.dtype(jnp.float64),)
+MAX_KERNEL_HEAD_DIM = 128
+IMPLEMENTATIONS = (None, "pallas", "xla")
+
+
+def _shape_str(shape) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def _check_float(name: str, x, allowed) -> None:
+    if jnp.dtype(x.dtype) not in allowed:
+        names = ", ".join(str(d) for d in allowed)
+        raise TypeError(f"{name} has dtype {x.dtype}; expected one of {names}.")
+
+
+def validate_arguments(q, k, v, bias, mask, gate, scale, implementation) -> None:
+    """Raises ValueError / TypeError for arguments `msa_row_attention` cannot take.
+
+    Expected: q, k, v, gate `[*batch, S, N, H, d]` of one floating dtype;
+    bias `[*batch, H, N, N]` floating; mask `[*batch, S, N]` bool or numeric.
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation={implementation!r}; expected None, 'pallas' or 'xla'."
+        )
+    for name, x in (("q", q), ("k", k), ("v", v), ("bias", bias)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be an array; got {type(x).__name__}.")
+    if q.ndim < 4:
+        raise ValueError(
+            f"q has shape {_shape_str(q.shape)} (rank {q.ndim}); expected "
+            "[*batch, S, N, H, d], rank >= 4."
+        )
+    *batch, s_rows, n_res, n_heads, head_dim = q.shape
+    expected_qkv = tuple(q.shape)
+    for name, x in (("k", k), ("v", v)):
+        if tuple(x.shape) != expected_qkv:
+            raise ValueError(
+                f"{name} has shape {_shape_str(x.shape)}; expected "
+                f"{_shape_str(expected_qkv)} (the shape of q, [*batch, S, N, H, d])."
+            )
+    allowed = XLA_DTYPES if implementation == "xla" else KERNEL_DTYPES
+    _check_float("q", q, allowed)
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != q.dtype:
+            raise TypeError(
+                f"{name} has dtype {x.dtype}; expected {q.dtype} (the dtype of q)."
+            )
+    expected_bias = (*batch, n_heads, n_res, n_res)
+    if tuple(bias.shape) != expected_bias:
+        raise ValueError(
+            f"bias has shape {_shape_str(bias.shape)}; expected "
+            f"{_shape_str(expected_bias)} ([*batch, H, N, N] for q of shape "
+            f"{_shape_str(q.shape)})."
+        )
+    _check_float("bias", bias, allowed)
+    if mask is not None:
+        if not hasattr(mask, "shape"):
+            raise TypeError(f"mask must be an array or None; got {type(mask).__name__}.")
+        expected_mask = (*batch, s_rows, n_res)
+        if tuple(mask.shape) != expected_mask:
+            raise ValueError(
+                f"mask has shape {_shape_str(mask.shape)}; expected "
+                f"{_shape_str(expected_mask)} ([*batch, S, N] for q of shape "
+                f"{_shape_str(q.shape)})."
+            )
+        if not (
+            jnp.issubdtype(mask.dtype, jnp.bool_)
+            or jnp.issubdtype(mask.dtype, jnp.number)
+        ):
+            raise TypeError(f"mask has dtype {mask.dtype}; expected bool or numeric.")
+    if gate is not None:
+        if not hasattr(gate, "shape"):
+            raise TypeError(f"gate must be an array or None; got {type(gate).__name__}.")
+        if tuple(gate.shape) != expected_qkv:
+            raise ValueError(
+                f"gate has shape {_shape_str(gate.shape)}; expected "
+                f"{_shape_str(expected_qkv)} (the shape of q)."
+            )
+        _check_float("gate", gate, allowed)
+    if scale is not None and not isinstance(scale, (int, float, np.floating, np.integer)):
+        raise TypeError(
+            f"scale must be a Python float or None; got {type(scale).__name__}."
+        )
+    if min(s_rows, n_res, n_heads, head_dim, *batch, 1) < 1:
+        raise ValueError(
+            f"q has shape {_shape_str(q.shape)}; every dimension must be >= 1."
+        )
+    if implementation == "pallas" and head_dim > MAX_KERNEL_HEAD_DIM:
+        raise ValueError(
+            f"q has head dim d={head_dim} (shape {_shape_str(q.shape)}); the Pallas "
+            f"kernels support d <= {MAX_KERNEL_HEAD_DIM}. Use implementation='xla'."
+        )
