@@ -10,7 +10,12 @@ import jax.numpy as jnp
 from msa_pallas.block_sizes import BlockConfig, default_block_config
 from msa_pallas.kernels.vjp import fused_attention
 from msa_pallas.reference import msa_row_attention_xla
-from msa_pallas.validation import KERNEL_DTYPES, MAX_KERNEL_HEAD_DIM, validate_arguments
+from msa_pallas.validation import (
+    KERNEL_DTYPES,
+    MAX_KERNEL_HEAD_DIM,
+    validate_arguments,
+    validate_dropout,
+)
 
 
 def on_gpu() -> bool:
@@ -18,10 +23,10 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def _resolve_implementation(implementation, q) -> str:
+def _resolve_implementation(implementation, q, dropout_rate: float) -> str:
     if implementation is not None:
         return implementation
-    kernel_fits = (
+    kernel_fits = dropout_rate == 0.0 and (
         jnp.dtype(q.dtype) in KERNEL_DTYPES and q.shape[-1] <= MAX_KERNEL_HEAD_DIM
     )
     return "pallas" if on_gpu() and kernel_fits else "xla"
@@ -38,6 +43,8 @@ def msa_row_attention(
     scale: float | None = None,
     implementation: str | None = None,
     block_config: BlockConfig | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
 ) -> jax.Array:
     """Row-wise gated self-attention over an MSA, with a pair bias.
 
@@ -63,6 +70,10 @@ def msa_row_attention(
         interpret mode (slow; for tests); `"xla"` is the plain-`jnp` path.
       block_config: tiles for the Pallas kernels; default chosen by
         `msa_pallas.block_sizes.default_block_config(N, d, dtype)`.
+      dropout_rate: dropout on the attention weights (the reference layer's
+        convention), with `dropout_rng` a PRNG key. Not in the kernels yet:
+        with a rate > 0, `implementation=None` runs the `"xla"` path and
+        `"pallas"` raises.
 
     Returns:
       `[*batch, S, N, H, d]` in q's dtype. Differentiable in q, k, v, bias and
@@ -74,8 +85,9 @@ def msa_row_attention(
         bias = jnp.zeros((2, 4, 32, 32), jnp.float32)
         out = msa_pallas.msa_row_attention(q, k, v, bias)   # [2, 8, 32, 4, 16]
     """
-    implementation = _resolve_implementation(implementation, q)
+    implementation = _resolve_implementation(implementation, q, dropout_rate)
     validate_arguments(q, k, v, bias, mask, gate, scale, implementation)
+    validate_dropout(dropout_rate, dropout_rng, implementation)
     *batch_shape, rows, n_res, heads, head_dim = q.shape
     batch = math.prod(batch_shape)
     if scale is None:
@@ -91,7 +103,10 @@ def msa_row_attention(
         mask = mask.reshape(batch, rows, n_res) != 0
 
     if implementation == "xla":
-        out = msa_row_attention_xla(q, k, v, bias, mask, gate, scale=scale)
+        out = msa_row_attention_xla(
+            q, k, v, bias, mask, gate,
+            scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+        )
     else:
         if block_config is None:
             block_config = default_block_config(n_res, head_dim, q.dtype)

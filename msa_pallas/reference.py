@@ -33,6 +33,8 @@ def msa_row_attention_xla(
     gate: jax.Array | None = None,
     *,
     scale: float,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
 ) -> jax.Array:
     """Biased, masked, optionally gated softmax attention along N, per MSA row.
 
@@ -42,6 +44,9 @@ def msa_row_attention_xla(
       mask: `[B, S, N]` bool or None; True keeps a key.
       gate: `[B, S, N, H, d]` gate logits or None.
       scale: multiplies `q . k`.
+      dropout_rate: probability of zeroing each attention weight (the
+        survivors are scaled by 1 / (1 - rate)); 0 disables dropout.
+      dropout_rng: PRNG key for the dropout mask; required when rate > 0.
 
     Returns:
       `[B, S, N, H, d]` in q's dtype.
@@ -55,6 +60,9 @@ def msa_row_attention_xla(
     if mask is not None:
         logits = jnp.where(mask[:, :, None, None, :], logits, MASKED_LOGIT)
     probs = jax.nn.softmax(logits, axis=-1)
+    if dropout_rate > 0.0:
+        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
+        probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
     out = jnp.einsum(
         "bshij,bsjhc->bsihc", probs.astype(v.dtype), v,
         preferred_element_type=jnp.float32, precision=precision,

@@ -103,3 +103,17 @@ def validate_arguments(q, k, v, bias, mask, gate, scale, implementation) -> None
             f"q has head dim d={head_dim} (shape {_shape_str(q.shape)}); the Pallas "
             f"kernels support d <= {MAX_KERNEL_HEAD_DIM}. Use implementation='xla'."
         )
+
+
+def validate_dropout(dropout_rate, dropout_rng, implementation) -> None:
+    """Checks the attention-dropout arguments of `msa_row_attention`."""
+    if not isinstance(dropout_rate, (int, float, np.floating)) or not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(f"dropout_rate={dropout_rate!r}; expected a float in [0, 1).")
+    if dropout_rate > 0.0:
+        if dropout_rng is None:
+            raise ValueError(f"dropout_rate={dropout_rate} needs dropout_rng, a PRNG key; got None.")
+        if implementation == "pallas":
+            raise ValueError(
+                f"dropout_rate={dropout_rate}: attention dropout is not in the Pallas "
+                "kernels yet; use implementation=None or 'xla'."
+            )
