@@ -92,6 +92,10 @@ def default_block_config(n_res: int, head_dim: int, dtype) -> BlockConfig:
       head_dim: d.
       dtype: q's dtype.
     """
+    # Measured on an H200 (bf16, d=32; benchmarks/RESULTS.md): 64x64 tiles with
+    # 4 warps lead at N=256 and N=1024; deeper pipelining pays once the key
+    # loop is long. 32-bit inputs and d=128 double the registers per tile.
+    long_rows = n_res > 256
     wide = jnp.dtype(dtype).itemsize >= 4 or padded_head_dim(head_dim) >= 128
     if wide:
         forward = KernelTiles(block_q=64, block_k=32, num_warps=4, num_stages=2)
@@ -99,8 +103,13 @@ def default_block_config(n_res: int, head_dim: int, dtype) -> BlockConfig:
         dq = KernelTiles(block_q=64, block_k=32, num_warps=4, num_stages=2)
         dbias = KernelTiles(block_q=32, block_k=32, num_warps=4, num_stages=2)
     else:
-        forward = KernelTiles(block_q=64, block_k=64, num_warps=4, num_stages=3)
-        dkdv = KernelTiles(block_q=32, block_k=64, num_warps=4, num_stages=2)
+        stages = 3 if long_rows else 2
+        forward = KernelTiles(block_q=64, block_k=64, num_warps=4, num_stages=stages)
+        dkdv = (
+            KernelTiles(block_q=64, block_k=64, num_warps=4, num_stages=3)
+            if long_rows
+            else KernelTiles(block_q=32, block_k=64, num_warps=4, num_stages=2)
+        )
         dq = KernelTiles(block_q=64, block_k=32, num_warps=4, num_stages=2)
-        dbias = KernelTiles(block_q=64, block_k=64, num_warps=4, num_stages=2)
+        dbias = KernelTiles(block_q=64, block_k=64, num_warps=4, num_stages=3)
     return BlockConfig(forward, dkdv, dq, dbias).clipped(n_res)

@@ -179,7 +179,70 @@ def _call(kernel, tiles: KernelTiles, grid, in_specs, out_specs, out_shape, inte
     )
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "config", "interpret"))
+def _operand_specs(n_res: int, d_pad: int, has_mask: bool):
+    """In-specs of the per-row kernels (dk/dv and dq), on a (tile, s, h, b) grid."""
+    row_spec, stat_spec = row_specs(n_res, d_pad), stats_spec(n_res)
+    return [
+        row_spec, row_spec, row_spec, bias_spec(n_res),
+        mask_spec(n_res) if has_mask else None,
+        row_spec, stat_spec, stat_spec, stat_spec,
+    ]
+
+
+def _bind(body, scale, n_res, head_dim, tiles):
+    return functools.partial(
+        body, scale=scale, n_res=n_res, head_dim=head_dim,
+        block_q=tiles.block_q, block_k=tiles.block_k,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
+def backward_dkdv(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, tiles, interpret):
+    """dk, dv `[B, S, N, H, d]` in q's dtype (arguments as `attention_backward`)."""
+    batch, rows, n_res, heads, head_dim = q.shape
+    d_pad = padded_head_dim(head_dim)
+    row_grad = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    return _call(
+        _bind(_dkdv_kernel, scale, n_res, head_dim, tiles), tiles,
+        (pl.cdiv(n_res, tiles.block_k), rows, heads, batch),
+        _operand_specs(n_res, d_pad, mask is not None),
+        [row_specs(n_res, d_pad)] * 2, [row_grad, row_grad],
+        interpret, "msa_row_attention_bwd_dkdv",
+    )(q, k, v, bias, mask, do, row_max, row_log2_sum, delta)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
+def backward_dq(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, tiles, interpret):
+    """dq `[B, S, N, H, d]` in q's dtype (arguments as `attention_backward`)."""
+    batch, rows, n_res, heads, head_dim = q.shape
+    d_pad = padded_head_dim(head_dim)
+    return _call(
+        _bind(_dq_kernel, scale, n_res, head_dim, tiles), tiles,
+        (pl.cdiv(n_res, tiles.block_q), rows, heads, batch),
+        _operand_specs(n_res, d_pad, mask is not None),
+        row_specs(n_res, d_pad), jax.ShapeDtypeStruct(q.shape, q.dtype),
+        interpret, "msa_row_attention_bwd_dq",
+    )(q, k, v, bias, mask, do, row_max, row_log2_sum, delta)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
+def backward_dbias(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, tiles, interpret):
+    """dbias `[B, H, N, N]` in the bias dtype, summed over the S MSA rows."""
+    batch, rows, n_res, heads, head_dim = q.shape
+    specs = _all_rows_specs(rows, n_res, padded_head_dim(head_dim))
+    return _call(
+        _bind(_dbias_kernel, scale, n_res, head_dim, tiles), tiles,
+        (pl.cdiv(n_res, tiles.block_q), pl.cdiv(n_res, tiles.block_k), heads, batch),
+        [
+            specs["rows"], specs["rows"], specs["rows"], specs["bias"],
+            None if mask is None else specs["mask"],
+            specs["rows"], specs["stats"], specs["stats"], specs["stats"],
+        ],
+        specs["bias"], jax.ShapeDtypeStruct(bias.shape, bias.dtype),
+        interpret, "msa_row_attention_bwd_dbias",
+    )(q, k, v, bias, mask, do, row_max, row_log2_sum, delta)
+
+
 def attention_backward(
     q, k, v, bias, mask, do, row_max, row_log2_sum, delta,
     *, scale: float, config: BlockConfig, interpret: bool,
@@ -190,50 +253,8 @@ def attention_backward(
       dq, dk, dv `[B, S, N, H, d]` in q's dtype and dbias `[B, H, N, N]` in
       the bias dtype, summed over the S MSA rows.
     """
-    batch, rows, n_res, heads, head_dim = q.shape
-    d_pad = padded_head_dim(head_dim)
     operands = (q, k, v, bias, mask, do, row_max, row_log2_sum, delta)
-    row_spec, stat_spec = row_specs(n_res, d_pad), stats_spec(n_res)
-    per_row_in_specs = [
-        row_spec, row_spec, row_spec, bias_spec(n_res),
-        None if mask is None else mask_spec(n_res),
-        row_spec, stat_spec, stat_spec, stat_spec,
-    ]
-    row_grad = jax.ShapeDtypeStruct(q.shape, q.dtype)
-
-    def kernel(body, tiles):
-        return functools.partial(
-            body, scale=scale, n_res=n_res, head_dim=head_dim,
-            block_q=tiles.block_q, block_k=tiles.block_k,
-        )
-
-    tiles = config.backward_dkdv
-    dk, dv = _call(
-        kernel(_dkdv_kernel, tiles), tiles,
-        (pl.cdiv(n_res, tiles.block_k), rows, heads, batch),
-        per_row_in_specs, [row_spec, row_spec], [row_grad, row_grad],
-        interpret, "msa_row_attention_bwd_dkdv",
-    )(*operands)
-
-    tiles = config.backward_dq
-    dq = _call(
-        kernel(_dq_kernel, tiles), tiles,
-        (pl.cdiv(n_res, tiles.block_q), rows, heads, batch),
-        per_row_in_specs, row_spec, row_grad,
-        interpret, "msa_row_attention_bwd_dq",
-    )(*operands)
-
-    tiles = config.backward_dbias
-    specs = _all_rows_specs(rows, n_res, d_pad)
-    dbias = _call(
-        kernel(_dbias_kernel, tiles), tiles,
-        (pl.cdiv(n_res, tiles.block_q), pl.cdiv(n_res, tiles.block_k), heads, batch),
-        [
-            specs["rows"], specs["rows"], specs["rows"], specs["bias"],
-            None if mask is None else specs["mask"],
-            specs["rows"], specs["stats"], specs["stats"], specs["stats"],
-        ],
-        specs["bias"], jax.ShapeDtypeStruct(bias.shape, bias.dtype),
-        interpret, "msa_row_attention_bwd_dbias",
-    )(*operands)
+    dk, dv = backward_dkdv(*operands, scale=scale, tiles=config.backward_dkdv, interpret=interpret)
+    dq = backward_dq(*operands, scale=scale, tiles=config.backward_dq, interpret=interpret)
+    dbias = backward_dbias(*operands, scale=scale, tiles=config.backward_dbias, interpret=interpret)
     return dq, dk, dv, dbias
