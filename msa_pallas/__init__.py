@@ -8,10 +8,24 @@ Modules:
   kernels      the Pallas forward and backward kernels and their custom VJP
   block_sizes  tile choice
   validation   trace-time argument checks
+  layers       the flax.linen layer MSARowAttentionWithPairBias
+  nnx_layers   the same layer in flax.nnx
+  convert      weight converters (PyTorch reference, OpenFold, AlphaFold2)
 """
 
 from msa_pallas.attention import msa_row_attention
 from msa_pallas.block_sizes import BlockConfig, KernelTiles, default_block_config
+from msa_pallas.layers import MSARowAttentionWithPairBias
+from msa_pallas.nnx_layers import MSARowAttentionWithPairBiasNNX
+from msa_pallas import convert
 
-__all__ = ["msa_row_attention", "BlockConfig", "KernelTiles", "default_block_config"]
+__all__ = [
+    "msa_row_attention",
+    "BlockConfig",
+    "KernelTiles",
+    "default_block_config",
+    "MSARowAttentionWithPairBias",
+    "MSARowAttentionWithPairBiasNNX",
+    "convert",
+]
 __version__ = "0.1.0"

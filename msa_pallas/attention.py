@@ -26,8 +26,14 @@ def on_gpu() -> bool:
 def _resolve_implementation(implementation, q, dropout_rate: float) -> str:
     if implementation is not None:
         return implementation
-    kernel_fits = dropout_rate == 0.0 and (
-        jnp.dtype(q.dtype) in KERNEL_DTYPES and q.shape[-1] <= MAX_KERNEL_HEAD_DIM
+    # Runs before validation: a malformed q must reach the checks that name it.
+    shape, dtype = getattr(q, "shape", ()), getattr(q, "dtype", None)
+    kernel_fits = (
+        dropout_rate == 0.0
+        and len(shape) >= 1
+        and dtype is not None
+        and jnp.dtype(dtype) in KERNEL_DTYPES
+        and shape[-1] <= MAX_KERNEL_HEAD_DIM
     )
     return "pallas" if on_gpu() and kernel_fits else "xla"
 

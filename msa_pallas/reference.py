@@ -4,7 +4,8 @@ This is the semantic definition the Pallas kernels are tested against, and the
 implementation used where no GPU is present. It materialises the full
 `[B, S, H, N, N]` logits, so it is memory-hungry at AlphaFold scale.
 
-Numerics mirror the kernels: logits and softmax in float32, the probabilities
+Numerics mirror the kernels: logits and softmax in float32 (float64 for
+float64 inputs), the probabilities
 cast to the value dtype for the second product (as the kernels feed the matrix
 units), accumulation in float32, output in q's dtype.
 """
@@ -52,11 +53,13 @@ def msa_row_attention_xla(
       `[B, S, N, H, d]` in q's dtype.
     """
     precision = _matmul_precision(q.dtype)
+    # float32 statistics for 16- and 32-bit inputs; float64 stays float64.
+    acc_dtype = jnp.promote_types(q.dtype, jnp.float32)
     logits = jnp.einsum(
         "bsihc,bsjhc->bshij", q, k,
-        preferred_element_type=jnp.float32, precision=precision,
+        preferred_element_type=acc_dtype, precision=precision,
     )
-    logits = logits * scale + bias.astype(jnp.float32)[:, None]
+    logits = logits * scale + bias.astype(acc_dtype)[:, None]
     if mask is not None:
         logits = jnp.where(mask[:, :, None, None, :], logits, MASKED_LOGIT)
     probs = jax.nn.softmax(logits, axis=-1)
@@ -65,8 +68,8 @@ def msa_row_attention_xla(
         probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
     out = jnp.einsum(
         "bshij,bsjhc->bsihc", probs.astype(v.dtype), v,
-        preferred_element_type=jnp.float32, precision=precision,
+        preferred_element_type=acc_dtype, precision=precision,
     )
     if gate is not None:
-        out = out * jax.nn.sigmoid(gate.astype(jnp.float32))
+        out = out * jax.nn.sigmoid(gate.astype(acc_dtype))
     return out.astype(q.dtype)

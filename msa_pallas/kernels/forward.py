@@ -23,7 +23,7 @@ from msa_pallas.kernels import common
 
 def _forward_kernel(
     q_ref, k_ref, v_ref, bias_ref, mask_ref, gate_ref,  # inputs
-    out_ref, row_max_ref, row_log2_sum_ref,  # outputs
+    out_ref, attention_ref, row_max_ref, row_log2_sum_ref,  # outputs
     *, qk_scale_log2: float, n_res: int, head_dim: int, block_q: int, block_k: int,
 ):
     q_start = pl.program_id(0) * block_q
@@ -57,6 +57,8 @@ def _forward_kernel(
         0, pl.cdiv(n_res, block_k), visit_key_tile, init
     )
     out = acc / row_sum[:, None]
+    if attention_ref is not None:
+        common.store_rows(attention_ref, (), q_start, out, n_res, head_dim)
     if gate_ref is not None:
         gate = common.load_rows(gate_ref, (), q_start, block_q, n_res, head_dim)
         out = out * jax.nn.sigmoid(gate.astype(jnp.float32))
@@ -101,11 +103,12 @@ def attention_forward(
       scale: multiplies q . k.
       tiles: forward tiles (block_q, block_k, num_warps, num_stages).
       interpret: run in Pallas interpret mode (CPU).
-      save_stats: also return the softmax row statistics for the backward.
+      save_stats: also return what the backward needs.
 
     Returns:
-      out `[B, S, N, H, d]` in q's dtype, and, if `save_stats`, the float32
-      row max and log2 row sum, each `[B, S, H, N]`, in base-2 units.
+      out `[B, S, N, H, d]` in q's dtype, and, if `save_stats`, the ungated
+      attention output `[B, S, N, H, d]` in float32 and the float32 row max
+      and log2 row sum, each `[B, S, H, N]`, in base-2 units.
     """
     batch, rows, n_res, heads, head_dim = q.shape
     d_pad = padded_head_dim(head_dim)
@@ -125,8 +128,8 @@ def attention_forward(
     out_specs = [rows_spec]
     if save_stats:
         stats = jax.ShapeDtypeStruct((batch, rows, heads, n_res), jnp.float32)
-        out_shape += [stats, stats]
-        out_specs += [stats_spec(n_res), stats_spec(n_res)]
+        out_shape += [jax.ShapeDtypeStruct(q.shape, jnp.float32), stats, stats]
+        out_specs += [rows_spec, stats_spec(n_res), stats_spec(n_res)]
     else:
         kernel = _without_stats(kernel)
     results = pl.pallas_call(
@@ -146,5 +149,5 @@ def attention_forward(
 
 def _without_stats(kernel):
     def kernel_without_stats(*refs):
-        return kernel(*refs, None, None)
+        return kernel(*refs, None, None, None)
     return kernel_without_stats

@@ -2,10 +2,16 @@
 elementwise gate algebra between them.
 
 With the gate g, out = o * sigmoid(g), where o is the attention output. The
-backward needs the cotangent of o, `do = dout * sigmoid(g)`, and
-`delta = sum_d do * o = sum_d dout * out` (no ungated output is stored);
-`dgate = dout * out * (1 - sigmoid(g))`. XLA fuses these elementwise steps
-into one pass over the rows.
+backward needs the cotangent of o, `do = dout * sigmoid(g)`, rounded to the
+input dtype for the matrix units, and `delta = sum_d do * o`;
+`dgate = dout * o * sigmoid(g) * (1 - sigmoid(g))`. XLA fuses these
+elementwise steps into one pass over the rows.
+
+The forward saves o in float32. delta must be computed from the same `do`
+the kernels multiply with v, and from an o that rounding has not moved away
+from `p @ v`: `ds = p * (do.v - delta)` is a difference of nearly equal
+numbers when a softmax row is close to one-hot, and a bf16-rounded o there
+costs a gradient error of several percent.
 """
 
 from __future__ import annotations
@@ -33,25 +39,25 @@ def fused_attention(q, k, v, bias, mask, gate, scale: float, config: BlockConfig
 
 
 def _fused_attention_fwd(q, k, v, bias, mask, gate, scale, config, interpret):
-    out, row_max, row_log2_sum = attention_forward(
+    out, attention, row_max, row_log2_sum = attention_forward(
         q, k, v, bias, mask, gate,
         scale=scale, tiles=config.forward, interpret=interpret, save_stats=True,
     )
-    return out, (q, k, v, bias, mask, gate, out, row_max, row_log2_sum)
+    return out, (q, k, v, bias, mask, gate, attention, row_max, row_log2_sum)
 
 
 def _fused_attention_bwd(scale, config, interpret, residuals, dout):
-    q, k, v, bias, mask, gate, out, row_max, row_log2_sum = residuals
+    q, k, v, bias, mask, gate, attention, row_max, row_log2_sum = residuals
     dout32 = dout.astype(jnp.float32)
-    out32 = out.astype(jnp.float32)
-    # [B, S, N, H] -> [B, S, H, N], the layout of the row statistics.
-    delta = jnp.swapaxes(jnp.sum(dout32 * out32, axis=-1), 2, 3)
     if gate is None:
         do, dgate = dout.astype(q.dtype), None
     else:
         gate_sigmoid = jax.nn.sigmoid(gate.astype(jnp.float32))
         do = (dout32 * gate_sigmoid).astype(q.dtype)
-        dgate = (dout32 * out32 * (1.0 - gate_sigmoid)).astype(gate.dtype)
+        dgate = dout32 * attention * gate_sigmoid * (1.0 - gate_sigmoid)
+        dgate = dgate.astype(gate.dtype)
+    # [B, S, N, H] -> [B, S, H, N], the layout of the row statistics.
+    delta = jnp.swapaxes(jnp.sum(do.astype(jnp.float32) * attention, axis=-1), 2, 3)
     dq, dk, dv, dbias = attention_backward(
         q, k, v, bias, mask, do, row_max, row_log2_sum, delta,
         scale=scale, config=config, interpret=interpret,

@@ -1,0 +1,269 @@
+"""Shared test helpers: random inputs, error measures, tolerances, and jitted
+forward+backward runners that are reused across tests (interpret-mode
+compiles are the expensive part of the CPU suite)."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import msa_pallas
+import numpy_reference
+
+# Relative error (Frobenius norm) against a float64 reference.
+TOLERANCE = {
+    jnp.dtype(jnp.float64): 1e-12,
+    jnp.dtype(jnp.float32): 1e-5,
+    jnp.dtype(jnp.bfloat16): 2e-2,
+    jnp.dtype(jnp.float16): 2e-2,
+}
+
+GRAD_NAMES = ("dq", "dk", "dv", "dbias", "dgate")
+RESULT_NAMES = ("out",) + GRAD_NAMES
+
+
+def tolerance(dtype) -> float:
+    return TOLERANCE[jnp.dtype(dtype)]
+
+
+def to_f64(x) -> np.ndarray:
+    """Any array (bfloat16 and float16 included) as a float64 NumPy array."""
+    return np.asarray(x).astype(np.float64)
+
+
+def rel_err(a, b) -> float:
+    """||a - b|| / ||b|| in float64 (Frobenius norm over all elements)."""
+    a, b = to_f64(a), to_f64(b)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    denom = np.linalg.norm(b.ravel())
+    assert denom > 0, "reference is all zeros: the comparison would prove nothing"
+    return float(np.linalg.norm((a - b).ravel()) / denom)
+
+
+class Inputs(NamedTuple):
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    bias: jax.Array
+    mask: jax.Array | None
+    gate: jax.Array | None
+    dout: jax.Array  # cotangent of the output, in q's dtype
+
+    @property
+    def args(self):
+        return (self.q, self.k, self.v, self.bias, self.mask, self.gate, self.dout)
+
+
+def random_inputs(
+    key,
+    B,
+    S: int,
+    N: int,
+    H: int,
+    d: int,
+    dtype=jnp.float32,
+    mask_rate: float | None = 0.2,
+    *,
+    fully_masked_row=None,
+    gate: bool = True,
+    bias_dtype=jnp.float32,
+    gate_dtype=None,
+) -> Inputs:
+    """Fresh standard-normal inputs (never zeros).
+
+    Args:
+      key: a PRNG key or an int seed.
+      B: int (one leading batch dim) or a tuple of leading batch dims (`()`
+        for none: q is then `[S, N, H, d]`).
+      mask_rate: fraction of keys masked out (bool mask); None for no mask.
+      fully_masked_row: None, True (the first MSA row of the first batch
+        element), or an index tuple into `[*batch, S]`: every key of that MSA
+        row is masked.
+      gate: draw gate logits (else None).
+      bias_dtype: the bias is drawn float32 normal and cast to this.
+      gate_dtype: the gate's dtype; None: q's dtype.
+    """
+    # Drawn with NumPy and moved to the device once: eager jax.random calls
+    # would compile a kernel per shape, seconds per test on a 2-core CI box.
+    if not isinstance(key, (int, np.integer)):
+        key = int(np.asarray(jax.random.key_data(key)).ravel()[-1])
+    rng = np.random.default_rng(int(key))
+    batch = (B,) if isinstance(B, int) else tuple(B)
+    rows = (*batch, S, N, H, d)
+
+    def normal(shape, dt):
+        x = rng.standard_normal(shape, dtype=np.float32)
+        return jnp.asarray(x.astype(jnp.dtype(dt)))
+
+    q, k, v = normal(rows, dtype), normal(rows, dtype), normal(rows, dtype)
+    bias = normal((*batch, H, N, N), bias_dtype)
+    mask = None
+    if mask_rate is not None or fully_masked_row is not None:
+        rate = 0.0 if mask_rate is None else mask_rate
+        keep = rng.random((*batch, S, N)) >= rate
+        if fully_masked_row is not None:
+            index = (0,) * (len(batch) + 1) if fully_masked_row is True else tuple(fully_masked_row)
+            keep[index] = False
+        mask = jnp.asarray(keep)
+    g = normal(rows, dtype if gate_dtype is None else gate_dtype) if gate else None
+    dout = normal(rows, dtype)
+    return Inputs(q, k, v, bias, mask, g, dout)
+
+
+def numpy_results(inputs: Inputs, scale=None):
+    """(out, (dq, dk, dv, dbias, dgate)) in float64 from the NumPy reference,
+    computed on the inputs upcast to float64."""
+    q, k, v, bias, mask, gate, dout = inputs.args
+    out = numpy_reference.forward(q, k, v, bias, mask, gate, scale)
+    grads = numpy_reference.vjp(q, k, v, bias, mask, gate, scale, dout)
+    return out, grads
+
+
+@functools.lru_cache(maxsize=None)
+def fwd_bwd(implementation, scale=None, block_config=None):
+    """A jitted `(q, k, v, bias, mask, gate, dout) -> (out, (dq, dk, dv, dbias, dgate))`
+    for `msa_pallas.msa_row_attention`; mask and gate may be None (dgate is then None).
+
+    Cached per (implementation, scale, block_config) so that tests sharing a
+    shape share the compiled function.
+    """
+
+    def run(q, k, v, bias, mask, gate, dout):
+        def f(q, k, v, bias, gate):
+            return msa_pallas.msa_row_attention(
+                q, k, v, bias, mask, gate,
+                scale=scale, implementation=implementation, block_config=block_config,
+            )
+
+        out, pullback = jax.vjp(f, q, k, v, bias, gate)
+        return out, pullback(dout)
+
+    return jax.jit(run)
+
+
+def assert_finite(x, name: str = "") -> None:
+    x = to_f64(x)
+    bad = int(np.sum(~np.isfinite(x)))
+    assert bad == 0, f"{name}: {bad} of {x.size} elements are not finite"
+
+
+def assert_shapes_dtypes_finite(result, inputs: Inputs) -> None:
+    """Output and gradients have the shapes and dtypes of their primals, and
+    every element is finite.
+
+    In Pallas interpret mode an output element the kernels never write holds
+    NaN, so finiteness (together with the accuracy checks) proves that every
+    element of every output was written.
+    """
+    out, (dq, dk, dv, dbias, dgate) = result
+    q, bias, gate = inputs.q, inputs.bias, inputs.gate
+    for name, x, like in (
+        ("out", out, q), ("dq", dq, q), ("dk", dk, inputs.k), ("dv", dv, inputs.v),
+        ("dbias", dbias, bias),
+    ):
+        chex.assert_shape(x, like.shape, custom_message=name)
+        chex.assert_type(x, like.dtype, custom_message=name)
+        assert_finite(x, name)
+    if gate is None:
+        assert dgate is None
+    else:
+        chex.assert_shape(dgate, gate.shape, custom_message="dgate")
+        chex.assert_type(dgate, gate.dtype, custom_message="dgate")
+        assert_finite(dgate, "dgate")
+
+
+def compare(result, reference, tol: float, label: str = "", **tol_overrides) -> dict:
+    """Asserts rel_err <= tol for the output and every gradient; returns the errors.
+
+    `tol_overrides` (e.g. `dbias=2e-2`) sets the tolerance of one result, for
+    a result returned in a lower precision than the others.
+    """
+    out, grads = result
+    ref_out, ref_grads = reference
+    errors = {}
+    for name, a, b in zip(RESULT_NAMES, (out, *grads), (ref_out, *ref_grads)):
+        if b is None:
+            assert a is None, f"{label} {name}: expected None"
+            continue
+        errors[name] = rel_err(a, b)
+    text = " ".join(f"{n}={e:.2e}" for n, e in errors.items())
+    print(f"[rel err] {label}: {text}")
+    failed = {
+        n: e for n, e in errors.items() if not e <= tol_overrides.get(n, tol)
+    }
+    assert not failed, f"{label}: relative errors above {tol:g}: {failed} (all: {text})"
+    return errors
+
+
+# --- a float64 jnp reference, for the GPU tests -----------------------------
+
+
+def _jnp_attention(q, k, v, bias, mask, gate, scale):
+    """SPEC §1 in plain jnp at the inputs' precision, `[B, S, N, H, d]` layout.
+
+    Independent of msa_pallas. Computes in the inputs' dtype throughout (float64
+    under `jax.enable_x64`), with HIGHEST matmul precision.
+    """
+    hi = jax.lax.Precision.HIGHEST
+    logits = scale * jnp.einsum("bsihc,bsjhc->bshij", q, k, precision=hi) + bias[:, None]
+    if mask is not None:
+        logits = jnp.where(mask[:, :, None, None, :], logits, numpy_reference.MASKED_LOGIT)
+    p = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bshij,bsjhc->bsihc", p, v, precision=hi)
+    if gate is not None:
+        out = out * jax.nn.sigmoid(gate)
+    return out
+
+
+@jax.jit
+def _jnp_reference_fwd_bwd(q, k, v, bias, mask, gate, dout, scale):
+    f = lambda q, k, v, bias, gate: _jnp_attention(q, k, v, bias, mask, gate, scale)
+    out, pullback = jax.vjp(f, q, k, v, bias, gate)
+    return out, pullback(dout)
+
+
+def jnp_reference_fwd_bwd(inputs: Inputs, scale=None, *, chunk_rows=None, keep_rows=None):
+    """(out, grads) computed in float64 with plain jnp on the default device.
+
+    Inputs are `[B, S, N, H, d]` (one batch dim). Runs under
+    `jax.enable_x64(True)`; returns NumPy float64 arrays.
+
+    Args:
+      chunk_rows: compute `chunk_rows` MSA rows at a time (the float64 logits
+        of all S rows may not fit in memory); the bias gradient is summed over
+        the chunks on the device. None: all rows at once.
+      keep_rows: return out, dq, dk, dv, dgate for the first `keep_rows` MSA
+        rows only (they depend on no other row); dbias is always summed over
+        all S rows. None: all rows.
+    """
+    q, k, v, bias, mask, gate, dout = inputs.args
+    rows = q.shape[1]
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    chunk_rows = rows if chunk_rows is None else chunk_rows
+    keep_rows = rows if keep_rows is None else keep_rows
+    with jax.enable_x64(True):
+        up = lambda x: None if x is None else jnp.asarray(x, jnp.float64)
+        bias64 = up(bias)
+        dbias, kept = None, []
+        for start in range(0, rows, chunk_rows):
+            part = lambda x: None if x is None else x[:, start:start + chunk_rows]
+            out, (dq, dk, dv, db, dg) = _jnp_reference_fwd_bwd(
+                up(part(q)), up(part(k)), up(part(v)), bias64, part(mask), up(part(gate)),
+                up(part(dout)), jnp.float64(scale),
+            )
+            dbias = db if dbias is None else dbias + db
+            if start < keep_rows:
+                n_keep = min(keep_rows - start, chunk_rows)
+                kept.append(tuple(
+                    None if x is None else to_f64(x[:, :n_keep]) for x in (out, dq, dk, dv, dg)
+                ))
+        cat = lambda i: None if kept[0][i] is None else np.concatenate([c[i] for c in kept], axis=1)
+        out, dq, dk, dv, dg = (cat(i) for i in range(5))
+        return out, (dq, dk, dv, to_f64(dbias), dg)

@@ -1,0 +1,177 @@
+"""Bad input raises ValueError / TypeError at trace time (SPEC §7), with a
+message that names the argument, shows what it got and what was expected.
+
+Every call goes through `jax.eval_shape` on abstract inputs: nothing is
+computed, so the errors are proven to come at trace time.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import msa_pallas
+
+B, S, N, H, D = 2, 3, 10, 4, 8
+F32 = jnp.float32
+
+
+def sds(shape, dtype=F32):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def good(**overrides):
+    args = dict(
+        q=sds((B, S, N, H, D)), k=sds((B, S, N, H, D)), v=sds((B, S, N, H, D)),
+        bias=sds((B, H, N, N)), mask=sds((B, S, N), jnp.bool_), gate=sds((B, S, N, H, D)),
+    )
+    args.update(overrides)
+    return args
+
+
+def trace(args, **kwargs):
+    names = ("q", "k", "v", "bias", "mask", "gate")
+    f = lambda *a: msa_pallas.msa_row_attention(*a, **kwargs)
+    return jax.eval_shape(f, *(args[n] for n in names))
+
+
+def expect(error, *fragments):
+    """pytest.raises matching every fragment, in order, literally."""
+    return pytest.raises(error, match=".*".join(re.escape(f) for f in fragments))
+
+
+@pytest.mark.parametrize("implementation", ["pallas", "xla", None])
+def test_good_arguments_trace(implementation):
+    out = trace(good(), implementation=implementation)
+    assert out.shape == (B, S, N, H, D) and out.dtype == F32
+
+
+def test_q_wrong_rank():
+    args = good(q=sds((N, H, D)))
+    with expect(ValueError, "q", "[10, 4, 8]", "rank 3", "[*batch, S, N, H, d]"):
+        trace(args, implementation="pallas")
+
+
+def test_k_shape_differs_from_q():
+    args = good(k=sds((B, S, N + 1, H, D)))
+    with expect(ValueError, "k has shape [2, 3, 11, 4, 8]", "expected [2, 3, 10, 4, 8]"):
+        trace(args)
+
+
+def test_v_shape_differs_from_q():
+    args = good(v=sds((B, S, N, H, D + 8)))
+    with expect(ValueError, "v has shape [2, 3, 10, 4, 16]", "expected [2, 3, 10, 4, 8]"):
+        trace(args)
+
+
+def test_v_dtype_differs_from_q():
+    args = good(v=sds((B, S, N, H, D), jnp.bfloat16))
+    with expect(TypeError, "v has dtype bfloat16", "expected float32"):
+        trace(args, implementation="pallas")
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.int8, jnp.bool_])
+def test_non_float_q(dtype):
+    args = good(**{n: sds((B, S, N, H, D), dtype) for n in ("q", "k", "v")})
+    with expect(TypeError, "q has dtype", jnp.dtype(dtype).name, "expected one of", "float32"):
+        trace(args, implementation="xla")
+
+
+@pytest.mark.parametrize(
+    "shape, what",
+    [((B, H + 1, N, N), "heads"), ((B, H, N, N + 1), "N"), ((B, H, N + 1, N), "N rows"),
+     ((B + 1, H, N, N), "batch"), ((H, N, N), "rank")],
+)
+def test_bias_wrong_shape(shape, what):
+    got = "[" + ", ".join(map(str, shape)) + "]"
+    with expect(ValueError, f"bias has shape {got}", "expected [2, 4, 10, 10]", "[*batch, H, N, N]"):
+        trace(good(bias=sds(shape)))
+
+
+def test_bias_integer_dtype():
+    with expect(TypeError, "bias has dtype int32", "expected one of"):
+        trace(good(bias=sds((B, H, N, N), jnp.int32)))
+
+
+@pytest.mark.parametrize("shape", [(B, S, N + 1), (B, N), (B, S, N, 1), (B, 1, N)])
+def test_mask_wrong_shape(shape):
+    got = "[" + ", ".join(map(str, shape)) + "]"
+    with expect(ValueError, f"mask has shape {got}", "expected [2, 3, 10]", "[*batch, S, N]"):
+        trace(good(mask=sds(shape, jnp.bool_)))
+
+
+@pytest.mark.parametrize("shape", [(B, S, N, H, D + 1), (B, S, N, H), (B, S, N, 1, D)])
+def test_gate_wrong_shape(shape):
+    got = "[" + ", ".join(map(str, shape)) + "]"
+    with expect(ValueError, f"gate has shape {got}", "expected [2, 3, 10, 4, 8]"):
+        trace(good(gate=sds(shape)))
+
+
+def test_gate_integer_dtype():
+    with expect(TypeError, "gate has dtype int32", "expected one of"):
+        trace(good(gate=sds((B, S, N, H, D), jnp.int32)))
+
+
+def test_head_dim_256_with_pallas():
+    rows = sds((B, S, N, H, 256))
+    args = good(q=rows, k=rows, v=rows, gate=rows)
+    with expect(ValueError, "q has head dim d=256", "[2, 3, 10, 4, 256]", "d <= 128"):
+        trace(args, implementation="pallas")
+    # The plain path and the automatic choice take it.
+    assert trace(args, implementation="xla").shape == (B, S, N, H, 256)
+    assert trace(args).shape == (B, S, N, H, 256)
+
+
+@pytest.mark.parametrize("name", ["triton", "Pallas", "cudnn", ""])
+def test_unknown_implementation(name):
+    with expect(ValueError, f"implementation={name!r}", "expected None, 'pallas' or 'xla'"):
+        trace(good(), implementation=name)
+
+
+def test_float64_with_pallas():
+    with jax.enable_x64(True):
+        rows = sds((B, S, N, H, D), jnp.float64)
+        args = good(q=rows, k=rows, v=rows, gate=rows)
+        with expect(TypeError, "q has dtype float64", "expected one of", "float32"):
+            trace(args, implementation="pallas")
+        assert trace(args, implementation="xla").dtype == jnp.float64
+
+
+def test_scale_must_be_a_number():
+    with expect(TypeError, "scale must be a Python float", "list"):
+        trace(good(), scale=[0.5])
+
+
+def test_zero_sized_dimension():
+    rows = sds((B, S, 0, H, D))
+    args = good(q=rows, k=rows, v=rows, gate=rows, bias=sds((B, H, 0, 0)), mask=sds((B, S, 0), jnp.bool_))
+    with expect(ValueError, "q has shape [2, 3, 0, 4, 8]", ">= 1"):
+        trace(args, implementation="pallas")
+
+
+def test_dropout_arguments():
+    key = jax.random.PRNGKey(0)
+    with expect(ValueError, "dropout_rate=1.5", "[0, 1)"):
+        trace(good(), dropout_rate=1.5, dropout_rng=key)
+    with expect(ValueError, "dropout_rate=0.1", "dropout_rng", "None"):
+        trace(good(), dropout_rate=0.1)
+    with expect(ValueError, "dropout_rate=0.1", "not in the Pallas kernels"):
+        trace(good(), dropout_rate=0.1, dropout_rng=key, implementation="pallas")
+
+
+@pytest.mark.parametrize("implementation", [None, "xla", "pallas"])
+def test_q_not_an_array(implementation):
+    """Checked before anything reads q.dtype / q.shape, whatever the implementation."""
+    bias = jnp.zeros((H, N, N))
+    with expect(TypeError, "q must be an array", "list"):
+        msa_pallas.msa_row_attention([[1.0]], [[1.0]], [[1.0]], bias, implementation=implementation)
+
+
+@pytest.mark.parametrize("implementation", [None, "xla", "pallas"])
+def test_q_rank_zero(implementation):
+    args = good(q=sds(()), k=sds(()), v=sds(()), gate=None, mask=None)
+    with expect(ValueError, "q has shape []", "rank 0", "rank >= 4"):
+        trace(args, implementation=implementation)
