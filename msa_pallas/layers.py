@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from flax import linen as nn
 
 from msa_pallas.attention import msa_row_attention
+from msa_pallas.validation import shape_str
 
 GATING_INITS = ("default", "af2")
 DROPOUT_MODES = ("attention", "output_shared_rows")
@@ -116,29 +117,25 @@ def check_config(cfg) -> None:
     resolve_head_dim(cfg.msa_dim, cfg.num_heads, cfg.head_dim)
 
 
-def _shape(x) -> str:
-    return "[" + ", ".join(str(s) for s in x.shape) + "]"
-
-
 def check_inputs(msa_repr, pair_repr, msa_mask, msa_dim: int, pair_dim: int) -> None:
     """ValueError naming the argument when the layer inputs do not fit together."""
     if msa_repr.ndim < 3 or msa_repr.shape[-1] != msa_dim:
         raise ValueError(
-            f"msa_repr has shape {_shape(msa_repr)}; expected [*batch, S, N, msa_dim={msa_dim}]."
+            f"msa_repr has shape {shape_str(msa_repr.shape)}; expected [*batch, S, N, msa_dim={msa_dim}]."
         )
     *batch, _, n_res, _ = msa_repr.shape
     expected_pair = (*batch, n_res, n_res, pair_dim)
     if tuple(pair_repr.shape) != expected_pair:
         raise ValueError(
-            f"pair_repr has shape {_shape(pair_repr)}; expected "
+            f"pair_repr has shape {shape_str(pair_repr.shape)}; expected "
             f"[{', '.join(map(str, expected_pair))}] ([*batch, N, N, pair_dim] for msa_repr "
-            f"of shape {_shape(msa_repr)})."
+            f"of shape {shape_str(msa_repr.shape)})."
         )
     if msa_mask is not None and tuple(msa_mask.shape) != tuple(msa_repr.shape[:-1]):
         raise ValueError(
-            f"msa_mask has shape {_shape(msa_mask)}; expected "
+            f"msa_mask has shape {shape_str(msa_mask.shape)}; expected "
             f"[{', '.join(map(str, msa_repr.shape[:-1]))}] ([*batch, S, N] for msa_repr of "
-            f"shape {_shape(msa_repr)})."
+            f"shape {shape_str(msa_repr.shape)})."
         )
 
 

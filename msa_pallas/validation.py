@@ -15,7 +15,8 @@ MAX_KERNEL_HEAD_DIM = 128
 IMPLEMENTATIONS = (None, "pallas", "xla")
 
 
-def _shape_str(shape) -> str:
+def shape_str(shape) -> str:
+    """`[2, 8, 32]` for error messages."""
     return "[" + ", ".join(str(s) for s in shape) + "]"
 
 
@@ -40,7 +41,7 @@ def validate_arguments(q, k, v, bias, mask, gate, scale, implementation) -> None
             raise TypeError(f"{name} must be an array; got {type(x).__name__}.")
     if q.ndim < 4:
         raise ValueError(
-            f"q has shape {_shape_str(q.shape)} (rank {q.ndim}); expected "
+            f"q has shape {shape_str(q.shape)} (rank {q.ndim}); expected "
             "[*batch, S, N, H, d], rank >= 4."
         )
     *batch, s_rows, n_res, n_heads, head_dim = q.shape
@@ -48,8 +49,8 @@ def validate_arguments(q, k, v, bias, mask, gate, scale, implementation) -> None
     for name, x in (("k", k), ("v", v)):
         if tuple(x.shape) != expected_qkv:
             raise ValueError(
-                f"{name} has shape {_shape_str(x.shape)}; expected "
-                f"{_shape_str(expected_qkv)} (the shape of q, [*batch, S, N, H, d])."
+                f"{name} has shape {shape_str(x.shape)}; expected "
+                f"{shape_str(expected_qkv)} (the shape of q, [*batch, S, N, H, d])."
             )
     allowed = XLA_DTYPES if implementation == "xla" else KERNEL_DTYPES
     _check_float("q", q, allowed)
@@ -61,9 +62,9 @@ def validate_arguments(q, k, v, bias, mask, gate, scale, implementation) -> None
     expected_bias = (*batch, n_heads, n_res, n_res)
     if tuple(bias.shape) != expected_bias:
         raise ValueError(
-            f"bias has shape {_shape_str(bias.shape)}; expected "
-            f"{_shape_str(expected_bias)} ([*batch, H, N, N] for q of shape "
-            f"{_shape_str(q.shape)})."
+            f"bias has shape {shape_str(bias.shape)}; expected "
+            f"{shape_str(expected_bias)} ([*batch, H, N, N] for q of shape "
+            f"{shape_str(q.shape)})."
         )
     _check_float("bias", bias, allowed)
     if mask is not None:
@@ -72,9 +73,9 @@ def validate_arguments(q, k, v, bias, mask, gate, scale, implementation) -> None
         expected_mask = (*batch, s_rows, n_res)
         if tuple(mask.shape) != expected_mask:
             raise ValueError(
-                f"mask has shape {_shape_str(mask.shape)}; expected "
-                f"{_shape_str(expected_mask)} ([*batch, S, N] for q of shape "
-                f"{_shape_str(q.shape)})."
+                f"mask has shape {shape_str(mask.shape)}; expected "
+                f"{shape_str(expected_mask)} ([*batch, S, N] for q of shape "
+                f"{shape_str(q.shape)})."
             )
         if not (
             jnp.issubdtype(mask.dtype, jnp.bool_)
@@ -86,8 +87,8 @@ def validate_arguments(q, k, v, bias, mask, gate, scale, implementation) -> None
             raise TypeError(f"gate must be an array or None; got {type(gate).__name__}.")
         if tuple(gate.shape) != expected_qkv:
             raise ValueError(
-                f"gate has shape {_shape_str(gate.shape)}; expected "
-                f"{_shape_str(expected_qkv)} (the shape of q)."
+                f"gate has shape {shape_str(gate.shape)}; expected "
+                f"{shape_str(expected_qkv)} (the shape of q)."
             )
         _check_float("gate", gate, allowed)
     if scale is not None and not isinstance(scale, (int, float, np.floating, np.integer)):
@@ -96,11 +97,11 @@ def validate_arguments(q, k, v, bias, mask, gate, scale, implementation) -> None
         )
     if min(s_rows, n_res, n_heads, head_dim, *batch, 1) < 1:
         raise ValueError(
-            f"q has shape {_shape_str(q.shape)}; every dimension must be >= 1."
+            f"q has shape {shape_str(q.shape)}; every dimension must be >= 1."
         )
     if implementation == "pallas" and head_dim > MAX_KERNEL_HEAD_DIM:
         raise ValueError(
-            f"q has head dim d={head_dim} (shape {_shape_str(q.shape)}); the Pallas "
+            f"q has head dim d={head_dim} (shape {shape_str(q.shape)}); the Pallas "
             f"kernels support d <= {MAX_KERNEL_HEAD_DIM}. Use implementation='xla'."
         )
 

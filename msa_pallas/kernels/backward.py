@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from msa_pallas.block_sizes import BlockConfig, KernelTiles, padded_head_dim
+from msa_pallas.block_sizes import BlockConfig, padded_head_dim
 from msa_pallas.kernels import common
 from msa_pallas.kernels.forward import bias_spec, mask_spec, row_specs, stats_spec
 
@@ -143,13 +143,11 @@ def _dbias_kernel(
     dbias = jax.lax.fori_loop(
         0, rows, visit_msa_row, jnp.zeros((block_q, block_k), jnp.float32)
     )
-    view = dbias_ref.at[pl.ds(q_start, block_q), pl.ds(k_start, block_k)]
-    mask = None
-    if n_res % block_q or n_res % block_k:
-        mask = (common.row_ids(q_start, block_q) < n_res)[:, None] & (
-            common.row_ids(k_start, block_k) < n_res
-        )[None, :]
-    plgpu.store(view, dbias.astype(dbias_ref.dtype), mask=mask)
+    plgpu.store(
+        common.bias_view(dbias_ref, q_start, k_start, block_q, block_k),
+        dbias.astype(dbias_ref.dtype),
+        mask=common.tile_mask(q_start, k_start, block_q, block_k, n_res),
+    )
 
 
 def _all_rows_specs(rows: int, n_res: int, d_pad: int):
@@ -161,21 +159,6 @@ def _all_rows_specs(rows: int, n_res: int, d_pad: int):
         bias=pl.BlockSpec((None, None, n_res, n_res), lambda i, j, h, b: (b, h, 0, 0)),
         mask=pl.BlockSpec((None, rows, n_res), lambda i, j, h, b: (b, 0, 0)),
         stats=pl.BlockSpec((None, rows, None, n_res), lambda i, j, h, b: (b, 0, h, 0)),
-    )
-
-
-def _call(kernel, tiles: KernelTiles, grid, in_specs, out_specs, out_shape, interpret, name):
-    return pl.pallas_call(
-        kernel,
-        grid=grid,
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages
-        ),
-        interpret=interpret,
-        name=name,
     )
 
 
@@ -202,12 +185,12 @@ def backward_dkdv(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scal
     batch, rows, n_res, heads, head_dim = q.shape
     d_pad = padded_head_dim(head_dim)
     row_grad = jax.ShapeDtypeStruct(q.shape, q.dtype)
-    return _call(
+    return common.pallas_call(
         _bind(_dkdv_kernel, scale, n_res, head_dim, tiles), tiles,
-        (pl.cdiv(n_res, tiles.block_k), rows, heads, batch),
-        _operand_specs(n_res, d_pad, mask is not None),
-        [row_specs(n_res, d_pad)] * 2, [row_grad, row_grad],
-        interpret, "msa_row_attention_bwd_dkdv",
+        grid=(pl.cdiv(n_res, tiles.block_k), rows, heads, batch),
+        in_specs=_operand_specs(n_res, d_pad, mask is not None),
+        out_specs=[row_specs(n_res, d_pad)] * 2, out_shape=[row_grad, row_grad],
+        interpret=interpret, name="msa_row_attention_bwd_dkdv",
     )(q, k, v, bias, mask, do, row_max, row_log2_sum, delta)
 
 
@@ -216,12 +199,12 @@ def backward_dq(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale,
     """dq `[B, S, N, H, d]` in q's dtype (arguments as `attention_backward`)."""
     batch, rows, n_res, heads, head_dim = q.shape
     d_pad = padded_head_dim(head_dim)
-    return _call(
+    return common.pallas_call(
         _bind(_dq_kernel, scale, n_res, head_dim, tiles), tiles,
-        (pl.cdiv(n_res, tiles.block_q), rows, heads, batch),
-        _operand_specs(n_res, d_pad, mask is not None),
-        row_specs(n_res, d_pad), jax.ShapeDtypeStruct(q.shape, q.dtype),
-        interpret, "msa_row_attention_bwd_dq",
+        grid=(pl.cdiv(n_res, tiles.block_q), rows, heads, batch),
+        in_specs=_operand_specs(n_res, d_pad, mask is not None),
+        out_specs=row_specs(n_res, d_pad), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        interpret=interpret, name="msa_row_attention_bwd_dq",
     )(q, k, v, bias, mask, do, row_max, row_log2_sum, delta)
 
 
@@ -230,16 +213,16 @@ def backward_dbias(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, sca
     """dbias `[B, H, N, N]` in the bias dtype, summed over the S MSA rows."""
     batch, rows, n_res, heads, head_dim = q.shape
     specs = _all_rows_specs(rows, n_res, padded_head_dim(head_dim))
-    return _call(
+    return common.pallas_call(
         _bind(_dbias_kernel, scale, n_res, head_dim, tiles), tiles,
-        (pl.cdiv(n_res, tiles.block_q), pl.cdiv(n_res, tiles.block_k), heads, batch),
-        [
+        grid=(pl.cdiv(n_res, tiles.block_q), pl.cdiv(n_res, tiles.block_k), heads, batch),
+        in_specs=[
             specs["rows"], specs["rows"], specs["rows"], specs["bias"],
             None if mask is None else specs["mask"],
             specs["rows"], specs["stats"], specs["stats"], specs["stats"],
         ],
-        specs["bias"], jax.ShapeDtypeStruct(bias.shape, bias.dtype),
-        interpret, "msa_row_attention_bwd_dbias",
+        out_specs=specs["bias"], out_shape=jax.ShapeDtypeStruct(bias.shape, bias.dtype),
+        interpret=interpret, name="msa_row_attention_bwd_dbias",
     )(q, k, v, bias, mask, do, row_max, row_log2_sum, delta)
 
 

@@ -34,6 +34,34 @@ def row_ids(start, block: int):
     return start + jnp.arange(block, dtype=jnp.int32)
 
 
+def _both(mask_a, mask_b):
+    if mask_a is None:
+        return mask_b
+    return mask_a if mask_b is None else mask_a & mask_b
+
+
+def _in_range(start, block: int, n_res: int):
+    """`[block]` bool, True below N; None when every tile is full (no mask needed)."""
+    return None if n_res % block == 0 else row_ids(start, block) < n_res
+
+
+def rows_mask(start, block: int, n_res: int, head_dim: int, d_pad: int):
+    """`[block, d_pad]` mask of rows < N and columns < head_dim, or None if all are."""
+    rows = _in_range(start, block, n_res)
+    cols = None if head_dim == d_pad else jnp.arange(d_pad) < head_dim
+    return _both(
+        None if rows is None else rows[:, None], None if cols is None else cols[None, :]
+    )
+
+
+def tile_mask(q_start, k_start, block_q: int, block_k: int, n_res: int):
+    """`[block_q, block_k]` mask of query and key indices < N, or None if all are."""
+    rows, cols = _in_range(q_start, block_q, n_res), _in_range(k_start, block_k, n_res)
+    return _both(
+        None if rows is None else rows[:, None], None if cols is None else cols[None, :]
+    )
+
+
 def load_rows(ref, prefix: tuple, start, block: int, n_res: int, head_dim: int):
     """Loads rows `[start, start + block)` of a `[*prefix, N, d_pad]` ref.
 
@@ -42,13 +70,7 @@ def load_rows(ref, prefix: tuple, start, block: int, n_res: int, head_dim: int):
     Returns:
       `[block, d_pad]` in the ref's dtype.
     """
-    d_pad = ref.shape[-1]
-    mask = None
-    if n_res % block:
-        mask = (row_ids(start, block) < n_res)[:, None]
-    if head_dim != d_pad:
-        col_ok = (jnp.arange(d_pad) < head_dim)[None, :]
-        mask = col_ok if mask is None else mask & col_ok
+    mask = rows_mask(start, block, n_res, head_dim, ref.shape[-1])
     view = ref.at[(*prefix, pl.ds(start, block), slice(None))]
     if mask is None:
         return view[...]
@@ -58,40 +80,33 @@ def load_rows(ref, prefix: tuple, start, block: int, n_res: int, head_dim: int):
 def store_rows(ref, prefix: tuple, start, value, n_res: int, head_dim: int):
     """Stores `[block, d_pad]` into rows `[start, start + block)`, columns < head_dim."""
     block, d_pad = value.shape
-    mask = None
-    if n_res % block:
-        mask = (row_ids(start, block) < n_res)[:, None]
-    if head_dim != d_pad:
-        col_ok = (jnp.arange(d_pad) < head_dim)[None, :]
-        mask = col_ok if mask is None else mask & col_ok
     view = ref.at[(*prefix, pl.ds(start, block), slice(None))]
-    plgpu.store(view, value.astype(ref.dtype), mask=mask)
+    plgpu.store(
+        view, value.astype(ref.dtype), mask=rows_mask(start, block, n_res, head_dim, d_pad)
+    )
 
 
 def load_vector(ref, prefix: tuple, start, block: int, n_res: int, other=0):
     """Loads entries `[start, start + block)` of a `[*prefix, N]` ref; past N reads `other`."""
     view = ref.at[(*prefix, pl.ds(start, block))]
-    if n_res % block == 0:
-        return view[...]
-    return plgpu.load(view, mask=row_ids(start, block) < n_res, other=other)
+    mask = _in_range(start, block, n_res)
+    return view[...] if mask is None else plgpu.load(view, mask=mask, other=other)
 
 
 def store_vector(ref, prefix: tuple, start, value, n_res: int):
     block = value.shape[0]
     view = ref.at[(*prefix, pl.ds(start, block))]
-    mask = None if n_res % block == 0 else row_ids(start, block) < n_res
-    plgpu.store(view, value.astype(ref.dtype), mask=mask)
+    plgpu.store(view, value.astype(ref.dtype), mask=_in_range(start, block, n_res))
+
+
+def bias_view(bias_ref, q_start, k_start, block_q: int, block_k: int):
+    return bias_ref.at[pl.ds(q_start, block_q), pl.ds(k_start, block_k)]
 
 
 def load_bias_tile(bias_ref, q_start, k_start, block_q: int, block_k: int, n_res: int):
     """The `[block_q, block_k]` float32 tile of a `[N, N]` bias, scaled to base 2."""
-    view = bias_ref.at[pl.ds(q_start, block_q), pl.ds(k_start, block_k)]
-    mask = None
-    if n_res % block_q:
-        mask = (row_ids(q_start, block_q) < n_res)[:, None]
-    if n_res % block_k:
-        col_ok = (row_ids(k_start, block_k) < n_res)[None, :]
-        mask = col_ok if mask is None else mask & col_ok
+    view = bias_view(bias_ref, q_start, k_start, block_q, block_k)
+    mask = tile_mask(q_start, k_start, block_q, block_k, n_res)
     tile = view[...] if mask is None else plgpu.load(view, mask=mask, other=0)
     return tile.astype(jnp.float32) * LOG2E
 
@@ -116,13 +131,13 @@ def log2_logits(q, k, bias_log2, key_keep, k_start, *, qk_scale_log2: float, n_r
       `[block_q, block_k]` float32: masked keys hold MASKED_LOGIT_LOG2 (the
       replaced logit -1e9, as AlphaFold), keys past N hold -inf.
     """
-    block_k = k.shape[0]
     t = plgpu.dot(q, k, trans_b=True, precision=dot_precision(q.dtype))
     t = t * qk_scale_log2 + bias_log2
     if key_keep is not None:
         t = jnp.where(key_keep[None, :], t, MASKED_LOGIT_LOG2)
-    if n_res % block_k:
-        t = jnp.where((row_ids(k_start, block_k) < n_res)[None, :], t, -jnp.inf)
+    key_in_range = _in_range(k_start, k.shape[0], n_res)
+    if key_in_range is not None:
+        t = jnp.where(key_in_range[None, :], t, -jnp.inf)
     return t
 
 
@@ -146,3 +161,19 @@ def logit_gradient(p, dp, delta, key_keep):
     if key_keep is not None:
         ds = jnp.where(key_keep[None, :], ds, 0.0)
     return ds
+
+
+def pallas_call(kernel, tiles, *, grid, in_specs, out_specs, out_shape, interpret: bool, name: str):
+    """`pl.pallas_call` with the Triton launch parameters of `tiles` (a KernelTiles)."""
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages
+        ),
+        interpret=interpret,
+        name=name,
+    )

@@ -132,17 +132,9 @@ def attention_forward(
         out_specs += [rows_spec, stats_spec(n_res), stats_spec(n_res)]
     else:
         kernel = _without_stats(kernel)
-    results = pl.pallas_call(
-        kernel,
-        grid=grid,
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages
-        ),
-        interpret=interpret,
-        name="msa_row_attention_fwd",
+    results = common.pallas_call(
+        kernel, tiles, grid=grid, in_specs=in_specs, out_specs=out_specs,
+        out_shape=out_shape, interpret=interpret, name="msa_row_attention_fwd",
     )(q, k, v, bias, mask, gate)
     return tuple(results) if save_stats else results[0]
 
