@@ -7,6 +7,7 @@ Modules:
   reference    the plain-jnp path (also the test reference)
   kernels      the Pallas forward and backward kernels and their custom VJP
   block_sizes  tile choice
+  autotune     optional tile timing on the user's GPU, cached on disk
   validation   trace-time argument checks
   layers       the flax.linen layer MSARowAttentionWithPairBias
   nnx_layers   the same layer in flax.nnx
@@ -17,7 +18,7 @@ from msa_pallas.attention import msa_row_attention
 from msa_pallas.block_sizes import BlockConfig, KernelTiles, default_block_config
 from msa_pallas.layers import MSARowAttentionWithPairBias
 from msa_pallas.nnx_layers import MSARowAttentionWithPairBiasNNX
-from msa_pallas import convert
+from msa_pallas import autotune, convert
 
 __all__ = [
     "msa_row_attention",
@@ -26,6 +27,7 @@ __all__ = [
     "default_block_config",
     "MSARowAttentionWithPairBias",
     "MSARowAttentionWithPairBiasNNX",
+    "autotune",
     "convert",
 ]
 __version__ = "0.1.0"
