@@ -10,17 +10,28 @@ time against a lower bound set by the exponentials and the matrix work.
     python benchmarks/bench_attention.py --shapes train,long --dtypes bf16
     python benchmarks/bench_attention.py --shapes 1x128x4096x8x32   # a custom B x S x N x H x d
     python benchmarks/bench_attention.py --out /tmp/b --iters 3     # CPU: tiny shape, interpret mode
+    python benchmarks/bench_attention.py --impls msa_pallas,cuequivariance,tokamax_mosaic
 
 Writes `DIR/results.json` (every number and the run's metadata), `DIR/results.md`
 (a Markdown table for benchmarks/RESULTS.md) and `DIR/results.png` (when
 matplotlib is importable), and prints the table at the end. Failures (out of
 memory, unsupported shapes) are recorded per cell and never stop the run.
 
-Implementations live in `IMPLEMENTATIONS` (name -> builder); add one by writing
-a builder that returns `jitted_pair(op)` for an op with the signature
-`op(q, k, v, bias, mask) -> out` in msa_pallas' layout (q/k/v `[B, S, N, H, d]`,
-bias `[B, H, N, N]`, mask `[B, S, N]` bool, True keeps a key), and raising
-`Unavailable` where it cannot run.
+Implementations live in `IMPLEMENTATIONS` (name -> builder): msa_pallas, xla
+(msa_pallas' plain-jnp path, also the reference of the forward check), cudnn
+(`jax.nn.dot_product_attention`), and the alternatives of SPEC §5 from other
+packages: cuequivariance (`cuequivariance_jax.triangle_attention`),
+tokamax_mosaic and tokamax_triton (`tokamax.dot_product_attention`). Those
+packages are not in the GPU image: `bash benchmarks/fetch_wheels.sh` fetches
+their wheels into `.whl/` and benchmarks/run_gpu.sh installs them for this
+script; where they are missing, or without a GPU, their cells read `skipped`.
+benchmarks/check_alternatives.py checks their layout mapping, forward and
+gradients, against xla.
+
+Add an implementation by writing a builder that returns `jitted_pair(op)` for
+an op with the signature `op(q, k, v, bias, mask) -> out` in msa_pallas'
+layout (q/k/v `[B, S, N, H, d]`, bias `[B, H, N, N]`, mask `[B, S, N]` bool,
+True keeps a key), and raising `Unavailable` where it cannot run.
 """
 
 from __future__ import annotations
@@ -29,6 +40,9 @@ import argparse
 import dataclasses
 import datetime
 import gc
+import importlib
+import importlib.metadata
+import importlib.util
 import json
 import math
 import os
@@ -185,8 +199,8 @@ def build_xla(case: Case) -> Callables:
     return jitted_pair(op)
 
 
-def build_cudnn(case: Case) -> Callables:
-    """`jax.nn.dot_product_attention(implementation="cudnn")`, MSA rows folded into batch.
+def cudnn_op(scale: float, implementation: str = "cudnn") -> Callable:
+    """`op(q, k, v, bias, mask)` through `jax.nn.dot_product_attention`, MSA rows folded into batch.
 
     q/k/v `[B, S, N, H, d]` -> `[B*S, N, H, d]` (a free reshape). The bias is
     passed as `[1, H, N, N]` when B == 1 (the API broadcasts it over the
@@ -194,12 +208,9 @@ def build_cudnn(case: Case) -> Callables:
     mask goes in as bool `[B*S, 1, 1, N]`. Note that jax 0.11.2 turns a boolean
     mask into an additive bias and adds it to `bias`, so with a mask the
     combined `[B*S, H, N, N]` bias is materialised in any case (and its
-    gradient reduced over S by XLA).
+    gradient reduced over S by XLA). `implementation="xla"` runs the same
+    mapping anywhere (benchmarks/check_alternatives.py uses it on CPU).
     """
-    if not on_gpu():
-        raise Unavailable("cuDNN needs a GPU")
-    if case.dtype_name not in ("bf16", "f16"):
-        raise Unavailable("cuDNN flash attention takes bf16/fp16 only")
 
     def op(q, k, v, bias, mask):
         b, s, n, h, d = q.shape
@@ -213,20 +224,220 @@ def build_cudnn(case: Case) -> Callables:
             rows(q), rows(k), rows(v),
             bias=bias_rows,
             mask=mask.reshape(b * s, 1, 1, n),
-            scale=case.scale,
-            implementation="cudnn",
+            scale=scale,
+            implementation=implementation,
         )
         return out.reshape(b, s, n, h, d)
 
-    return jitted_pair(op)
+    return op
+
+
+def build_cudnn(case: Case) -> Callables:
+    """`jax.nn.dot_product_attention(implementation="cudnn")` (see `cudnn_op`)."""
+    if not on_gpu():
+        raise Unavailable("cuDNN needs a GPU")
+    if case.dtype_name not in ("bf16", "f16"):
+        raise Unavailable("cuDNN flash attention takes bf16/fp16 only")
+    return jitted_pair(cudnn_op(case.scale))
+
+
+# --- the alternatives from other packages (SPEC §5) --------------------------
+#
+# Installed on the GPU machine from wheels: `bash benchmarks/fetch_wheels.sh`
+# here, then benchmarks/run_gpu.sh installs `.whl/` for the benchmark step.
+
+STUBS_DIR = Path(__file__).resolve().parent / "_stubs"
+# Versions recorded in results.json and under the table (None: not installed).
+ALTERNATIVE_PACKAGES = ("tokamax", "cuequivariance-jax", "cuequivariance-ops-jax-cu13",
+                        "cuequivariance-ops-cu13")
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def import_tokamax():
+    """Imports tokamax, or raises `Unavailable` saying why.
+
+    tokamax 0.0.17 imports `xprof.cli.tools.get_kernel_stats_tool` at start-up
+    (it calls it only for its own xprof timing); where no real `xprof` is
+    importable, the stand-in in benchmarks/_stubs is put on `sys.path` first.
+    """
+    if importlib.util.find_spec("xprof") is None and str(STUBS_DIR) not in sys.path:
+        sys.path.append(str(STUBS_DIR))
+    try:
+        import tokamax
+    except Exception as exc:  # noqa: BLE001 - any import failure makes it unavailable
+        raise Unavailable(f"tokamax is not importable ({type(exc).__name__}: {exc}); "
+                          "see benchmarks/fetch_wheels.sh") from None
+    return tokamax
+
+
+def _preload_cuda_libraries() -> None:
+    """dlopens cuBLAS and NVRTC 13 from NVIDIA's pip packages, where they are.
+
+    cuequivariance_ops' libcue_ops.so links libcublas.so.13, libcublasLt.so.13
+    and libnvrtc.so.13 with no RUNPATH; jax's CUDA plugin normally has them
+    loaded already (then this is a no-op). Failures are left to the import.
+    """
+    import ctypes
+
+    names = ("libnvrtc.so.13", "libcublasLt.so.13", "libcublas.so.13")
+    for module in ("nvidia.cu13", "nvidia.cuda_nvrtc", "nvidia.cublas"):
+        try:
+            folders = list(importlib.import_module(module).__path__)
+        except Exception:  # noqa: BLE001 - not installed
+            continue
+        for folder in folders:
+            for name in names:
+                path = Path(folder) / "lib" / name
+                if path.exists():
+                    try:
+                        ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+                    except OSError:
+                        pass
+
+
+def import_cuequivariance():
+    """Imports cuequivariance_jax with its CUDA kernels, or raises `Unavailable`.
+
+    Without `cuequivariance_ops_jax` (or when its libraries do not load),
+    cuequivariance_jax silently falls back to a plain-jnp reference on CUDA
+    too; that fallback is refused here so that it is never timed as the kernel.
+    The CUDA libraries it links (cuBLAS, NVRTC 13) are the ones jax's CUDA
+    plugin loads when the GPU backend starts, so call this after
+    `jax.devices()` (the benchmark does).
+    """
+    if on_gpu():
+        _preload_cuda_libraries()
+    try:
+        import cuequivariance_jax
+        from cuequivariance_jax.triangle import _triangle_attention
+    except Exception as exc:  # noqa: BLE001 - e.g. OSError from a library that does not load
+        raise Unavailable(f"cuequivariance_jax is not importable ({type(exc).__name__}: "
+                          f"{exc}); see benchmarks/fetch_wheels.sh") from None
+    if not getattr(_triangle_attention, "HAS_CUE_OPS_JAX", False):
+        try:
+            import cuequivariance_ops_jax  # noqa: F401 - for the reason only
+            why = "HAS_CUE_OPS_JAX is False"
+        except Exception as exc:  # noqa: BLE001
+            why = f"{type(exc).__name__}: {exc}"
+        raise Unavailable(f"cuequivariance_ops_jax (the CUDA kernels) is not usable ({why})")
+    return cuequivariance_jax
+
+
+def cuequivariance_op(cuet, scale: float) -> Callable:
+    """`op(q, k, v, bias, mask)` in msa_pallas' layout through `cuet.triangle_attention`.
+
+    cuEquivariance takes q/k/v `[B, S, H, N, d]` (one transpose each way,
+    counted in the time), the pair bias `[B, 1, H, N, N]` in float32 (shared by
+    the S rows; its gradient is reduced over S inside the kernel and comes
+    back in float32, cast to the bias dtype here) and the key mask
+    `[B, S, 1, 1, N]` bool, True keeps a key, masked logits replaced by -1e9.
+    It returns `[out, lse, max]`.
+    """
+
+    def op(q, k, v, bias, mask):
+        heads_first = lambda x: jnp.swapaxes(x, 2, 3)  # noqa: E731 - [B,S,N,H,d] <-> [B,S,H,N,d]
+        out, _lse, _max = cuet.triangle_attention(
+            heads_first(q), heads_first(k), heads_first(v),
+            bias[:, None].astype(jnp.float32),
+            mask[:, :, None, None, :].astype(jnp.bool_),
+            scale,
+        )
+        return heads_first(out)
+
+    return op
+
+
+def tokamax_op(tokamax, scale: float, implementation: str) -> Callable:
+    """`op(q, k, v, bias, mask)` through `tokamax.dot_product_attention`.
+
+    tokamax takes `[*batch, N, H, d]`, so msa_pallas' `[B, S, N, H, d]` goes in
+    as it is, with (B, S) as two batch dimensions: no transpose. The bias goes
+    in as `[B, 1, H, N, N]` and the key mask as `[B, S, 1, 1, N]` (True keeps a
+    key; masked logits are replaced by float32's minimum); both broadcast over
+    S without a `[B, S, H, N, N]` array in the forward. (tokamax's backward
+    kernels write a per-row bias gradient and sum it over S in XLA: that is
+    in its `f+b` memory.) One implementation only, so tokamax raises rather
+    than falling back to another.
+    """
+
+    def op(q, k, v, bias, mask):
+        return tokamax.dot_product_attention(
+            q, k, v, bias=bias[:, None], mask=mask[:, :, None, None, :].astype(jnp.bool_),
+            scale=scale, implementation=implementation,
+        )
+
+    return op
+
+
+def build_cuequivariance(case: Case) -> Callables:
+    """`cuequivariance_jax.triangle_attention` (NVIDIA cuEquivariance's CUDA kernels)."""
+    if not on_gpu():
+        raise Unavailable("cuEquivariance's kernels need a GPU")
+    cuet = import_cuequivariance()
+    info = {
+        "versions": {name: _package_version(name) for name in (
+            "cuequivariance-jax", "cuequivariance-ops-jax-cu13", "cuequivariance-ops-cu13")},
+        "layout": "q/k/v transposed to [B,S,H,N,d] and back; bias [B,1,H,N,N] f32",
+    }
+    if case.dtype_name == "f32":
+        info["note"] = ("cuequivariance_ops_jax runs the float32 backward in TF32 "
+                        "(no full-float32 backward; it warns)")
+    return jitted_pair(cuequivariance_op(cuet, case.scale), info)
+
+
+def _build_tokamax(case: Case, implementation: str, half_only: bool = False) -> Callables:
+    """The builder of a tokamax entry; `implementation` is a key of tokamax's registry."""
+    if not on_gpu():
+        raise Unavailable(f"tokamax's {implementation} kernels need a GPU")
+    if half_only and case.dtype_name not in ("bf16", "f16"):
+        # tokamax 0.0.17 maps float32 to the TF32 (or F32) dot preset, and its
+        # Mosaic GPU kernels cast only to bf16/fp16: NotImplementedError.
+        raise Unavailable(f"tokamax's {implementation} kernels take bf16/fp16 only")
+    tokamax = import_tokamax()
+    try:
+        from tokamax._src.ops.attention import api as tokamax_api
+        known = tokamax_api.IMPLEMENTATIONS
+    except Exception:  # noqa: BLE001 - a private module; the call will tell
+        known = None
+    if known is not None and implementation not in known:
+        raise Unavailable(f"tokamax has no {implementation!r} implementation here "
+                          f"(it has {', '.join(sorted(known))})")
+    info = {"versions": {"tokamax": _package_version("tokamax")},
+            "implementation": implementation,
+            "layout": "no transpose: (B, S) are batch dims; bias [B,1,H,N,N], mask [B,S,1,1,N]",
+            "config": "tokamax's default (its autotuning cache, else heuristics)"}
+    if case.dtype_name == "f32":
+        info["note"] = "tokamax's default precision for float32 on GPU is TF32"
+    return jitted_pair(tokamax_op(tokamax, case.scale, implementation), info)
+
+
+def build_tokamax_mosaic(case: Case) -> Callables:
+    """`tokamax.dot_product_attention(implementation="mosaic")` on NVIDIA (Mosaic GPU kernels)."""
+    # "mosaic_gpu" is what tokamax's API makes of implementation="mosaic" when
+    # the default device's kind contains "NVIDIA" (else it picks "mosaic_tpu");
+    # naming it directly never takes the TPU kernels.
+    return _build_tokamax(case, "mosaic_gpu", half_only=True)
+
+
+def build_tokamax_triton(case: Case) -> Callables:
+    """`tokamax.dot_product_attention(implementation="triton")`: Pallas Triton kernels."""
+    return _build_tokamax(case, "triton")
 
 
 IMPLEMENTATIONS: dict[str, Callable[[Case], Callables]] = {
     "msa_pallas": build_msa_pallas,
     "xla": build_xla,
     "cudnn": build_cudnn,
+    "cuequivariance": build_cuequivariance,
+    "tokamax_mosaic": build_tokamax_mosaic,
+    "tokamax_triton": build_tokamax_triton,
 }
-CPU_DEFAULT_IMPLS = ("msa_pallas", "xla")
 
 
 # --- inputs, timing, memory --------------------------------------------------
@@ -488,7 +699,7 @@ def ok(cell: dict) -> bool:
 
 def format_result_line(case: Case, impl: str, mode: str, cell: dict) -> str:
     """One log line per measurement."""
-    head = f"{case.shape_name:>9} {case.dtype_name:>4} {impl:>10} {MODE_LABELS[mode]:>3}:"
+    head = f"{case.shape_name:>9} {case.dtype_name:>4} {impl:>14} {MODE_LABELS[mode]:>3}:"
     if not ok(cell):
         return f"{head} {cell['status']}"
     mem = cell.get("temp_plus_output_bytes")
@@ -549,6 +760,12 @@ def markdown_table(results: dict) -> str:
         f"{meta['device_kind']} · jax {meta['jax_version']} · commit {meta['commit']} · "
         f"{meta['date_utc']} · median of {meta['iters']} calls",
         "",
+    ]
+    installed = [f"{name} {version}" for name, version in meta.get("packages", {}).items()
+                 if version is not None]
+    if installed:
+        lines += ["Alternatives' packages: " + ", ".join(installed), ""]
+    lines += [
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
     ]
@@ -593,6 +810,9 @@ def case_notes(case: dict, impls: list[str]) -> list[tuple[str, str]]:
         else:
             found += [(f"{name} {MODE_LABELS[mode]}: {status}", where)
                       for mode, status in zip(MODES, statuses) if status != "ok"]
+        note = cells.get("info", {}).get("note")
+        if note and any(ok(cells[mode]) for mode in MODES):
+            found.append((f"{name}: {note}", where))
         for mode in MODES:
             err = cells[mode].get("rel_err_vs_" + CHECK_REFERENCE)
             if err is not None and err > tolerance:
@@ -680,6 +900,7 @@ def metadata(args, impls: list[str]) -> dict:
         "jax_version": jax.__version__,
         "jaxlib_version": _jaxlib_version(),
         "msa_pallas_version": getattr(msa_pallas, "__version__", None),
+        "packages": {name: _package_version(name) for name in ALTERNATIVE_PACKAGES},
         "python": platform.python_version(),
         "commit": commit_id(args.commit),
         "argv": sys.argv[1:],
@@ -732,9 +953,9 @@ def parse_args(argv=None):
                              "(default: all but seed and tiny on GPU, tiny on CPU)")
     parser.add_argument("--dtypes", default=",".join(DEFAULT_DTYPES),
                         help=f"comma-separated, of {', '.join(DTYPES)} (default %(default)s)")
-    parser.add_argument("--impls", default=",".join(IMPLEMENTATIONS if gpu else CPU_DEFAULT_IMPLS),
-                        help=f"comma-separated, of {', '.join(IMPLEMENTATIONS)} "
-                             "(default: all on GPU, msa_pallas,xla on CPU)")
+    parser.add_argument("--impls", default=",".join(IMPLEMENTATIONS),
+                        help=f"comma-separated, of {', '.join(IMPLEMENTATIONS)} (default: all; "
+                             "those that cannot run here are recorded as skipped)")
     parser.add_argument("--iters", type=int, default=30 if gpu else 5,
                         help="timed calls per measurement (default 30 on GPU, 5 on CPU)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls first (default 2)")

@@ -10,9 +10,23 @@
 # and a compact summary (test summary line and the results table) comes last,
 # since whoever reads the run may see only the end of its output.
 #
+# The alternatives (cuEquivariance, tokamax) are not in the GPU image: when
+# $WHEEL_DIR (default .whl, filled by benchmarks/fetch_wheels.sh and carried
+# along) holds wheels, they are installed with pip --no-index --no-deps into
+# $BENCH_SITE (default /tmp/bench_site), which is put first on PYTHONPATH for
+# the alternatives check and the op benchmark only (not for the tests or the
+# layer benchmark). If that fails, the run goes on and their cells read
+# `skipped`. benchmarks/check_alternatives.py then checks every implementation's
+# forward and gradients against a float32 reference on small shapes (log in
+# OUT_DIR/alternatives_check.log; its verdict is in the summary, it does not
+# change the exit status).
+#
 # Environment: PYTHON (default python3), BENCH_ARGS (extra arguments of
 # benchmarks/bench_attention.py, split on spaces), XLA_PYTHON_CLIENT_MEM_FRACTION
-# (default 0.90 here, so that large XLA baselines get their chance).
+# (default 0.90 here, so that large XLA baselines get their chance), WHEEL_DIR,
+# BENCH_SITE, CHECK_ALTERNATIVES (default 1; 0 skips the check), CHECK_ARGS
+# (arguments of check_alternatives.py, default
+# "--shapes 2x3x37x2x8,1x4x128x4x32 --dtypes bf16,f32").
 # Exit status: 1 if the GPU tests failed, else the benchmark's status.
 
 set -uo pipefail
@@ -30,6 +44,10 @@ export PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.90}
 PYTHON=${PYTHON:-python3}
 read -r -a BENCH_ARGV <<< "${BENCH_ARGS:-}"
+WHEEL_DIR=${WHEEL_DIR:-.whl}
+BENCH_SITE=${BENCH_SITE:-/tmp/bench_site}
+CHECK_ALTERNATIVES=${CHECK_ALTERNATIVES:-1}
+read -r -a CHECK_ARGV <<< "${CHECK_ARGS:---shapes 2x3x37x2x8,1x4x128x4x32 --dtypes bf16,f32}"
 
 section() { printf '\n===== %s =====\n' "$*"; }
 
@@ -44,9 +62,40 @@ section "GPU tests: $PYTHON -m pytest -q -m gpu tests -s"
 "$PYTHON" -m pytest -q -m gpu tests -s 2>&1 | tee "$OUT_DIR/gpu_tests.log"
 test_status=${PIPESTATUS[0]}
 
+# The alternatives' wheels, for the check and the op benchmark only.
+BENCH_PYTHONPATH=$PYTHONPATH
+rm -f "$OUT_DIR/alternatives_check.log"
+wheels=("$WHEEL_DIR"/*.whl)
+if [[ -e ${wheels[0]} ]]; then
+    section "alternatives: installing ${#wheels[@]} wheels from $WHEEL_DIR into $BENCH_SITE"
+    if "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+            --upgrade --target "$BENCH_SITE" "${wheels[@]}"; then
+        BENCH_PYTHONPATH=$BENCH_SITE:$PYTHONPATH
+        echo "installed; PYTHONPATH for the benchmark: $BENCH_PYTHONPATH"
+    else
+        echo "pip install failed (exit $?): the benchmark goes on without them"
+    fi
+else
+    echo "no wheels in $WHEEL_DIR (see benchmarks/fetch_wheels.sh):" \
+        "cuequivariance and tokamax will be skipped"
+fi
+
+check_verdict="not run (CHECK_ALTERNATIVES=$CHECK_ALTERNATIVES)"
+if [[ $CHECK_ALTERNATIVES != 0 ]]; then
+    section "alternatives check: $PYTHON benchmarks/check_alternatives.py ${CHECK_ARGV[*]}"
+    PYTHONPATH=$BENCH_PYTHONPATH "$PYTHON" benchmarks/check_alternatives.py \
+        ${CHECK_ARGV[@]+"${CHECK_ARGV[@]}"} 2>&1 | tee "$OUT_DIR/alternatives_check.log"
+    check_status=${PIPESTATUS[0]}
+    case $check_status in
+        0) check_verdict="passed" ;;
+        1) check_verdict="FAILED (see the FAIL lines below)" ;;
+        *) check_verdict="did not finish (exit $check_status)" ;;
+    esac
+fi
+
 section "benchmark: $PYTHON benchmarks/bench_attention.py --out $OUT_DIR ${BENCH_ARGS:-}"
-"$PYTHON" benchmarks/bench_attention.py --out "$OUT_DIR" ${BENCH_ARGV[@]+"${BENCH_ARGV[@]}"} \
-    2>&1 | tee "$OUT_DIR/bench.log"
+PYTHONPATH=$BENCH_PYTHONPATH "$PYTHON" benchmarks/bench_attention.py --out "$OUT_DIR" \
+    ${BENCH_ARGV[@]+"${BENCH_ARGV[@]}"} 2>&1 | tee "$OUT_DIR/bench.log"
 bench_status=${PIPESTATUS[0]}
 
 section "layer benchmark: $PYTHON benchmarks/bench_layer.py --out $OUT_DIR/layer"
@@ -66,6 +115,11 @@ echo "tests: $test_verdict"
 # pytest's own last line, e.g. "3 failed, 40 passed, 2 skipped in 12.3s".
 grep -E '(passed|failed|error|skipped|deselected|no tests ran)' "$OUT_DIR/gpu_tests.log" | tail -n 1
 grep -E '^(FAILED|ERROR) ' "$OUT_DIR/gpu_tests.log" | head -n 15
+echo "alternatives check: $check_verdict"
+if [[ -s $OUT_DIR/alternatives_check.log ]]; then
+    grep -E '  (FAIL: |error: |OOM)|row differs' "$OUT_DIR/alternatives_check.log" | head -n 15
+    tail -n 1 "$OUT_DIR/alternatives_check.log"
+fi
 echo "benchmark: exit $bench_status"
 if [[ -s "$OUT_DIR/results.md" ]]; then
     cat "$OUT_DIR/results.md"

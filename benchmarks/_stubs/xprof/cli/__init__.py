@@ -1,0 +1,1 @@
+"""Stand-in for the `xprof` package (see benchmarks/_stubs/README.md)."""
