@@ -14,13 +14,32 @@ from msa_pallas.validation import (
     KERNEL_DTYPES,
     MAX_KERNEL_HEAD_DIM,
     validate_arguments,
+    validate_block_config,
     validate_dropout,
 )
 
 
+_GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def target_platform() -> str:
+    """The platform the op is traced for: `"gpu"`, `"cpu"`, `"tpu"`, ...
+
+    JAX's default backend, unless the current abstract mesh names an abstract
+    device (`jax.sharding.use_abstract_mesh`, as `msa_pallas.exporting.gpu_target`
+    sets to export for a GPU from a host without one): then that device's
+    platform. Pallas's Triton lowering reads the same abstract device for the
+    GPU's compute capability.
+    """
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    platform = jax.default_backend() if device is None else device.platform
+    return "gpu" if platform in _GPU_PLATFORMS else platform
+
+
 def on_gpu() -> bool:
-    """True when JAX's default backend is a GPU, where the kernels compile."""
-    return jax.default_backend() == "gpu"
+    """True when the op is traced for a GPU (`target_platform()`), where the
+    kernels compile through Triton; elsewhere they run in interpret mode."""
+    return target_platform() == "gpu"
 
 
 def _resolve_implementation(implementation, q, dropout_rate: float) -> str:
@@ -94,6 +113,7 @@ def msa_row_attention(
     implementation = _resolve_implementation(implementation, q, dropout_rate)
     validate_arguments(q, k, v, bias, mask, gate, scale, implementation)
     validate_dropout(dropout_rate, dropout_rng, implementation)
+    validate_block_config(block_config)
     *batch_shape, rows, n_res, heads, head_dim = q.shape
     batch = math.prod(batch_shape)
     if scale is None:

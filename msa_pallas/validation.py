@@ -6,8 +6,12 @@ mistake inside a large model points at the call that made it.
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 import numpy as np
+
+from msa_pallas.block_sizes import BlockConfig
 
 KERNEL_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 XLA_DTYPES = KERNEL_DTYPES + (jnp.dtype(jnp.float64),)
@@ -95,6 +99,8 @@ def validate_arguments(q, k, v, bias, mask, gate, scale, implementation) -> None
         raise TypeError(
             f"scale must be a Python float or None; got {type(scale).__name__}."
         )
+    if scale is not None and not math.isfinite(scale):
+        raise ValueError(f"scale={scale!r}; expected a finite number (or None for 1/sqrt(d)).")
     if min(s_rows, n_res, n_heads, head_dim, *batch, 1) < 1:
         raise ValueError(
             f"q has shape {shape_str(q.shape)}; every dimension must be >= 1."
@@ -103,6 +109,15 @@ def validate_arguments(q, k, v, bias, mask, gate, scale, implementation) -> None
         raise ValueError(
             f"q has head dim d={head_dim} (shape {shape_str(q.shape)}); the Pallas "
             f"kernels support d <= {MAX_KERNEL_HEAD_DIM}. Use implementation='xla'."
+        )
+
+
+def validate_block_config(block_config) -> None:
+    """block_config must be a `msa_pallas.BlockConfig` or None."""
+    if block_config is not None and not isinstance(block_config, BlockConfig):
+        raise TypeError(
+            f"block_config must be a msa_pallas.BlockConfig or None; got "
+            f"{type(block_config).__name__}."
         )
 
 

@@ -175,3 +175,134 @@ def test_q_rank_zero(implementation):
     args = good(q=sds(()), k=sds(()), v=sds(()), gate=None, mask=None)
     with expect(ValueError, "q has shape []", "rank 0", "rank >= 4"):
         trace(args, implementation=implementation)
+
+
+# --- gaps filled for issue 5 (Reliability) -------------------------------------
+
+
+@pytest.mark.parametrize("implementation", ["pallas", "xla", None])
+def test_k_dtype_differs_from_q(implementation):
+    args = good(k=sds((B, S, N, H, D), jnp.bfloat16))
+    with expect(TypeError, "k has dtype bfloat16", "expected float32 (the dtype of q)"):
+        trace(args, implementation=implementation)
+
+
+def test_half_q_with_float32_k_and_v():
+    half = sds((B, S, N, H, D), jnp.bfloat16)
+    with expect(TypeError, "k has dtype float32", "expected bfloat16"):
+        trace(good(q=half, gate=half), implementation="pallas")
+
+
+@pytest.mark.parametrize("implementation", ["pallas", None])
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint8, jnp.bool_])
+def test_integer_inputs_for_kernels_and_auto(dtype, implementation):
+    rows = sds((B, S, N, H, D), dtype)
+    args = good(q=rows, k=rows, v=rows, gate=None)
+    with expect(TypeError, "q has dtype", jnp.dtype(dtype).name, "expected one of", "bfloat16"):
+        trace(args, implementation=implementation)
+
+
+@pytest.mark.parametrize(
+    "shape", [(B, H, N, N, 1), (N, N), (B, 1, N, N)], ids=["rank5", "rank2", "heads-broadcast"]
+)
+def test_bias_rank_and_head_broadcast_refused(shape):
+    """No implicit broadcasting: a bias of one head for H heads is an error."""
+    got = "[" + ", ".join(map(str, shape)) + "]"
+    with expect(ValueError, f"bias has shape {got}", "expected [2, 4, 10, 10]"):
+        trace(good(bias=sds(shape)), implementation="pallas")
+
+
+@pytest.mark.parametrize("shape", [(N,), (S, N), (B, S, N, N)], ids=["rank1", "rank2", "rank4"])
+def test_mask_rank(shape):
+    got = "[" + ", ".join(map(str, shape)) + "]"
+    with expect(ValueError, f"mask has shape {got}", "expected [2, 3, 10]"):
+        trace(good(mask=sds(shape, jnp.bool_)), implementation="pallas")
+
+
+@pytest.mark.parametrize("name", ["bias", "mask", "gate"])
+def test_argument_not_an_array(name):
+    args = good()
+    args[name] = [[0.0]]
+    error = f"{name} must be an array"
+    with expect(TypeError, error, "list"):
+        msa_pallas.msa_row_attention(
+            *(jnp.zeros(a.shape, a.dtype) if not isinstance(a, list) else a
+              for a in (args[n] for n in ("q", "k", "v", "bias", "mask", "gate"))),
+            implementation="xla",
+        )
+
+
+def test_gate_float64_with_float32_q_on_kernels():
+    with jax.enable_x64(True):
+        with expect(TypeError, "gate has dtype float64", "expected one of"):
+            trace(good(gate=sds((B, S, N, H, D), jnp.float64)), implementation="pallas")
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -float("inf")])
+def test_scale_not_finite(scale):
+    with expect(ValueError, f"scale={scale!r}", "finite"):
+        trace(good(), scale=scale)
+
+
+@pytest.mark.parametrize("config", ["fast", (64, 64), 64])
+def test_block_config_type(config):
+    with expect(TypeError, "block_config must be a msa_pallas.BlockConfig", type(config).__name__):
+        trace(good(), implementation="pallas", block_config=config)
+
+
+def test_errors_name_the_callers_shapes_through_vmap_and_jit():
+    """Under jit and vmap the check still runs at trace time, on the shapes the
+    op sees (vmap strips the mapped axis)."""
+    f = jax.vmap(lambda q, k, v, bias: msa_pallas.msa_row_attention(q, k, v, bias))
+    rows = sds((5, B, S, N, H, D))
+    with expect(ValueError, "bias has shape [2, 4, 10, 11]", "expected [2, 4, 10, 10]"):
+        jax.eval_shape(jax.jit(f), rows, rows, rows, sds((5, B, H, N, N + 1)))
+
+
+# --- the sharded entry point (msa_pallas.sharding) -------------------------------
+
+
+def _mesh():
+    return jax.make_mesh((1,), ("rows",))
+
+
+def test_sharded_op_checks_global_shapes():
+    from msa_pallas.sharding import sharded_msa_row_attention
+
+    attention = sharded_msa_row_attention(_mesh(), row_axis="rows", implementation="pallas")
+    args = good(bias=sds((B, H, N, N + 1)))
+    with expect(ValueError, "bias has shape [2, 4, 10, 11]", "expected [2, 4, 10, 10]"):
+        jax.eval_shape(attention, *(args[n] for n in ("q", "k", "v", "bias", "mask", "gate")))
+    args = good(k=sds((B, S, N, H, D), jnp.float16))
+    with expect(TypeError, "k has dtype float16", "expected float32"):
+        jax.eval_shape(attention, *(args[n] for n in ("q", "k", "v", "bias", "mask", "gate")))
+
+
+def test_sharded_op_rank_must_match_batch_dims():
+    from msa_pallas.sharding import sharded_msa_row_attention
+
+    attention = sharded_msa_row_attention(_mesh(), row_axis="rows", batch_dims=2)
+    args = good()
+    with expect(ValueError, "q has shape [2, 3, 10, 4, 8]", "batch_dims=2", "rank 6"):
+        jax.eval_shape(attention, *(args[n] for n in ("q", "k", "v", "bias", "mask", "gate")))
+
+
+@pytest.mark.parametrize("kwarg", ["dropout_rate", "dropout_rng", "scal"])
+def test_sharded_op_refuses_unknown_keywords(kwarg):
+    from msa_pallas.sharding import sharded_msa_row_attention
+
+    with expect(TypeError, f"['{kwarg}']", "expected keyword arguments among"):
+        sharded_msa_row_attention(_mesh(), row_axis="rows", **{kwarg: 0.1})
+
+
+def test_partition_specs_batch_dims():
+    from jax.sharding import PartitionSpec as P
+    from msa_pallas.sharding import msa_partition_specs
+
+    specs = msa_partition_specs("data", "rows", "heads", batch_dims=2)
+    assert specs.rows == P("data", None, "rows", None, "heads", None)
+    assert specs.bias == P("data", None, "heads", None, None)
+    assert specs.mask == P("data", None, "rows", None)
+    assert msa_partition_specs(row_axis="rows", batch_dims=0).rows == P("rows", None, None, None)
+    with expect(ValueError, "batch_dims=0 with batch_axis='data'"):
+        msa_partition_specs("data", batch_dims=0)

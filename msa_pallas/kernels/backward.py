@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from msa_pallas.block_sizes import BlockConfig, padded_head_dim
+from msa_pallas.block_sizes import padded_head_dim
 from msa_pallas.kernels import common
 from msa_pallas.kernels.forward import bias_spec, mask_spec, row_specs, stats_spec
 
@@ -181,7 +181,7 @@ def _bind(body, scale, n_res, head_dim, tiles):
 
 @functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
 def backward_dkdv(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, tiles, interpret):
-    """dk, dv `[B, S, N, H, d]` in q's dtype (arguments as `attention_backward`)."""
+    """dk, dv `[B, S, N, H, d]` in q's dtype (arguments as in the module docstring)."""
     batch, rows, n_res, heads, head_dim = q.shape
     d_pad = padded_head_dim(head_dim)
     row_grad = jax.ShapeDtypeStruct(q.shape, q.dtype)
@@ -196,7 +196,7 @@ def backward_dkdv(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scal
 
 @functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
 def backward_dq(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, tiles, interpret):
-    """dq `[B, S, N, H, d]` in q's dtype (arguments as `attention_backward`)."""
+    """dq `[B, S, N, H, d]` in q's dtype (arguments as in the module docstring)."""
     batch, rows, n_res, heads, head_dim = q.shape
     d_pad = padded_head_dim(head_dim)
     return common.pallas_call(
@@ -224,20 +224,3 @@ def backward_dbias(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, sca
         out_specs=specs["bias"], out_shape=jax.ShapeDtypeStruct(bias.shape, bias.dtype),
         interpret=interpret, name="msa_row_attention_bwd_dbias",
     )(q, k, v, bias, mask, do, row_max, row_log2_sum, delta)
-
-
-def attention_backward(
-    q, k, v, bias, mask, do, row_max, row_log2_sum, delta,
-    *, scale: float, config: BlockConfig, interpret: bool,
-):
-    """Runs the three backward kernels.
-
-    Returns:
-      dq, dk, dv `[B, S, N, H, d]` in q's dtype and dbias `[B, H, N, N]` in
-      the bias dtype, summed over the S MSA rows.
-    """
-    operands = (q, k, v, bias, mask, do, row_max, row_log2_sum, delta)
-    dk, dv = backward_dkdv(*operands, scale=scale, tiles=config.backward_dkdv, interpret=interpret)
-    dq = backward_dq(*operands, scale=scale, tiles=config.backward_dq, interpret=interpret)
-    dbias = backward_dbias(*operands, scale=scale, tiles=config.backward_dbias, interpret=interpret)
-    return dq, dk, dv, dbias

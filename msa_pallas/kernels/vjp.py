@@ -12,6 +12,12 @@ the kernels multiply with v, and from an o that rounding has not moved away
 from `p @ v`: `ds = p * (do.v - delta)` is a difference of nearly equal
 numbers when a softmax row is close to one-hot, and a bf16-rounded o there
 costs a gradient error of several percent.
+
+Each kernel call (forward, dk/dv, dq, dbias) goes through
+`partitioning.partitioned_call`: under `jax.jit` with inputs sharded over the
+batch, MSA-row or head axes, every device runs the kernel on its own shard
+(the bias gradient's partial sums over S are psum-ed), and on one device the
+call is the plain kernel.
 """
 
 from __future__ import annotations
@@ -22,8 +28,43 @@ import jax
 import jax.numpy as jnp
 
 from msa_pallas.block_sizes import BlockConfig
-from msa_pallas.kernels.backward import attention_backward
+from msa_pallas.kernels.backward import backward_dbias, backward_dkdv, backward_dq
 from msa_pallas.kernels.forward import attention_forward
+from msa_pallas.kernels.partitioning import (
+    BIAS, KEY_ROWS, MASK, QUERY_ROWS, STATS, partitioned_call,
+)
+
+# Operand layouts of the kernels (partitioning.py): B, S and H may be sharded.
+_FORWARD_IN = (QUERY_ROWS, KEY_ROWS, KEY_ROWS, BIAS, MASK, QUERY_ROWS)
+_BACKWARD_IN = (QUERY_ROWS, KEY_ROWS, KEY_ROWS, BIAS, MASK, QUERY_ROWS, STATS, STATS, STATS)
+
+
+def _forward(q, k, v, bias, mask, gate, *, scale, config, interpret, save_stats):
+    kernel = functools.partial(
+        attention_forward,
+        scale=scale, tiles=config.forward, interpret=interpret, save_stats=save_stats,
+    )
+    outs = (QUERY_ROWS, QUERY_ROWS, STATS, STATS) if save_stats else (QUERY_ROWS,)
+    return partitioned_call(kernel, (q, k, v, bias, mask, gate), _FORWARD_IN, outs)
+
+
+def _backward(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, config, interpret):
+    """dq, dk, dv `[B, S, N, H, d]` and dbias `[B, H, N, N]` (summed over S)."""
+    operands = (q, k, v, bias, mask, do, row_max, row_log2_sum, delta)
+    bind = lambda kernel, tiles: functools.partial(
+        kernel, scale=scale, tiles=tiles, interpret=interpret
+    )
+    dk, dv = partitioned_call(
+        bind(backward_dkdv, config.backward_dkdv), operands, _BACKWARD_IN, (KEY_ROWS, KEY_ROWS)
+    )
+    (dq,) = partitioned_call(
+        bind(backward_dq, config.backward_dq), operands, _BACKWARD_IN, (QUERY_ROWS,)
+    )
+    (dbias,) = partitioned_call(
+        bind(backward_dbias, config.backward_dbias), operands, _BACKWARD_IN, (BIAS,),
+        sum_over_rows=True,
+    )
+    return dq, dk, dv, dbias
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
@@ -32,16 +73,17 @@ def fused_attention(q, k, v, bias, mask, gate, scale: float, config: BlockConfig
 
     Differentiable in q, k, v, bias and gate; mask (`[B, S, N]` int8) is not.
     """
-    return attention_forward(
+    (out,) = _forward(
         q, k, v, bias, mask, gate,
-        scale=scale, tiles=config.forward, interpret=interpret, save_stats=False,
+        scale=scale, config=config, interpret=interpret, save_stats=False,
     )
+    return out
 
 
 def _fused_attention_fwd(q, k, v, bias, mask, gate, scale, config, interpret):
-    out, attention, row_max, row_log2_sum = attention_forward(
+    out, attention, row_max, row_log2_sum = _forward(
         q, k, v, bias, mask, gate,
-        scale=scale, tiles=config.forward, interpret=interpret, save_stats=True,
+        scale=scale, config=config, interpret=interpret, save_stats=True,
     )
     return out, (q, k, v, bias, mask, gate, attention, row_max, row_log2_sum)
 
@@ -58,7 +100,7 @@ def _fused_attention_bwd(scale, config, interpret, residuals, dout):
         dgate = dgate.astype(gate.dtype)
     # [B, S, N, H] -> [B, S, H, N], the layout of the row statistics.
     delta = jnp.swapaxes(jnp.sum(do.astype(jnp.float32) * attention, axis=-1), 2, 3)
-    dq, dk, dv, dbias = attention_backward(
+    dq, dk, dv, dbias = _backward(
         q, k, v, bias, mask, do, row_max, row_log2_sum, delta,
         scale=scale, config=config, interpret=interpret,
     )

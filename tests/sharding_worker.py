@@ -1,0 +1,262 @@
+"""Runs the sharding cases of test_sharding.py on 8 simulated CPU devices.
+
+Not a test module: test_sharding.py runs it as `python sharding_worker.py OUT.json`
+in a subprocess whose XLA_FLAGS holds `--xla_force_host_platform_device_count=8`
+(set before JAX initialises: it cannot be changed inside the pytest process).
+It writes one JSON record per case:
+
+    {"errors": {name: relative error against the unsharded run},
+     "collectives": {op: count in the compiled, partitioned HLO},
+     "moved": ["f32[2,4,12,4,8] all-gather", ...: the result shapes of the
+               collectives that move data: all-gather, all-to-all,
+               collective-permute],
+     "reduced": [the same for all-reduce and reduce-scatter],
+     "out_spec", "dbias_spec": the result shardings (`_spec_entries`),
+     "deterministic": bool, "error": traceback or null}
+
+Each case runs forward and backward (`jax.vjp`, all five gradients) of the op
+under `jax.jit` with inputs placed with `jax.device_put(x, NamedSharding)`,
+and the same function on unsharded inputs (one device: no partitioning).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+import traceback
+
+if __name__ == "__main__":  # before JAX initialises
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import helpers  # noqa: E402
+import msa_pallas  # noqa: E402
+from msa_pallas.sharding import msa_partition_specs, sharded_msa_row_attention  # noqa: E402
+
+COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter", "all-reduce")
+MOVES_DATA = ("all-gather", "all-to-all", "collective-permute")
+
+# B, S, N, H, d: B divides the 2-way 'data' axis, S and H the 4-way 'rows' axis.
+SHAPE = (2, 4, 12, 4, 8)
+
+# id -> (implementation, mesh axis types, specs kwargs (batch/row/head axis), options)
+CASES = {
+    "pallas-batch": ("pallas", "Auto", dict(batch_axis="data"), {}),
+    "pallas-rows": ("pallas", "Auto", dict(row_axis="rows"), {}),
+    "pallas-batch-rows": ("pallas", "Auto", dict(batch_axis="data", row_axis="rows"), {}),
+    "pallas-heads": ("pallas", "Auto", dict(batch_axis="data", head_axis="rows"), {}),
+    "pallas-batch-rows-no-mask-no-gate": (
+        "pallas", "Auto", dict(batch_axis="data", row_axis="rows"), dict(mask=False, gate=False)),
+    "pallas-rows-over-both-axes": ("pallas", "Auto", dict(row_axis=("data", "rows")), dict(S=8)),
+    "pallas-explicit-batch-rows": (
+        "pallas", "Explicit", dict(batch_axis="data", row_axis="rows"), {}),
+    "pallas-explicit-rows": ("pallas", "Explicit", dict(row_axis="rows"), {}),
+    "pallas-shard-map-rows": ("pallas", "Auto", dict(row_axis="rows"), dict(shard_map=True)),
+    "pallas-shard-map-batch-rows": (
+        "pallas", "Auto", dict(batch_axis="data", row_axis="rows"), dict(shard_map=True)),
+    "pallas-shard-map-explicit-rows": (
+        "pallas", "Explicit", dict(row_axis="rows"), dict(shard_map=True)),
+    "pallas-vmap-rows": ("pallas", "Auto", dict(row_axis="rows"), dict(vmap=True)),
+    # Not shardable along these: the partitioner gathers (allowed), results stay right.
+    "pallas-residues": ("pallas", "Auto", {}, dict(residue_axis="rows")),
+    "pallas-uneven-rows": ("pallas", "Auto", dict(row_axis="rows"), dict(S=8, slice_rows=6)),
+    "xla-batch-rows": ("xla", "Auto", dict(batch_axis="data", row_axis="rows"), {}),
+    "xla-heads": ("xla", "Auto", dict(batch_axis="data", head_axis="rows"), {}),
+    "xla-explicit-batch-rows": ("xla", "Explicit", dict(batch_axis="data", row_axis="rows"), {}),
+}
+
+
+def _fwd_bwd(attention, slice_rows=None):
+    def run(q, k, v, bias, mask, gate, dout):
+        if slice_rows is not None:
+            cut = lambda x: None if x is None else x[:, :slice_rows]
+            q, k, v, mask, gate, dout = map(cut, (q, k, v, mask, gate, dout))
+
+        def f(q, k, v, bias, gate):
+            return attention(q, k, v, bias, mask, gate)
+
+        out, pullback = jax.vjp(f, q, k, v, bias, gate)
+        return out, pullback(dout)
+
+    return run
+
+
+def _collectives(hlo: str) -> dict:
+    counts = {}
+    for op in COLLECTIVES:
+        counts[op] = len(re.findall(rf"\s{op}(?:-start)?\(", hlo))
+    return counts
+
+
+def _result_shapes(hlo: str, ops) -> list:
+    """`"f32[2,4,12,4,8] all-gather"` for every collective of `ops` in the HLO."""
+    found = []
+    for line in hlo.splitlines():
+        for op in ops:
+            if re.search(rf"\s{op}(?:-start)?\(", line):
+                shape = line.split("=", 1)[1].strip().split("{")[0].split(" ")[0]
+                found.append(f"{shape} {op}")
+    return found
+
+
+def _spec_entries(spec) -> list:
+    """A PartitionSpec as a JSON list, trailing Nones dropped."""
+    entries = [list(e) if isinstance(e, tuple) else e for e in spec]
+    while entries and entries[-1] is None:
+        entries.pop()
+    return entries
+
+
+def _rel_err(a, b) -> float:
+    a, b = helpers.to_f64(a), helpers.to_f64(b)
+    denom = np.linalg.norm(b.ravel())
+    return float(np.linalg.norm((a - b).ravel()) / (denom if denom > 0 else 1.0))
+
+
+_REFERENCES = {}
+
+
+def run_case(implementation, axis_type, spec_axes, options) -> dict:
+    B, S, N, H, d = SHAPE
+    S = options.get("S", S)
+    mesh = jax.make_mesh((2, 4), ("data", "rows"), axis_types=(getattr(AxisType, axis_type),) * 2)
+    inputs = helpers.random_inputs(
+        7, B, S, N, H, d, jnp.float32,
+        mask_rate=0.2 if options.get("mask", True) else None,
+        fully_masked_row=(1, 2) if options.get("mask", True) else None,
+        gate=options.get("gate", True),
+    )
+    args = list(inputs.args)
+    specs = msa_partition_specs(**spec_axes)
+    if options.get("residue_axis"):
+        axis = options["residue_axis"]
+        specs = specs._replace(
+            rows=P(None, None, axis, None, None), bias=P(None, None, axis, None), mask=P(None, None, axis)
+        )
+    placement = [specs.rows, specs.rows, specs.rows, specs.bias, specs.mask, specs.rows, specs.rows]
+
+    if options.get("shard_map"):
+        attention = sharded_msa_row_attention(mesh, implementation=implementation, **spec_axes)
+    else:
+        attention = lambda *a: msa_pallas.msa_row_attention(*a, implementation=implementation)
+    run = _fwd_bwd(attention, options.get("slice_rows"))
+
+    if options.get("vmap"):
+        # An extra leading axis of 2 on every input; S stays sharded.
+        args = [None if x is None else jnp.stack([x, x[::-1]]) for x in args]
+        placement = [None if s is None else P(None, *s) for s in placement]
+        run = jax.vmap(run)
+
+    place = lambda x, spec: x if x is None else jax.device_put(x, NamedSharding(mesh, spec))
+    sharded_args = [place(x, s) for x, s in zip(args, placement)]
+    compiled = jax.jit(run).lower(*sharded_args).compile()
+    hlo = compiled.as_text()
+    got = compiled(*sharded_args)
+    again = compiled(*sharded_args)
+    # The reference: one device, nothing partitioned (shared by the cases
+    # with the same inputs and function).
+    key = (implementation, S, options.get("mask", True), options.get("gate", True),
+           options.get("slice_rows"), options.get("vmap", False))
+    if key not in _REFERENCES:
+        single = [None if x is None else jax.device_put(x, jax.devices()[0]) for x in args]
+        reference_fn = _fwd_bwd(
+            lambda *a: msa_pallas.msa_row_attention(*a, implementation=implementation),
+            options.get("slice_rows"),
+        )
+        if options.get("vmap"):
+            reference_fn = jax.vmap(reference_fn)
+        _REFERENCES[key] = jax.jit(reference_fn)(*single)
+    expected = _REFERENCES[key]
+
+    out, grads = got
+    errors = {}
+    for name, a, b in zip(helpers.RESULT_NAMES, (out, *grads), (expected[0], *expected[1])):
+        if b is None:
+            continue
+        errors[name] = _rel_err(a, b)
+        if not np.all(np.isfinite(helpers.to_f64(a))):
+            errors[name] = float("inf")
+    deterministic = all(
+        np.array_equal(np.asarray(a), np.asarray(b))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(again))
+    )
+    spec = lambda x: _spec_entries(x.sharding.spec)
+    return dict(
+        errors=errors,
+        collectives=_collectives(hlo),
+        moved=_result_shapes(hlo, MOVES_DATA),
+        reduced=_result_shapes(hlo, ("all-reduce", "reduce-scatter")),
+        out_spec=spec(out),
+        dbias_spec=spec(grads[3]),
+        deterministic=deterministic,
+        error=None,
+    )
+
+
+def run_export_case() -> dict:
+    """`jax.export` of a sharded step for 8 CPU devices, serialised,
+    deserialised and called. With `sharded_msa_row_attention` (shard_map) the
+    kernels inline into the module; the custom_partitioning path (plain jit of
+    sharded inputs) keeps a Python partitioning callback in the module, which
+    jax.export cannot serialise: recorded as `auto_error`."""
+    from msa_pallas import exporting
+
+    B, S, N, H, d = SHAPE
+    mesh = jax.make_mesh((2, 4), ("data", "rows"), axis_types=(AxisType.Auto,) * 2)
+    specs = msa_partition_specs(batch_axis="data", row_axis="rows")
+    inputs = helpers.random_inputs(7, B, S, N, H, d, jnp.float32)
+    placement = (specs.rows,) * 3 + (specs.bias, specs.mask, specs.rows, specs.rows)
+    args = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(inputs.args, placement)]
+    attention = sharded_msa_row_attention(
+        mesh, batch_axis="data", row_axis="rows", implementation="pallas"
+    )
+    step = _fwd_bwd(attention)
+    exported = exporting.export(step, platforms=("cpu",))(*args)
+    restored = jax.export.deserialize(exported.serialize())
+    got = restored.call(*args)
+    expected = jax.jit(_fwd_bwd(
+        lambda *a: msa_pallas.msa_row_attention(*a, implementation="pallas")
+    ))(*inputs.args)
+    errors = {
+        name: _rel_err(a, b)
+        for name, a, b in zip(helpers.RESULT_NAMES, jax.tree.leaves(got), jax.tree.leaves(expected))
+    }
+    auto_error = None
+    try:
+        auto = _fwd_bwd(lambda *a: msa_pallas.msa_row_attention(*a, implementation="pallas"))
+        exporting.export(auto, platforms=("cpu",))(*args).serialize()
+    except Exception as e:  # the documented limitation
+        auto_error = f"{type(e).__name__}: {e}"
+    return dict(
+        errors=errors, nr_devices=exported.nr_devices, auto_error=auto_error,
+        out_spec=_spec_entries(jax.tree.leaves(got)[0].sharding.spec), error=None,
+    )
+
+
+def main(path: str, names=None) -> None:
+    assert len(jax.devices()) == 8, jax.devices()
+    results = {}
+    for name in names or [*CASES, "export"]:
+        start = time.perf_counter()
+        try:
+            results[name] = run_export_case() if name == "export" else run_case(*CASES[name])
+        except Exception:  # recorded, reported by the test of that case
+            results[name] = dict(error=traceback.format_exc())
+        print(name, f"{time.perf_counter() - start:.1f} s", json.dumps(results[name])[:200], flush=True)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:] or None)
