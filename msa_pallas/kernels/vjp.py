@@ -88,18 +88,34 @@ def _fused_attention_fwd(q, k, v, bias, mask, gate, scale, config, interpret):
     return out, (q, k, v, bias, mask, gate, attention, row_max, row_log2_sum)
 
 
+def _round_to(x32, dtype):
+    """float32 values rounded to `dtype`'s precision, kept in float32.
+
+    `x.astype(bf16).astype(f32)` is not enough: XLA on GPU may drop such a
+    convert pair (excess precision is allowed by default); reduce_precision
+    is the op it must keep.
+    """
+    info = jnp.finfo(dtype)
+    if info.bits >= 32:
+        return x32
+    return jax.lax.reduce_precision(x32, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
 def _fused_attention_bwd(scale, config, interpret, residuals, dout):
     q, k, v, bias, mask, gate, attention, row_max, row_log2_sum = residuals
     dout32 = dout.astype(jnp.float32)
     if gate is None:
-        do, dgate = dout.astype(q.dtype), None
+        do32, dgate = dout32, None
     else:
         gate_sigmoid = jax.nn.sigmoid(gate.astype(jnp.float32))
-        do = (dout32 * gate_sigmoid).astype(q.dtype)
+        do32 = dout32 * gate_sigmoid
         dgate = dout32 * attention * gate_sigmoid * (1.0 - gate_sigmoid)
         dgate = dgate.astype(gate.dtype)
+    # The kernels multiply v by `do` in q's dtype: delta must see the same rounding.
+    do32 = _round_to(do32, q.dtype)
+    do = do32.astype(q.dtype)
     # [B, S, N, H] -> [B, S, H, N], the layout of the row statistics.
-    delta = jnp.swapaxes(jnp.sum(do.astype(jnp.float32) * attention, axis=-1), 2, 3)
+    delta = jnp.swapaxes(jnp.sum(do32 * attention, axis=-1), 2, 3)
     dq, dk, dv, dbias = _backward(
         q, k, v, bias, mask, do, row_max, row_log2_sum, delta,
         scale=scale, config=config, interpret=interpret,
