@@ -22,29 +22,11 @@ FLOOR = 0.1  # per element, for assert_close
 
 
 def assert_close(result, reference, tol: float, label: str = "") -> dict:
-    """||a - b|| <= tol * (||b|| + 0.1 sqrt(size)) for the output and every gradient.
-
-    Like helpers.compare, with an absolute floor of 0.1 tol per element
-    (inputs are unit normals, so results are O(1)): a gradient that is zero
-    in exact arithmetic (N = 1, a fully masked batch element) is compared
-    with its rounding noise, not divided by zero.
-    """
-    out, grads = result
-    ref_out, ref_grads = reference
-    errors = {}
-    for name, a, b in zip(RESULT_NAMES, (out, *grads), (ref_out, *ref_grads)):
-        if b is None:
-            assert a is None, f"{label} {name}: expected None"
-            continue
-        a64, b64 = to_f64(a), to_f64(b)
-        assert a64.shape == b64.shape, (label, name, a64.shape, b64.shape)
-        scale = np.linalg.norm(b64.ravel()) + FLOOR * np.sqrt(b64.size)
-        errors[name] = float(np.linalg.norm((a64 - b64).ravel()) / scale)
-    text = " ".join(f"{n}={e:.2e}" for n, e in errors.items())
-    print(f"[err] {label}: {text}")
-    failed = {n: e for n, e in errors.items() if not e <= tol}
-    assert not failed, f"{label}: errors above {tol:g}: {failed} (all: {text})"
-    return errors
+    """`helpers.compare` with an absolute floor of 0.1 tol per element (inputs
+    are unit normals, so results are O(1)): a gradient that is zero in exact
+    arithmetic (N = 1, a fully masked batch element) is compared with its
+    rounding noise, not divided by zero."""
+    return helpers.compare(result, reference, tol, label, floor=FLOOR)
 
 
 def _sigmoid(x):

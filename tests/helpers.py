@@ -178,11 +178,16 @@ def assert_shapes_dtypes_finite(result, inputs: Inputs) -> None:
         assert_finite(dgate, "dgate")
 
 
-def compare(result, reference, tol: float, label: str = "", **tol_overrides) -> dict:
-    """Asserts rel_err <= tol for the output and every gradient; returns the errors.
+def compare(
+    result, reference, tol: float, label: str = "", *, floor: float = 0.0, **tol_overrides
+) -> dict:
+    """Asserts the error <= tol for the output and every gradient; returns the errors.
 
-    `tol_overrides` (e.g. `dbias=2e-2`) sets the tolerance of one result, for
-    a result returned in a lower precision than the others.
+    The error is `||a - b|| / (||b|| + floor * sqrt(size))`: the relative error
+    for `floor=0`; with a floor (results of O(1) inputs), a result that is zero
+    in exact arithmetic is compared with its rounding noise instead of being
+    divided by zero. `tol_overrides` (e.g. `dbias=2e-2`) sets the tolerance of
+    one result, for a result returned in a lower precision than the others.
     """
     out, grads = result
     ref_out, ref_grads = reference
@@ -191,7 +196,13 @@ def compare(result, reference, tol: float, label: str = "", **tol_overrides) -> 
         if b is None:
             assert a is None, f"{label} {name}: expected None"
             continue
-        errors[name] = rel_err(a, b)
+        if floor == 0.0:
+            errors[name] = rel_err(a, b)
+            continue
+        a64, b64 = to_f64(a), to_f64(b)
+        assert a64.shape == b64.shape, (label, name, a64.shape, b64.shape)
+        scale = np.linalg.norm(b64.ravel()) + floor * np.sqrt(b64.size)
+        errors[name] = float(np.linalg.norm((a64 - b64).ravel()) / scale)
     text = " ".join(f"{n}={e:.2e}" for n, e in errors.items())
     print(f"[rel err] {label}: {text}")
     failed = {

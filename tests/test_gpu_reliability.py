@@ -218,7 +218,7 @@ def sharded_rows_logic(seed, shape, dtype):
     """S sharded over every device: results equal the one-device run (the bias
     gradient to summation order), and the partitioned program's only
     collectives are the bias gradient's all-reduce."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
 
     from msa_pallas.sharding import msa_partition_specs
 
