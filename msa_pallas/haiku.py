@@ -109,10 +109,10 @@ except ImportError as err:  # dm-haiku is an optional extra
         f"(importing it failed: {err}). Install it with: pip install msa_pallas[haiku]"
     ) from err
 
-import jax
 import jax.numpy as jnp
 
 from msa_pallas.attention import msa_row_attention
+from msa_pallas.layers import resolve_precision
 from msa_pallas.validation import shape_str
 
 __all__ = ["MSARowAttentionWithPairBias", "MASK_MODES", "glorot_uniform"]
@@ -238,9 +238,7 @@ class MSARowAttentionWithPairBias(hk.Module):
         self.precision = precision
 
     def _precision(self, dtype):
-        if self.precision is not None:
-            return self.precision
-        return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+        return resolve_precision(self.precision, dtype, dtype)
 
     def __call__(self, msa_act, msa_mask, pair_act, is_training: bool = False):
         """Applies the module.

@@ -153,6 +153,18 @@ def assert_finite(x, name: str = "") -> None:
     assert bad == 0, f"{name}: {bad} of {x.size} elements are not finite"
 
 
+def assert_fully_masked_row(result, inputs: Inputs, batch: int, row: int) -> None:
+    """MSA row `row` of batch element `batch` has every key masked: each query
+    gets the mean of the row's v (uniform weights), times the gate; the replaced
+    logits pass no gradient to q and k of that row, while v still gets one."""
+    out, (dq, dk, dv, _, _) = result
+    v_mean = to_f64(inputs.v[batch, row]).mean(axis=0, keepdims=True)  # [1, H, d]
+    expected = v_mean / (1.0 + np.exp(-to_f64(inputs.gate[batch, row])))
+    np.testing.assert_allclose(to_f64(out[batch, row]), expected, rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(dq[batch, row]) == 0) and np.all(np.asarray(dk[batch, row]) == 0)
+    assert np.all(np.asarray(dv[batch, row]) != 0)
+
+
 def assert_shapes_dtypes_finite(result, inputs: Inputs) -> None:
     """Output and gradients have the shapes and dtypes of their primals, and
     every element is finite.
