@@ -492,8 +492,15 @@ def memory_stats(compiled) -> dict[str, int | None]:
     return {"temp_bytes": temp, "output_bytes": output, "temp_plus_output_bytes": total}
 
 
-def measure(jitted: Callable, arg_sets: list[tuple], iters: int, warmup: int) -> tuple[dict, object]:
-    """Compiles, reads memory, warms up, times `iters` calls rotating `arg_sets`.
+def measure(
+    jitted: Callable, arg_sets: list[tuple], iters: int, warmup: int, reps: int = 1
+) -> tuple[dict, object]:
+    """Compiles, reads memory, warms up, then takes `iters` samples rotating `arg_sets`.
+
+    A sample is `reps` back-to-back calls, waited for once, divided by
+    `reps`: the launches queue up on the device, so the host's per-call
+    dispatch latency (tens of microseconds, a sizeable part of a 0.2 ms
+    kernel) stays out of the number, for every implementation alike.
 
     Returns (result dict, output of the first call or None). Failures are
     recorded in the result's `status`, never raised.
@@ -511,11 +518,15 @@ def measure(jitted: Callable, arg_sets: list[tuple], iters: int, warmup: int) ->
                 first_output = out
             del out
         times = []
-        for i in range(iters):
-            args = arg_sets[i % len(arg_sets)]
+        calls = 0
+        for _ in range(iters):
             t0 = time.perf_counter()
-            jax.block_until_ready(compiled(*args))
-            times.append((time.perf_counter() - t0) * 1e3)
+            for _ in range(reps):
+                out = compiled(*arg_sets[calls % len(arg_sets)])
+                calls += 1
+            jax.block_until_ready(out)
+            times.append((time.perf_counter() - t0) * 1e3 / reps)
+            del out
         result.update(
             median_ms=statistics.median(times), min_ms=min(times), times_ms=times
         )
@@ -658,7 +669,9 @@ def run_impl(case: Case, impl: str, arg_sets: list[tuple], args, progress,
             entry[mode] = {"status": "skipped: time budget"}
         else:
             sets = [mode_args(mode, inputs) for inputs in arg_sets]
-            entry[mode], out = measure(getattr(built, mode), sets, args.iters, args.warmup)
+            entry[mode], out = measure(
+                getattr(built, mode), sets, args.iters, args.warmup, args.reps
+            )
             if mode == "fwd":
                 fwd_out = out
                 if out is not None and reference_out is not None:
@@ -758,7 +771,8 @@ def markdown_table(results: dict) -> str:
     header += [f"{name} f+b mem MB" for name in impls]
     lines = [
         f"{meta['device_kind']} · jax {meta['jax_version']} · commit {meta['commit']} · "
-        f"{meta['date_utc']} · median of {meta['iters']} calls",
+        f"{meta['date_utc']} · median of {meta['iters']} samples of "
+        f"{meta.get('reps', 1)} back-to-back calls",
         "",
     ]
     installed = [f"{name} {version}" for name, version in meta.get("packages", {}).items()
@@ -906,6 +920,7 @@ def metadata(args, impls: list[str]) -> dict:
         "argv": sys.argv[1:],
         "impls": impls,
         "iters": args.iters,
+        "reps": args.reps,
         "warmup": args.warmup,
         "seed": args.seed,
         "env": {name: os.environ.get(name) for name in (
@@ -956,8 +971,10 @@ def parse_args(argv=None):
     parser.add_argument("--impls", default=",".join(IMPLEMENTATIONS),
                         help=f"comma-separated, of {', '.join(IMPLEMENTATIONS)} (default: all; "
                              "those that cannot run here are recorded as skipped)")
-    parser.add_argument("--iters", type=int, default=30 if gpu else 5,
-                        help="timed calls per measurement (default 30 on GPU, 5 on CPU)")
+    parser.add_argument("--iters", type=int, default=10 if gpu else 5,
+                        help="timed samples per measurement (default 10 on GPU, 5 on CPU)")
+    parser.add_argument("--reps", type=int, default=10 if gpu else 1,
+                        help="back-to-back calls per timed sample (default 10 on GPU, 1 on CPU)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls first (default 2)")
     parser.add_argument("--seed", type=int, default=0, help="PRNG seed of the inputs")
     parser.add_argument("--budget-s", type=float, default=None,
@@ -977,8 +994,8 @@ def parse_args(argv=None):
         unknown = [name for name in chosen if name not in known]
         if unknown:
             parser.error(f"unknown {kind} {', '.join(unknown)}; expected {', '.join(known)}")
-    if args.iters < 1:
-        parser.error("--iters must be >= 1")
+    if args.iters < 1 or args.reps < 1:
+        parser.error("--iters and --reps must be >= 1")
     return args
 
 
@@ -989,7 +1006,7 @@ def main(argv=None) -> int:
     results = {"metadata": metadata(args, args.impls), "cases": []}
     meta = results["metadata"]
     print(f"# {meta['device_kind']} ({meta['backend']}), jax {meta['jax_version']}, "
-          f"commit {meta['commit']}, impls {','.join(args.impls)}, iters {args.iters}", flush=True)
+          f"commit {meta['commit']}, impls {','.join(args.impls)}, iters {args.iters} x reps {args.reps}", flush=True)
     cases = [Case(shape, dims, dtype) for dtype in args.dtypes for shape, dims in args.shapes]
     progress = make_progress(len(cases) * len(args.impls) * len(MODES))
     try:

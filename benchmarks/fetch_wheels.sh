@@ -63,6 +63,13 @@ WHEELS=(
     immutabledict==4.3.1
     tensorboardx==2.6.5
 )
+# The optional Haiku drop-in's GPU tests (tests/test_haiku.py), into DIR/test:
+# benchmarks/run_gpu.sh installs these for the tests only.
+TEST_WHEELS=(
+    dm-haiku==0.0.17
+    jmp==0.0.4
+    tabulate==0.10.0
+)
 
 BASE_PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64
                 manylinux2014_x86_64 manylinux1_x86_64)
@@ -76,14 +83,14 @@ platform_args() {
     for tag in "$@"; do printf -- '--platform\n%s\n' "$tag"; done
 }
 
-download() {  # download SPEC PLATFORM...
-    local spec=$1
-    shift
+download() {  # download DEST SPEC PLATFORM...
+    local dest=$1 spec=$2
+    shift 2
     local -a plat
     mapfile -t plat < <(platform_args "$@")
     "$PYTHON" -m pip download -q --disable-pip-version-check --no-deps \
         --only-binary=:all: --python-version 3.12 --implementation cp \
-        "${plat[@]}" -d "$DIR" "$spec"
+        "${plat[@]}" -d "$dest" "$spec"
 }
 
 # The distribution name of a wheel file, normalised (PEP 503).
@@ -105,14 +112,21 @@ for spec in "${WHEELS[@]}"; do
             rm -f -- "$old"
         fi
     done
-    if download "$spec" "${BASE_PLATFORMS[@]}"; then
+    if download "$DIR" "$spec" "${BASE_PLATFORMS[@]}"; then
         continue
     fi
     echo "retrying $spec with more manylinux tags" >&2
-    if ! download "$spec" "${BASE_PLATFORMS[@]}" "${MORE_PLATFORMS[@]}"; then
+    if ! download "$DIR" "$spec" "${BASE_PLATFORMS[@]}" "${MORE_PLATFORMS[@]}"; then
         failed+=("$spec")
     fi
 done
+mkdir -p "$DIR/test"
+for spec in "${TEST_WHEELS[@]}"; do
+    # Pure-Python wheels: no platform tags needed.
+    "$PYTHON" -m pip download -q --disable-pip-version-check --no-deps \
+        --only-binary=:all: --python-version 3.12 -d "$DIR/test" "$spec" || failed+=("$spec")
+done
+echo "test wheels in $DIR/test: $(cd "$DIR/test" && ls *.whl 2>/dev/null | tr '\n' ' ')"
 
 echo
 echo "wheels in $DIR:"

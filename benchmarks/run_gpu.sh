@@ -21,7 +21,12 @@
 # OUT_DIR/alternatives_check.log; its verdict is in the summary, it does not
 # change the exit status).
 #
-# Environment: PYTHON (default python3), BENCH_ARGS (extra arguments of
+# The Haiku drop-in's test wheels (WHEEL_DIR/test, also from fetch_wheels.sh)
+# are installed into /tmp/test_site for the tests only.
+#
+# Environment: PYTHON (default python3), TEST_ARGS (extra pytest arguments,
+# e.g. "-k not full_msa"; TESTS=0 skips the tests), LAYER_BENCH (0 skips the
+# layer benchmark), BENCH_ARGS (extra arguments of
 # benchmarks/bench_attention.py, split on spaces), XLA_PYTHON_CLIENT_MEM_FRACTION
 # (default 0.90 here, so that large XLA baselines get their chance), WHEEL_DIR,
 # BENCH_SITE, CHECK_ALTERNATIVES (default 1; 0 skips the check), CHECK_ARGS
@@ -58,9 +63,24 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv \
     || echo "python/jax check failed (exit $?)"
 echo "repo $PWD; out $OUT_DIR; XLA_PYTHON_CLIENT_MEM_FRACTION=$XLA_PYTHON_CLIENT_MEM_FRACTION"
 
-section "GPU tests: $PYTHON -m pytest -q -m gpu tests -s"
-"$PYTHON" -m pytest -q -m gpu tests -s 2>&1 | tee "$OUT_DIR/gpu_tests.log"
-test_status=${PIPESTATUS[0]}
+# The Haiku drop-in's test dependencies (WHEEL_DIR/test), for the tests only.
+TEST_PYTHONPATH=$PYTHONPATH
+test_wheels=("$WHEEL_DIR"/test/*.whl)
+if [[ -e ${test_wheels[0]} ]] && "$PYTHON" -m pip install -q --no-index --no-deps \
+        --no-compile --no-cache-dir --upgrade --target /tmp/test_site "${test_wheels[@]}"; then
+    TEST_PYTHONPATH=/tmp/test_site:$PYTHONPATH
+fi
+
+section "GPU tests: $PYTHON -m pytest -q -m gpu tests -s ${TEST_ARGS:-}"
+read -r -a TEST_ARGV <<< "${TEST_ARGS:-}"
+if [[ ${TESTS:-1} != 0 ]]; then
+    PYTHONPATH=$TEST_PYTHONPATH "$PYTHON" -m pytest -q -m gpu tests -s -p no:cacheprovider \
+        ${TEST_ARGV[@]+"${TEST_ARGV[@]}"} 2>&1 | tee "$OUT_DIR/gpu_tests.log"
+    test_status=${PIPESTATUS[0]}
+else
+    echo "skipped (TESTS=0)" | tee "$OUT_DIR/gpu_tests.log"
+    test_status=5
+fi
 
 # The alternatives' wheels, for the check and the op benchmark only.
 BENCH_PYTHONPATH=$PYTHONPATH
@@ -99,14 +119,19 @@ PYTHONPATH=$BENCH_PYTHONPATH "$PYTHON" benchmarks/bench_attention.py --out "$OUT
 bench_status=${PIPESTATUS[0]}
 
 section "layer benchmark: $PYTHON benchmarks/bench_layer.py --out $OUT_DIR/layer"
-"$PYTHON" benchmarks/bench_layer.py --out "$OUT_DIR/layer" 2>&1 | tee "$OUT_DIR/bench_layer.log"
-layer_status=${PIPESTATUS[0]}
+if [[ ${LAYER_BENCH:-1} != 0 ]]; then
+    "$PYTHON" benchmarks/bench_layer.py --out "$OUT_DIR/layer" 2>&1 | tee "$OUT_DIR/bench_layer.log"
+    layer_status=${PIPESTATUS[0]}
+else
+    echo "skipped (LAYER_BENCH=0)" | tee "$OUT_DIR/bench_layer.log"
+    layer_status=0
+fi
 (( bench_status == 0 )) && bench_status=$layer_status
 
 # pytest exits 5 when no test was collected/selected: not a failure.
 case $test_status in
     0) tests_failed=0; test_verdict="passed" ;;
-    5) tests_failed=0; test_verdict="no gpu tests selected" ;;
+    5) tests_failed=0; test_verdict="no gpu tests run" ;;
     *) tests_failed=1; test_verdict="FAILED (pytest exit $test_status)" ;;
 esac
 

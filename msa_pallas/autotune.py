@@ -1,7 +1,8 @@
 """Optional autotuner: time candidate tiles on this GPU and cache the winners.
 
 `default_block_config` is a table that needs no tuning run. Where a shape
-matters enough, `autotune` times each kernel (forward, dk/dv, dq, dbias) with
+matters enough, `autotune` times each kernel (forward, dk/dv, dq, dbias, and for N <= 512
+the fused dq+dbias kernel, kept only where it beats dq plus dbias) with
 every candidate `KernelTiles` on random inputs of the given shape, keeps the
 fastest per kernel, and stores the result in a JSON file so later calls (and
 later processes) reuse it without timing::
@@ -29,7 +30,9 @@ import jax
 import jax.numpy as jnp
 
 from msa_pallas.attention import on_gpu
-from msa_pallas.block_sizes import BlockConfig, KernelTiles, default_block_config
+from msa_pallas.block_sizes import (
+    MAX_FUSED_KEYS, BlockConfig, KernelTiles, default_block_config,
+)
 from msa_pallas.kernels import backward
 from msa_pallas.kernels.forward import attention_forward
 
@@ -52,6 +55,11 @@ DEFAULT_CANDIDATES: dict[str, tuple[KernelTiles, ...]] = {
     "backward_dbias": (
         KernelTiles(64, 64, 4, 3), KernelTiles(64, 64, 4, 2), KernelTiles(128, 64, 8, 3),
         KernelTiles(64, 128, 4, 2), KernelTiles(32, 32, 4, 2),
+    ),
+    # block_k is clipped to N rounded up to a power of two: all keys in one tile.
+    "backward_dq_dbias": (
+        KernelTiles(16, MAX_FUSED_KEYS, 4, 2), KernelTiles(16, MAX_FUSED_KEYS, 4, 3),
+        KernelTiles(16, MAX_FUSED_KEYS, 8, 2),
     ),
 }
 
@@ -79,7 +87,9 @@ def _read_cache(path: pathlib.Path) -> dict:
 
 
 def _config_from_json(entry: dict) -> BlockConfig:
-    return BlockConfig(**{name: KernelTiles(**tiles) for name, tiles in entry.items()})
+    return BlockConfig(**{
+        name: None if tiles is None else KernelTiles(**tiles) for name, tiles in entry.items()
+    })
 
 
 def _median_ms(fn, iters: int) -> float:
@@ -122,12 +132,15 @@ def _kernel_runners(shape, dtype, has_mask: bool, has_gate: bool, interpret: boo
     def backward_kernel(kernel):
         return lambda tiles: kernel(*operands, scale=scale, tiles=tiles, interpret=interpret)
 
-    return {
+    runners = {
         "forward": forward,
         "backward_dkdv": backward_kernel(backward.backward_dkdv),
         "backward_dq": backward_kernel(backward.backward_dq),
         "backward_dbias": backward_kernel(backward.backward_dbias),
     }
+    if n_res <= MAX_FUSED_KEYS:
+        runners["backward_dq_dbias"] = backward_kernel(backward.backward_dq_dbias)
+    return runners
 
 
 def autotune(
@@ -149,7 +162,8 @@ def autotune(
       dtype: q's dtype.
       has_mask, has_gate: whether calls pass a mask / a gate.
       candidates: per kernel name (`"forward"`, `"backward_dkdv"`,
-        `"backward_dq"`, `"backward_dbias"`), the tiles to try; default
+        `"backward_dq"`, `"backward_dbias"`, `"backward_dq_dbias"`), the tiles
+        to try; default
         `DEFAULT_CANDIDATES`. Tiles are clipped to N first; candidates that fail
         to compile are skipped.
       iters: timed calls per candidate (median).
@@ -171,7 +185,7 @@ def autotune(
     n_res = shape[2]
     runners = _kernel_runners(shape, dtype, has_mask, has_gate, not on_gpu(), seed)
     candidates = candidates or DEFAULT_CANDIDATES
-    best = {}
+    best, best_ms = {}, {}
     for name, run in runners.items():
         timings = {}
         for tiles in dict.fromkeys(t.clipped(n_res) for t in candidates[name]):
@@ -186,11 +200,19 @@ def autotune(
         if not timings:
             raise RuntimeError(f"autotune: no candidate of {name} compiled for shape {shape}.")
         best[name] = min(timings, key=timings.get)
+        best_ms[name] = timings[best[name]]
+    # The fused dq+dbias kernel replaces the two only where it is faster.
+    fused_ms = best_ms.pop("backward_dq_dbias", math.inf)
+    if fused_ms >= best_ms["backward_dq"] + best_ms["backward_dbias"]:
+        best["backward_dq_dbias"] = None
     config = BlockConfig(**best)
 
     if use_cache:
         cached = _read_cache(path)
-        cached[key] = {name: dataclasses.asdict(tiles) for name, tiles in best.items()}
+        cached[key] = {
+            name: None if tiles is None else dataclasses.asdict(tiles)
+            for name, tiles in best.items()
+        }
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(cached, indent=1, sort_keys=True))

@@ -290,3 +290,11 @@ def jnp_reference_fwd_bwd(inputs: Inputs, scale=None, *, chunk_rows=None, keep_r
         cat = lambda i: None if kept[0][i] is None else np.concatenate([c[i] for c in kept], axis=1)
         out, dq, dk, dv, dg = (cat(i) for i in range(5))
         return out, (dq, dk, dv, to_f64(dbias), dg)
+
+
+def expected_kernel_calls(n_res: int, head_dim: int, dtype) -> int:
+    """Triton kernels in a forward + backward step with the default tiles:
+    forward, dk/dv, and dq + dbias (one fused kernel where the default
+    config fuses them, else two)."""
+    config = msa_pallas.block_sizes.default_block_config(n_res, head_dim, dtype)
+    return 3 if config.fuses_dq_dbias(n_res) else 4

@@ -21,6 +21,7 @@ and the same function on unsharded inputs (one device: no partitioning).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -42,6 +43,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import helpers  # noqa: E402
 import msa_pallas  # noqa: E402
+from msa_pallas.block_sizes import KernelTiles, default_block_config, next_power_of_2  # noqa: E402
 from msa_pallas.sharding import msa_partition_specs, sharded_msa_row_attention  # noqa: E402
 
 COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "reduce-scatter", "all-reduce")
@@ -68,6 +70,14 @@ CASES = {
     "pallas-shard-map-explicit-rows": (
         "pallas", "Explicit", dict(row_axis="rows"), dict(shard_map=True)),
     "pallas-vmap-rows": ("pallas", "Auto", dict(row_axis="rows"), dict(vmap=True)),
+    # The fused dq+dbias kernel: one call with a per-row result (dq) and a sum over S.
+    "pallas-rows-fused-dq-dbias": ("pallas", "Auto", dict(row_axis="rows"), dict(fused=True)),
+    "pallas-batch-rows-fused-dq-dbias": (
+        "pallas", "Auto", dict(batch_axis="data", row_axis="rows"), dict(fused=True)),
+    "pallas-explicit-rows-fused-dq-dbias": (
+        "pallas", "Explicit", dict(row_axis="rows"), dict(fused=True)),
+    "pallas-shard-map-rows-fused-dq-dbias": (
+        "pallas", "Auto", dict(row_axis="rows"), dict(shard_map=True, fused=True)),
     # Not shardable along these: the partitioner gathers (allowed), results stay right.
     "pallas-residues": ("pallas", "Auto", {}, dict(residue_axis="rows")),
     "pallas-uneven-rows": ("pallas", "Auto", dict(row_axis="rows"), dict(S=8, slice_rows=6)),
@@ -127,8 +137,19 @@ def _rel_err(a, b) -> float:
 _REFERENCES = {}
 
 
+def _block_config(options):
+    """The default tiles, plus the fused dq+dbias kernel when `fused` (for
+    float32 it is off by default)."""
+    if not options.get("fused"):
+        return None
+    _, _, N, _, d = SHAPE
+    config = default_block_config(N, d, jnp.float32)
+    return dataclasses.replace(config, backward_dq_dbias=KernelTiles(16, next_power_of_2(N)))
+
+
 def run_case(implementation, axis_type, spec_axes, options) -> dict:
     B, S, N, H, d = SHAPE
+    block_config = _block_config(options)
     S = options.get("S", S)
     mesh = jax.make_mesh((2, 4), ("data", "rows"), axis_types=(getattr(AxisType, axis_type),) * 2)
     inputs = helpers.random_inputs(
@@ -147,9 +168,13 @@ def run_case(implementation, axis_type, spec_axes, options) -> dict:
     placement = [specs.rows, specs.rows, specs.rows, specs.bias, specs.mask, specs.rows, specs.rows]
 
     if options.get("shard_map"):
-        attention = sharded_msa_row_attention(mesh, implementation=implementation, **spec_axes)
+        attention = sharded_msa_row_attention(
+            mesh, implementation=implementation, block_config=block_config, **spec_axes
+        )
     else:
-        attention = lambda *a: msa_pallas.msa_row_attention(*a, implementation=implementation)
+        attention = lambda *a: msa_pallas.msa_row_attention(
+            *a, implementation=implementation, block_config=block_config
+        )
     run = _fwd_bwd(attention, options.get("slice_rows"))
 
     if options.get("vmap"):
@@ -167,11 +192,13 @@ def run_case(implementation, axis_type, spec_axes, options) -> dict:
     # The reference: one device, nothing partitioned (shared by the cases
     # with the same inputs and function).
     key = (implementation, S, options.get("mask", True), options.get("gate", True),
-           options.get("slice_rows"), options.get("vmap", False))
+           options.get("slice_rows"), options.get("vmap", False), options.get("fused", False))
     if key not in _REFERENCES:
         single = [None if x is None else jax.device_put(x, jax.devices()[0]) for x in args]
         reference_fn = _fwd_bwd(
-            lambda *a: msa_pallas.msa_row_attention(*a, implementation=implementation),
+            lambda *a: msa_pallas.msa_row_attention(
+                *a, implementation=implementation, block_config=block_config
+            ),
             options.get("slice_rows"),
         )
         if options.get("vmap"):

@@ -14,6 +14,8 @@ output (tile tails past N, head-dim columns past d, all MSA rows and heads).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -117,6 +119,48 @@ def test_block_config(config_id, seed):
         )
     inputs = random_inputs(seed, 1, 3, 37, 2, 8, jnp.float32, fully_masked_row=(0, 2))
     _check_case(inputs, f"block_config {config_id}", block_config=config)
+
+
+# id: (batch, S, N, H, d, dtype, random_inputs kwargs, fused tiles)
+FUSED_CASES = {
+    # N=37 in a 64-wide key tile (tail masked), S=3: each row its own chunk.
+    "N37-S3": ((1,), 3, 37, 2, 8, jnp.float32, dict(fully_masked_row=(0, 2)), (16, 64)),
+    # S=5 (prime), two batch elements, 3 query tiles.
+    "N40-S5-B2": ((2,), 5, 40, 2, 16, jnp.float32, {}, (16, 64)),
+    # One query tile holding all of N, no mask, no gate.
+    "N16-no-mask": ((1,), 4, 16, 3, 16, jnp.float32, dict(mask_rate=None, gate=False), (16, 16)),
+    "N24-bf16": ((1,), 6, 24, 2, 32, jnp.bfloat16, {}, (16, 32)),
+}
+
+
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+def test_fused_dq_dbias(case, seed):
+    """The fused dq+dbias kernel (one key tile spanning all N, the S rows
+    split into chunks whose partial bias gradients are added) against
+    float64 and xla."""
+    batch, S, N, H, d, dtype, kw, (block_q, block_k) = FUSED_CASES[case]
+    T = msa_pallas.KernelTiles
+    config = dataclasses.replace(
+        msa_pallas.block_sizes.default_block_config(N, d, dtype),
+        backward_dq_dbias=T(block_q, block_k),
+    )
+    assert config.fuses_dq_dbias(N)
+    inputs = random_inputs(seed, batch, S, N, H, d, dtype, **kw)
+    _check_case(inputs, f"fused {case}", block_config=config)
+
+
+def test_fused_dq_dbias_equals_separate_kernels(seed):
+    """dq from the fused kernel equals the dq kernel's bit for bit in float32
+    (same products, same order); the bias gradient to rounding."""
+    T = msa_pallas.KernelTiles
+    separate = msa_pallas.BlockConfig(T(16, 16), T(16, 16), T(16, 64), T(16, 64))
+    fused = dataclasses.replace(separate, backward_dq_dbias=T(16, 64))
+    inputs = random_inputs(seed, 1, 4, 50, 2, 16, jnp.float32)
+    got = fwd_bwd(PALLAS, None, fused)(*inputs.args)
+    want = fwd_bwd(PALLAS, None, separate)(*inputs.args)
+    names = helpers.RESULT_NAMES
+    for name, a, b in zip(names, jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert rel_err(a, b) < 1e-6, name
 
 
 # --- transformations ----------------------------------------------------------

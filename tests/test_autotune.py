@@ -18,6 +18,9 @@ CANDIDATES = {
     name: (KernelTiles(16, 16, 4, 2), KernelTiles(32, 16, 4, 2))
     for name in autotune.DEFAULT_CANDIDATES
 }
+# The fused dq+dbias kernel needs every key in one tile (block_k >= N).
+CANDIDATES["backward_dq_dbias"] = (KernelTiles(16, 64, 4, 2), KernelTiles(16, 64, 2, 2))
+SEPARATE = [name for name in CANDIDATES if name != "backward_dq_dbias"]
 
 
 @pytest.fixture
@@ -28,8 +31,10 @@ def cache_dir(tmp_path, monkeypatch):
 
 def test_picks_candidates_and_caches(cache_dir):
     config = autotune.autotune(SHAPE, jnp.float32, candidates=CANDIDATES, iters=1)
-    for name in CANDIDATES:
+    for name in SEPARATE:
         assert getattr(config, name) in CANDIDATES[name]
+    # Kept only where it beat dq plus dbias.
+    assert config.backward_dq_dbias in (None, *CANDIDATES["backward_dq_dbias"])
     cached = json.loads((cache_dir / autotune.CACHE_FILE).read_text())
     key = autotune.cache_key(SHAPE, jnp.float32, True, False)
     assert set(cached) == {key}
@@ -37,11 +42,13 @@ def test_picks_candidates_and_caches(cache_dir):
     # A second call reads the file instead of timing: plant a different
     # (valid) answer there and get it back.
     planted = {name: {"block_q": 16, "block_k": 32, "num_warps": 2, "num_stages": 1}
-               for name in CANDIDATES}
+               for name in SEPARATE}
+    planted["backward_dq_dbias"] = None
     (cache_dir / autotune.CACHE_FILE).write_text(json.dumps({key: planted}))
     again = autotune.autotune(SHAPE, jnp.float32, candidates=CANDIDATES, iters=1)
     assert again.forward == KernelTiles(16, 32, 2, 1)
     assert again.backward_dbias == KernelTiles(16, 32, 2, 1)
+    assert again.backward_dq_dbias is None
 
 
 def test_tuned_config_is_correct(cache_dir):

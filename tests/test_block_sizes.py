@@ -8,11 +8,14 @@ import jax.numpy as jnp
 import pytest
 
 from msa_pallas.block_sizes import (
+    MAX_FUSED_KEYS,
+    MAX_ROW_CHUNKS,
     BlockConfig,
     KernelTiles,
     default_block_config,
     next_power_of_2,
     padded_head_dim,
+    row_chunks,
 )
 
 POWERS = (16, 32, 64, 128, 256)
@@ -52,12 +55,42 @@ def test_clipped_caps_at_next_power_of_two(n_res):
 
 def test_block_config_clipped_clips_every_kernel():
     big = KernelTiles(128, 128)
-    config = BlockConfig(big, big, big, KernelTiles(16, 128)).clipped(37)
+    config = BlockConfig(big, big, big, KernelTiles(16, 128), KernelTiles(16, 512)).clipped(37)
     for f in dataclasses.fields(config):
         tiles = getattr(config, f.name)
         assert tiles.block_q <= 64 and tiles.block_k <= 64, f.name
     assert config.backward_dbias.block_q == 16
+    assert config.fuses_dq_dbias(37)
     hash(config)  # a static argument of jit / custom_vjp
+    unfused = BlockConfig(big, big, big, big)
+    assert unfused.backward_dq_dbias is None and unfused.clipped(37).backward_dq_dbias is None
+
+
+def test_fused_dq_dbias_needs_every_key_in_one_tile():
+    config = BlockConfig(*(KernelTiles(32, 32),) * 4, backward_dq_dbias=KernelTiles(16, 64))
+    assert config.fuses_dq_dbias(64) and config.fuses_dq_dbias(40)
+    assert not config.fuses_dq_dbias(65)
+    assert not BlockConfig(*(KernelTiles(32, 32),) * 4).fuses_dq_dbias(16)
+
+
+@pytest.mark.parametrize(
+    "programs, rows, expected",
+    [
+        (128, 128, 4),  # train: 16 query tiles x 8 heads -> 4 chunks of 32 rows
+        (2048, 512, 1),  # enough programs already
+        (192, 512, 4),  # 3 chunks wanted; 4 is the next divisor of 512
+        (16, 8, 8),  # capped at S
+        (1, 1024, 16),  # capped at MAX_ROW_CHUNKS
+        (100, 131, 1),  # S prime and > MAX_ROW_CHUNKS: no split
+        (200, 9, 3),  # 3 wanted, divides 9
+        (120, 10, 5),  # 5 wanted, divides 10
+        (100, 7, 7),  # 6 wanted; 7 (= S) is the next divisor
+    ],
+)
+def test_row_chunks(programs, rows, expected):
+    chunks = row_chunks(programs, rows)
+    assert chunks == expected
+    assert rows % chunks == 0 and 1 <= chunks <= MAX_ROW_CHUNKS
 
 
 def test_next_power_of_2():
@@ -83,10 +116,19 @@ def test_default_block_config_is_valid(n_res, head_dim, dtype):
     cap = max(16, next_power_of_2(n_res))
     for f in dataclasses.fields(config):
         tiles = getattr(config, f.name)
-        assert isinstance(tiles, KernelTiles), f.name
+        if f.name == "backward_dq_dbias":
+            # 16-bit inputs with d <= 64 and N <= 512 only: one key tile of all N.
+            fused = jnp.dtype(dtype).itemsize == 2 and head_dim <= 64 and n_res <= MAX_FUSED_KEYS
+            assert (tiles is not None) == fused, tiles
+            assert config.fuses_dq_dbias(n_res) == fused
+            if tiles is None:
+                continue
+            assert tiles.block_k == cap, tiles
+        else:
+            assert isinstance(tiles, KernelTiles), f.name
+            assert max(tiles.block_q, tiles.block_k) <= min(cap, 128), (f.name, tiles)
         for side in (tiles.block_q, tiles.block_k):
             assert side >= 16 and side == next_power_of_2(side), (f.name, tiles)
-            assert side <= min(cap, 128), (f.name, tiles)  # tiles along N are in [16, 128]
         assert tiles.num_warps in (1, 2, 4, 8, 16) and tiles.num_stages >= 1
     assert config.clipped(n_res) == config  # already clipped
     hash(config)

@@ -15,6 +15,7 @@ first 16 rows and the bias gradient (summed over all S) against float64.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -158,6 +159,23 @@ def test_small_tiles(dtype_id, seed):
     config = msa_pallas.BlockConfig(T(16, 16), T(16, 16), T(16, 16), T(16, 16))
     inputs = device_inputs(seed, (1, 3, 37, 2, 8), DTYPES[dtype_id])
     run_and_check(inputs, f"gpu N37 tiles 16x16 {dtype_id}", block_config=config)
+
+
+@pytest.mark.parametrize("dtype_id", list(DTYPES))
+@pytest.mark.parametrize("fused", ["fused", "separate"])
+@pytest.mark.parametrize("shape", [(1, 7, 256, 4, 32), (2, 5, 37, 2, 16), (1, 6, 500, 2, 64)])
+def test_dq_dbias_fused_and_separate(shape, fused, dtype_id, seed):
+    """The fused dq+dbias kernel (default for 16-bit inputs with N <= 512) and
+    the separate dq and dbias kernels, each forced, at S prime or split into
+    chunks, against float64."""
+    dtype = DTYPES[dtype_id]
+    config = msa_pallas.block_sizes.default_block_config(shape[2], shape[4], dtype)
+    span = msa_pallas.block_sizes.next_power_of_2(shape[2])
+    config = dataclasses.replace(
+        config, backward_dq_dbias=T(16, span) if fused == "fused" else None
+    )
+    inputs = device_inputs(seed, shape, dtype)
+    run_and_check(inputs, f"gpu {fused} dq+dbias {shape} {dtype_id}", block_config=config)
 
 
 def test_poisoned_memory(seed):

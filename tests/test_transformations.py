@@ -172,13 +172,14 @@ def _triton_calls(exported) -> int:
 
 @pytest.mark.parametrize("implementation", [PALLAS, None])
 def test_export_kernels_for_cuda_from_any_host(implementation):
-    """Forward + backward exported for CUDA: the four Triton kernels (forward
-    with statistics, dk/dv, dq, dbias) are in the module as compiled-kernel
+    """Forward + backward exported for CUDA: the Triton kernels (forward with
+    statistics, dk/dv, and dq + dbias, fused or not) are in the module as compiled-kernel
     custom calls, whatever the host (on this CPU host, `gpu_target` supplies
     the GPU for the Triton lowering and the op leaves interpret mode)."""
     exported = exporting.export(_train_step(implementation))(*_export_args())
     assert exported.platforms == ("cuda",)
-    assert _triton_calls(exported) == 4
+    kernels = helpers.expected_kernel_calls(EXPORT_SHAPE[2], EXPORT_SHAPE[4], jnp.bfloat16)
+    assert _triton_calls(exported) == kernels
     assert "stablehlo.while" not in exported.mlir_module()  # no interpret-mode loops
     chex.assert_trees_all_equal_shapes_and_dtypes(
         exported.out_avals,
@@ -188,7 +189,7 @@ def test_export_kernels_for_cuda_from_any_host(implementation):
     pytest.importorskip("flatbuffers", reason="jax.export serialisation needs flatbuffers")
     restored = jax.export.deserialize(exported.serialize())
     assert restored.platforms == ("cuda",)
-    assert _triton_calls(restored) == 4
+    assert _triton_calls(restored) == kernels
     assert restored.in_avals == exported.in_avals
 
 

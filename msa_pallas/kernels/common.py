@@ -25,9 +25,27 @@ LOG2E = math.log2(math.e)
 MASKED_LOGIT_LOG2 = MASKED_LOGIT * LOG2E
 
 
-def dot_precision(dtype):
-    """float32 inputs use IEEE float32 products (never TF32)."""
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+# The float32 products on the GPU: "tf32x3" (default) or "ieee"; a switch
+# for benchmarks/profile_kernels.py, which times both.
+F32_DOTS = "tf32x3"
+
+
+def dot_precision(dtype, interpret: bool, d_pad: int):
+    """The precision of the kernels' matrix products for inputs of `dtype`.
+
+    16-bit inputs: the matrix units' native products, float32 accumulation.
+    float32 inputs on the GPU with a (padded) head dim <= 64: three TF32
+    products per product (a = a_hi + a_lo split, measured error 1e-7 to
+    1.5e-6 against float64), which run on the matrix units instead of the
+    FMA pipes (3x faster forward at d=32 on an H200); never plain TF32.
+    IEEE float32 products for d=128 (where the split was not measured) and
+    in interpret mode (CPU has no TF32).
+    """
+    if jnp.dtype(dtype) != jnp.float32:
+        return None
+    if interpret or d_pad > 64 or F32_DOTS == "ieee":
+        return jax.lax.Precision.HIGHEST
+    return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
 def row_ids(start, block: int):
@@ -118,7 +136,7 @@ def load_key_keep(mask_ref, prefix: tuple, k_start, block_k: int, n_res: int):
     return load_vector(mask_ref, prefix, k_start, block_k, n_res) != 0
 
 
-def log2_logits(q, k, bias_log2, key_keep, k_start, *, qk_scale_log2: float, n_res: int):
+def log2_logits(q, k, bias_log2, key_keep, k_start, *, qk_scale_log2: float, n_res: int, precision):
     """Base-2 logits of one tile.
 
     Args:
@@ -126,12 +144,13 @@ def log2_logits(q, k, bias_log2, key_keep, k_start, *, qk_scale_log2: float, n_r
       bias_log2: `[block_q, block_k]` float32, already times log2(e).
       key_keep: `[block_k]` bool or None.
       k_start: first key of the tile.
+      precision: of the product, from `dot_precision`.
 
     Returns:
       `[block_q, block_k]` float32: masked keys hold MASKED_LOGIT_LOG2 (the
       replaced logit -1e9, as AlphaFold), keys past N hold -inf.
     """
-    t = plgpu.dot(q, k, trans_b=True, precision=dot_precision(q.dtype))
+    t = plgpu.dot(q, k, trans_b=True, precision=precision)
     t = t * qk_scale_log2 + bias_log2
     if key_keep is not None:
         t = jnp.where(key_keep[None, :], t, MASKED_LOGIT_LOG2)

@@ -25,11 +25,11 @@ def _forward_kernel(
     q_ref, k_ref, v_ref, bias_ref, mask_ref, gate_ref,  # inputs
     out_ref, attention_ref, row_max_ref, row_log2_sum_ref,  # outputs
     *, qk_scale_log2: float, n_res: int, head_dim: int, block_q: int, block_k: int,
+    precision,
 ):
     q_start = pl.program_id(0) * block_q
     q = common.load_rows(q_ref, (), q_start, block_q, n_res, head_dim)
     d_pad = q.shape[-1]
-    precision = common.dot_precision(q.dtype)
 
     def visit_key_tile(key_tile, carry):
         acc, row_max, row_sum = carry
@@ -39,7 +39,8 @@ def _forward_kernel(
         bias = common.load_bias_tile(bias_ref, q_start, k_start, block_q, block_k, n_res)
         keep = common.load_key_keep(mask_ref, (), k_start, block_k, n_res)
         t = common.log2_logits(
-            q, k, bias, keep, k_start, qk_scale_log2=qk_scale_log2, n_res=n_res
+            q, k, bias, keep, k_start, qk_scale_log2=qk_scale_log2, n_res=n_res,
+            precision=precision,
         )
         new_max = jnp.maximum(row_max, jnp.max(t, axis=1))
         rescale = jnp.exp2(row_max - new_max)
@@ -117,6 +118,7 @@ def attention_forward(
         _forward_kernel,
         qk_scale_log2=scale * common.LOG2E,
         n_res=n_res, head_dim=head_dim, block_q=tiles.block_q, block_k=tiles.block_k,
+        precision=common.dot_precision(q.dtype, interpret, d_pad),
     )
     rows_spec = row_specs(n_res, d_pad)
     in_specs = [

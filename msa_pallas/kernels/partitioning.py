@@ -87,14 +87,27 @@ def _axis_names(entry) -> tuple:
     return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
 
 
-def _partitioned_op(
-    body: Callable, in_layouts: tuple, out_layouts: tuple, sum_over_rows: bool
-) -> Callable:
+def _sums_over_rows(out_layouts) -> tuple[bool, ...]:
+    """Which results are sums over S: those whose layout has no s factor."""
+    return tuple("s" not in layout.split() for layout in out_layouts)
+
+
+def _psum_row_sums(results, out_layouts, row_axes) -> tuple:
+    """Each shard's partial sums over S, psum-ed over the mesh axes of S."""
+    if not row_axes:
+        return results
+    return tuple(
+        jax.lax.psum(r, row_axes) if summed else r
+        for r, summed in zip(results, _sums_over_rows(out_layouts))
+    )
+
+
+def _partitioned_op(body: Callable, in_layouts: tuple, out_layouts: tuple) -> Callable:
     """`custom_vmap(custom_partitioning(body))` for arrays of the given layouts.
 
-    body(*arrays) -> tuple of arrays. With `sum_over_rows`, the results are
-    sums over S (their layouts have no s): each shard's partial result is
-    psum-ed over the mesh axes that shard S.
+    body(*arrays) -> tuple of arrays. A result whose layout has no s (the
+    bias gradient) is a sum over S: each shard's partial result is psum-ed
+    over the mesh axes that shard S.
     """
 
     def shardings(mesh, lead_shape):
@@ -118,10 +131,7 @@ def _partitioned_op(
         row_axes = _axis_names(axes.get("s"))
 
         def lower_fn(*arrays):
-            results = body(*arrays)
-            if sum_over_rows and row_axes:
-                results = tuple(jax.lax.psum(r, row_axes) for r in results)
-            return results
+            return _psum_row_sums(body(*arrays), out_layouts, row_axes)
 
         return mesh, lower_fn, result_shardings, arg_shardings
 
@@ -139,7 +149,7 @@ def _partitioned_op(
         infer_sharding_from_operands=infer_sharding_from_operands,
         sharding_rule=rule,
         need_replication_factors=tuple(sorted(WHOLE, key=order.index)),
-        reduction_factors=("s",) if sum_over_rows else (),
+        reduction_factors=("s",) if all(_sums_over_rows(out_layouts)) else (),
     )
 
     @jax.custom_batching.custom_vmap
@@ -168,8 +178,6 @@ def partitioned_call(
     args: Sequence,
     in_layouts: Sequence[str],
     out_layouts: Sequence[str],
-    *,
-    sum_over_rows: bool = False,
 ) -> tuple:
     """Calls `fn(*args)` (which returns an array or a tuple of arrays) as one
     SPMD-partitioned op; `None` arguments (no mask, no gate) are passed through.
@@ -179,7 +187,8 @@ def partitioned_call(
       args: the array arguments or None, a QUERY_ROWS array first (its
         sharding leads).
       in_layouts, out_layouts: the factor strings of each argument / result.
-      sum_over_rows: the results are sums over S (the bias gradient).
+        A result whose layout has no s is a sum over S (psum-ed across
+        the shards of S).
 
     Returns:
       a tuple of the results.
@@ -197,8 +206,8 @@ def partitioned_call(
 
     mesh = _explicit_mesh(arrays)
     if mesh is not None:
-        return _shard_map_call(body, mesh, arrays, in_layouts, out_layouts, sum_over_rows)
-    op = _partitioned_op(body, in_layouts, out_layouts, sum_over_rows)
+        return _shard_map_call(body, mesh, arrays, in_layouts, out_layouts)
+    op = _partitioned_op(body, in_layouts, out_layouts)
     return op(*arrays)
 
 
@@ -224,7 +233,7 @@ def _explicit_mesh(arrays):
     return None
 
 
-def _shard_map_call(body, mesh, arrays, in_layouts, out_layouts, sum_over_rows):
+def _shard_map_call(body, mesh, arrays, in_layouts, out_layouts):
     explicit = set(mesh.explicit_axes)
     lead = jax.typeof(arrays[0])
     axes = _lead_axes(lead.sharding, lead.shape, dict(mesh.shape), allowed=explicit)
@@ -238,10 +247,7 @@ def _shard_map_call(body, mesh, arrays, in_layouts, out_layouts, sum_over_rows):
     )
 
     def per_shard(*arrays):
-        results = body(*arrays)
-        if sum_over_rows and row_axes:
-            results = tuple(jax.lax.psum(r, row_axes) for r in results)
-        return results
+        return _psum_row_sums(body(*arrays), out_layouts, row_axes)
 
     return jax.shard_map(
         per_shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs,

@@ -28,7 +28,9 @@ import jax
 import jax.numpy as jnp
 
 from msa_pallas.block_sizes import BlockConfig
-from msa_pallas.kernels.backward import backward_dbias, backward_dkdv, backward_dq
+from msa_pallas.kernels.backward import (
+    backward_dbias, backward_dkdv, backward_dq, backward_dq_dbias,
+)
 from msa_pallas.kernels.forward import attention_forward
 from msa_pallas.kernels.partitioning import (
     BIAS, KEY_ROWS, MASK, QUERY_ROWS, STATS, partitioned_call,
@@ -57,12 +59,17 @@ def _backward(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, c
     dk, dv = partitioned_call(
         bind(backward_dkdv, config.backward_dkdv), operands, _BACKWARD_IN, (KEY_ROWS, KEY_ROWS)
     )
+    if config.fuses_dq_dbias(q.shape[2]):
+        dq, dbias = partitioned_call(
+            bind(backward_dq_dbias, config.backward_dq_dbias), operands, _BACKWARD_IN,
+            (QUERY_ROWS, BIAS),
+        )
+        return dq, dk, dv, dbias
     (dq,) = partitioned_call(
         bind(backward_dq, config.backward_dq), operands, _BACKWARD_IN, (QUERY_ROWS,)
     )
     (dbias,) = partitioned_call(
-        bind(backward_dbias, config.backward_dbias), operands, _BACKWARD_IN, (BIAS,),
-        sum_over_rows=True,
+        bind(backward_dbias, config.backward_dbias), operands, _BACKWARD_IN, (BIAS,)
     )
     return dq, dk, dv, dbias
 

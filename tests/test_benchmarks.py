@@ -1,0 +1,84 @@
+"""The benchmark scripts run on CPU (interpret mode) and report what they time.
+
+Speed is never asserted here: on CPU the numbers say nothing. These tests
+check that the scripts run end to end and that their timing loops count
+calls correctly, so a GPU session does not discover a broken script."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import bench_attention  # noqa: E402
+import profile_kernels  # noqa: E402
+
+
+class _CountingExecutable:
+    """Stands in for `jax.jit(f)`: lowers and compiles to itself and records
+    the argument of every call, so the timing loop's calls can be counted."""
+
+    def __init__(self):
+        self.calls = []
+        self.compiled = jax.jit(lambda x: x * 2.0)
+
+    def lower(self, *args):
+        return self
+
+    def compile(self):
+        return self
+
+    def memory_analysis(self):
+        return None
+
+    def __call__(self, x):
+        self.calls.append(float(x[0]))
+        return self.compiled(x)
+
+
+def test_measure_times_batches_of_back_to_back_calls():
+    executable = _CountingExecutable()
+    arg_sets = [(jnp.arange(3.0) + i,) for i in range(3)]
+    result, first = bench_attention.measure(executable, arg_sets, iters=4, warmup=2, reps=5)
+    assert result["status"] == "ok", result
+    assert len(result["times_ms"]) == 4
+    assert all(t > 0 for t in result["times_ms"])
+    assert result["min_ms"] <= result["median_ms"]
+    # 2 warm-up calls, then 4 samples of 5 calls, rotating the three input sets.
+    assert len(executable.calls) == 2 + 4 * 5
+    assert executable.calls[2:8] == [0.0, 1.0, 2.0, 0.0, 1.0, 2.0]
+    assert jnp.array_equal(first, arg_sets[0][0] * 2.0)
+
+
+def test_profile_kernels_runs_every_kernel(capsys):
+    status = profile_kernels.main(
+        ["--shapes", "tiny", "--dtypes", "bf16", "--reps", "1", "--samples", "1",
+         "--dbias-tiles", "16x32x4x2"]
+    )
+    assert status == 0
+    lines = [line.split(" | ") for line in capsys.readouterr().out.splitlines()]
+    labels = [fields[2] for fields in lines]
+    for name in ("forward", "backward_dkdv", "backward_dq", "backward_dbias",
+                 "backward_dq_dbias", "op forward", "op forward+backward"):
+        assert any(label.startswith(name) for label in labels), (name, labels)
+    assert sum(label.startswith("backward_dbias KernelTiles(block_q=16, block_k=32")
+               for label in labels) == 1
+    for fields in lines:
+        assert float(fields[3]) > 0, fields  # a time, not an ERROR line
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU smoke shape")
+def test_bench_attention_smoke(tmp_path):
+    status = bench_attention.main(
+        ["--shapes", "tiny", "--dtypes", "f32", "--impls", "msa_pallas,xla",
+         "--iters", "1", "--reps", "2", "--out", str(tmp_path)]
+    )
+    assert status == 0
+    table = (tmp_path / "results.md").read_text()
+    assert "samples of 2 back-to-back calls" in table
+    assert "msa_pallas" in table and "xla" in table
