@@ -60,6 +60,9 @@ import numpy as np
 
 import msa_pallas
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import batched_times_ms  # noqa: E402
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # --- what is measured -------------------------------------------------------
@@ -498,9 +501,7 @@ def measure(
     """Compiles, reads memory, warms up, then takes `iters` samples rotating `arg_sets`.
 
     A sample is `reps` back-to-back calls, waited for once, divided by
-    `reps`: the launches queue up on the device, so the host's per-call
-    dispatch latency (tens of microseconds, a sizeable part of a 0.2 ms
-    kernel) stays out of the number, for every implementation alike.
+    `reps` (`timing.batched_times_ms`).
 
     Returns (result dict, output of the first call or None). Failures are
     recorded in the result's `status`, never raised.
@@ -517,16 +518,9 @@ def measure(
             if i == 0:
                 first_output = out
             del out
-        times = []
-        calls = 0
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                out = compiled(*arg_sets[calls % len(arg_sets)])
-                calls += 1
-            jax.block_until_ready(out)
-            times.append((time.perf_counter() - t0) * 1e3 / reps)
-            del out
+        times = batched_times_ms(
+            lambda i: compiled(*arg_sets[i % len(arg_sets)]), samples=iters, reps=reps
+        )
         result.update(
             median_ms=statistics.median(times), min_ms=min(times), times_ms=times
         )

@@ -37,6 +37,9 @@ import jax.numpy as jnp
 
 from msa_pallas.layers import MSARowAttentionWithPairBias
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import batched_times_ms  # noqa: E402
+
 SHAPES = {
     "tiny": dict(B=1, S=4, N=24, msa_dim=32, pair_dim=16, heads=4),
     "train": dict(B=1, S=128, N=256, msa_dim=256, pair_dim=128, heads=8),
@@ -55,16 +58,12 @@ def make_inputs(shape: dict, input_dtype, seed: int = 0):
     return m, z, mask, cot
 
 
-def time_fn(fn, args, warmup: int, iters: int) -> float:
-    """Median wall milliseconds of `fn(*args)` (already compiled), synchronised."""
+def time_fn(fn, args, warmup: int, iters: int, reps: int) -> float:
+    """Median per-call milliseconds of `fn(*args)` (already compiled) over
+    `iters` samples of `reps` back-to-back calls (`timing.batched_times_ms`)."""
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return statistics.median(batched_times_ms(lambda i: fn(*args), samples=iters, reps=reps))
 
 
 def temp_bytes(compiled) -> int | None:
@@ -75,7 +74,9 @@ def temp_bytes(compiled) -> int | None:
         return None
 
 
-def bench_one(shape_name: str, implementation: str, dtype, input_dtype, warmup: int, iters: int) -> dict:
+def bench_one(
+    shape_name: str, implementation: str, dtype, input_dtype, warmup: int, iters: int, reps: int
+) -> dict:
     shape = SHAPES[shape_name]
     layer = MSARowAttentionWithPairBias(
         msa_dim=shape["msa_dim"], pair_dim=shape["pair_dim"], num_heads=shape["heads"],
@@ -100,8 +101,8 @@ def bench_one(shape_name: str, implementation: str, dtype, input_dtype, warmup: 
         fwd_c = fwd.lower(params, m, z, mask).compile()
         fwd_bwd_c = fwd_bwd.lower(params, m, z, mask, cot).compile()
         row["temp_bytes"] = temp_bytes(fwd_bwd_c)
-        row["fwd_ms"] = time_fn(fwd_c, (params, m, z, mask), warmup, iters)
-        row["fwd_bwd_ms"] = time_fn(fwd_bwd_c, (params, m, z, mask, cot), warmup, iters)
+        row["fwd_ms"] = time_fn(fwd_c, (params, m, z, mask), warmup, iters, reps)
+        row["fwd_bwd_ms"] = time_fn(fwd_bwd_c, (params, m, z, mask, cot), warmup, iters, reps)
         out = fwd_c(params, m, z, mask)
         row["finite"] = bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
     except Exception as err:  # e.g. out of memory: record it and go on
@@ -158,7 +159,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--input-dtype", default=None, choices=sorted(DTYPES),
                    help="dtype of msa_repr/pair_repr (default: the compute dtype)")
     p.add_argument("--warmup", type=int, default=None, help="default 5 on GPU, 1 elsewhere")
-    p.add_argument("--iters", type=int, default=None, help="default 30 on GPU, 3 elsewhere")
+    p.add_argument("--iters", type=int, default=None, help="samples; default 10 on GPU, 3 elsewhere")
+    p.add_argument("--reps", type=int, default=None,
+                   help="back-to-back calls per sample; default 10 on GPU, 1 elsewhere")
     p.add_argument("--out", default=None, help="directory for results.json")
     args = p.parse_args(argv)
 
@@ -172,14 +175,15 @@ def main(argv=None) -> list[dict]:
         if impl not in ("pallas", "xla"):
             p.error(f"unknown implementation {impl!r}; choose pallas and/or xla")
     warmup = args.warmup if args.warmup is not None else (5 if on_gpu else 1)
-    iters = args.iters if args.iters is not None else (30 if on_gpu else 3)
+    iters = args.iters if args.iters is not None else (10 if on_gpu else 3)
+    reps = args.reps if args.reps is not None else (10 if on_gpu else 1)
     dtype = DTYPES[args.dtype]
     input_dtype = DTYPES[args.input_dtype or args.dtype]
 
     device = jax.devices()[0]
     print(f"# MSARowAttentionWithPairBias layer, {jnp.dtype(dtype).name} compute, "
           f"{jnp.dtype(input_dtype).name} inputs, float32 params; device: {device.device_kind} "
-          f"({jax.default_backend()}); jax {jax.__version__}; median of {iters} after {warmup} warm-up",
+          f"({jax.default_backend()}); jax {jax.__version__}; median of {iters} samples of {reps} calls after {warmup} warm-up",
           flush=True)
     if not on_gpu and "pallas" in impls:
         print("# no GPU: 'pallas' runs the kernels in interpret mode (slow; a smoke test only)", flush=True)
@@ -187,7 +191,7 @@ def main(argv=None) -> list[dict]:
     for shape in shapes:
         for impl in impls:
             start = time.perf_counter()
-            row = bench_one(shape, impl, dtype, input_dtype, warmup, iters)
+            row = bench_one(shape, impl, dtype, input_dtype, warmup, iters, reps)
             row["wall_s"] = round(time.perf_counter() - start, 2)
             rows.append(row)
             status = row.get("error") or (f"fwd {fmt_ms(row['fwd_ms'])} ms, "
@@ -200,7 +204,7 @@ def main(argv=None) -> list[dict]:
         out = pathlib.Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         meta = dict(device=device.device_kind, backend=jax.default_backend(), jax=jax.__version__,
-                    python=platform.python_version(), warmup=warmup, iters=iters,
+                    python=platform.python_version(), warmup=warmup, iters=iters, reps=reps,
                     dtype=jnp.dtype(dtype).name, input_dtype=jnp.dtype(input_dtype).name,
                     xla_flags=os.environ.get("XLA_FLAGS", ""))
         (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows, table=table), indent=2))

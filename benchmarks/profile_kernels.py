@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -25,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_attention import DTYPES, SHAPES  # noqa: E402
+from timing import batched_times_ms  # noqa: E402
 
 from msa_pallas.attention import msa_row_attention  # noqa: E402
 from msa_pallas.block_sizes import KernelTiles, default_block_config, next_power_of_2  # noqa: E402
@@ -37,14 +37,7 @@ INTERPRET = jax.default_backend() != "gpu"
 
 def batched_ms(call, reps: int, samples: int) -> float:
     jax.block_until_ready(call())
-    times = []
-    for _ in range(samples):
-        start = time.perf_counter()
-        for _ in range(reps):
-            result = call()
-        jax.block_until_ready(result)
-        times.append((time.perf_counter() - start) / reps * 1e3)
-    return statistics.median(times)
+    return statistics.median(batched_times_ms(lambda i: call(), samples=samples, reps=reps))
 
 
 def make_inputs(shape, dtype, seed=0):
