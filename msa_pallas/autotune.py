@@ -163,9 +163,8 @@ def autotune(
       has_mask, has_gate: whether calls pass a mask / a gate.
       candidates: per kernel name (`"forward"`, `"backward_dkdv"`,
         `"backward_dq"`, `"backward_dbias"`, `"backward_dq_dbias"`), the tiles
-        to try; default
-        `DEFAULT_CANDIDATES`. Tiles are clipped to N first; candidates that fail
-        to compile are skipped.
+        to try; default `DEFAULT_CANDIDATES`. Tiles are clipped to N first;
+        candidates that fail to compile are skipped.
       iters: timed calls per candidate (median).
       use_cache: read and write `cache_dir() / "autotune.json"`.
       seed: for the random inputs.

@@ -138,8 +138,9 @@ def default_block_config(n_res: int, head_dim: int, dtype) -> BlockConfig:
         dbias = KernelTiles(block_q=64, block_k=64, num_warps=4, num_stages=3)
     # Measured on an H200 (bf16, d=32): the fused kernel with 16 query rows
     # against all keys takes 0.17 ms at train (2 warps; dq + dbias: 0.25 ms)
-    # and 1.67 ms at finetune (4 warps; 1.68 ms). Taller query tiles spill
-    # registers; in float32 it is 4x slower than the two kernels.
+    # and 1.67 ms at finetune (4 warps; 1.68 ms). Taller query tiles were 3x to
+    # 80x slower (register spills, most likely); in float32 it took 1.4-16 ms
+    # at train against 0.76 ms for the two kernels.
     dq_dbias = None
     if not wide and n_res <= MAX_FUSED_KEYS:
         dq_dbias = KernelTiles(

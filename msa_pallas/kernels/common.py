@@ -25,8 +25,9 @@ LOG2E = math.log2(math.e)
 MASKED_LOGIT_LOG2 = MASKED_LOGIT * LOG2E
 
 
-# The float32 products on the GPU: "tf32x3" (default) or "ieee"; a switch
-# for benchmarks/profile_kernels.py, which times both.
+# The float32 products on the GPU: "tf32x3" (default) or "ieee". A switch for
+# benchmarks/profile_kernels.py, which times both; it is read at trace time, so
+# a change needs `jax.clear_caches()` to reach already-compiled calls.
 F32_DOTS = "tf32x3"
 
 
