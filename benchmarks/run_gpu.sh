@@ -25,7 +25,7 @@
 # are installed into /tmp/test_site for the tests only.
 #
 # Environment: PYTHON (default python3), TEST_ARGS (extra pytest arguments,
-# e.g. "-k not full_msa"; TESTS=0 skips the tests), LAYER_BENCH (0 skips the
+# split on spaces, e.g. "-x tests/test_gpu.py"; TESTS=0 skips the tests), LAYER_BENCH (0 skips the
 # layer benchmark), BENCH_ARGS (extra arguments of
 # benchmarks/bench_attention.py, split on spaces), XLA_PYTHON_CLIENT_MEM_FRACTION
 # (default 0.90 here, so that large XLA baselines get their chance), WHEEL_DIR,
@@ -63,17 +63,16 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv \
     || echo "python/jax check failed (exit $?)"
 echo "repo $PWD; out $OUT_DIR; XLA_PYTHON_CLIENT_MEM_FRACTION=$XLA_PYTHON_CLIENT_MEM_FRACTION"
 
-# The Haiku drop-in's test dependencies (WHEEL_DIR/test), for the tests only.
-TEST_PYTHONPATH=$PYTHONPATH
-test_wheels=("$WHEEL_DIR"/test/*.whl)
-if [[ -e ${test_wheels[0]} ]] && "$PYTHON" -m pip install -q --no-index --no-deps \
-        --no-compile --no-cache-dir --upgrade --target /tmp/test_site "${test_wheels[@]}"; then
-    TEST_PYTHONPATH=/tmp/test_site:$PYTHONPATH
-fi
-
 section "GPU tests: $PYTHON -m pytest -q -m gpu tests -s ${TEST_ARGS:-}"
 read -r -a TEST_ARGV <<< "${TEST_ARGS:-}"
 if [[ ${TESTS:-1} != 0 ]]; then
+    # The Haiku drop-in's test dependencies (WHEEL_DIR/test), for the tests only.
+    TEST_PYTHONPATH=$PYTHONPATH
+    test_wheels=("$WHEEL_DIR"/test/*.whl)
+    if [[ -e ${test_wheels[0]} ]] && "$PYTHON" -m pip install -q --no-index --no-deps \
+            --no-compile --no-cache-dir --upgrade --target /tmp/test_site "${test_wheels[@]}"; then
+        TEST_PYTHONPATH=/tmp/test_site:$PYTHONPATH
+    fi
     PYTHONPATH=$TEST_PYTHONPATH "$PYTHON" -m pytest -q -m gpu tests -s -p no:cacheprovider \
         ${TEST_ARGV[@]+"${TEST_ARGV[@]}"} 2>&1 | tee "$OUT_DIR/gpu_tests.log"
     test_status=${PIPESTATUS[0]}

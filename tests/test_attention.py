@@ -150,8 +150,9 @@ def test_fused_dq_dbias(case, seed):
 
 
 def test_fused_dq_dbias_equals_separate_kernels(seed):
-    """dq from the fused kernel equals the dq kernel's bit for bit in float32
-    (same products, same order); the bias gradient to rounding."""
+    """The fused kernel and the separate dq and dbias kernels (tiles that
+    make both see all 50 keys in one 64-wide tile) agree to float32 rounding,
+    on every output and gradient."""
     T = msa_pallas.KernelTiles
     separate = msa_pallas.BlockConfig(T(16, 16), T(16, 16), T(16, 64), T(16, 64))
     fused = dataclasses.replace(separate, backward_dq_dbias=T(16, 64))
