@@ -63,7 +63,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv \
     || echo "python/jax check failed (exit $?)"
 echo "repo $PWD; out $OUT_DIR; XLA_PYTHON_CLIENT_MEM_FRACTION=$XLA_PYTHON_CLIENT_MEM_FRACTION"
 
-section "GPU tests: $PYTHON -m pytest -q -m gpu tests -s ${TEST_ARGS:-}"
+section "GPU tests: $PYTHON -m pytest -q -m gpu tests -s --durations=15 ${TEST_ARGS:-}"
 read -r -a TEST_ARGV <<< "${TEST_ARGS:-}"
 if [[ ${TESTS:-1} != 0 ]]; then
     # The Haiku drop-in's test dependencies (WHEEL_DIR/test), for the tests only.
@@ -73,7 +73,7 @@ if [[ ${TESTS:-1} != 0 ]]; then
             --no-compile --no-cache-dir --upgrade --target /tmp/test_site "${test_wheels[@]}"; then
         TEST_PYTHONPATH=/tmp/test_site:$PYTHONPATH
     fi
-    PYTHONPATH=$TEST_PYTHONPATH "$PYTHON" -m pytest -q -m gpu tests -s -p no:cacheprovider \
+    PYTHONPATH=$TEST_PYTHONPATH "$PYTHON" -m pytest -q -m gpu tests -s -p no:cacheprovider --durations=15 \
         ${TEST_ARGV[@]+"${TEST_ARGV[@]}"} 2>&1 | tee "$OUT_DIR/gpu_tests.log"
     test_status=${PIPESTATUS[0]}
 else
