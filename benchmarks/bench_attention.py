@@ -61,7 +61,7 @@ import numpy as np
 import msa_pallas
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from timing import batched_times_ms  # noqa: E402
+from msa_pallas.timing import batched_times_ms  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,6 +86,14 @@ MODES = ("fwd", "fwd_bwd")
 MODE_LABELS = {"fwd": "fwd", "fwd_bwd": "f+b"}
 SUBJECT = "msa_pallas"  # the implementation the speed-ups and floor fractions are about
 CHECK_REFERENCE = "xla"  # forward outputs are compared with this implementation's
+# Timed for comparison but computing a different operation (no bias, no mask):
+# never an "alternative" in the targets table, and its output is not checked.
+REFERENCE_POINTS = ("jax_mha_nobias",)
+# SPEC §6: forward and forward+backward speed-ups over the fastest alternative
+# (bf16), memory against cuEquivariance's, float32 against XLA's float32.
+TARGET_SPEEDUP = {"fwd": 1.5, "fwd_bwd": 2.0}
+TARGET_SHAPES = ("train", "finetune", "long")
+MEMORY_YARDSTICK = "cuequivariance"
 
 # --- H200 rates for the lower bound (measured on the card) ------------------
 
@@ -433,6 +441,36 @@ def build_tokamax_triton(case: Case) -> Callables:
     return _build_tokamax(case, "triton")
 
 
+def build_jax_mha_nobias(case: Case) -> Callables:
+    """JAX's own Pallas Triton flash attention (`jax.experimental.pallas.ops.gpu.attention.mha`),
+    default block sizes, MSA rows folded into the batch, **without bias and mask**.
+
+    Not an alternative (it computes less): a reference point for what a
+    Triton flash-attention kernel reaches at these shapes on this GPU when
+    there is no bias to add and no bias gradient to reduce.
+    """
+    if not on_gpu():
+        raise Unavailable("a Triton kernel: needs a GPU")
+    if case.dtype_name not in ("bf16", "f16"):
+        raise Unavailable("16-bit only (its float32 products would be TF32)")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from jax.experimental.pallas.ops.gpu import attention as jax_attention
+
+    def op(q, k, v, bias, mask):
+        del bias, mask  # not supported by this kernel: the point of the comparison
+        b, s, n, h, d = q.shape
+        rows = lambda x: x.reshape(b * s, n, h, d)  # noqa: E731
+        out = jax_attention.mha(rows(q), rows(k), rows(v), None, sm_scale=case.scale)
+        return out.reshape(b, s, n, h, d)
+
+    info = {"reference_point": True,
+            "note": "no bias and no mask: a reference point, not an alternative"}
+    return jitted_pair(op, info)
+
+
 IMPLEMENTATIONS: dict[str, Callable[[Case], Callables]] = {
     "msa_pallas": build_msa_pallas,
     "xla": build_xla,
@@ -440,6 +478,7 @@ IMPLEMENTATIONS: dict[str, Callable[[Case], Callables]] = {
     "cuequivariance": build_cuequivariance,
     "tokamax_mosaic": build_tokamax_mosaic,
     "tokamax_triton": build_tokamax_triton,
+    "jax_mha_nobias": build_jax_mha_nobias,
 }
 
 
@@ -501,7 +540,7 @@ def measure(
     """Compiles, reads memory, warms up, then takes `iters` samples rotating `arg_sets`.
 
     A sample is `reps` back-to-back calls, waited for once, divided by
-    `reps` (`timing.batched_times_ms`).
+    `reps` (`msa_pallas.timing.batched_times_ms`).
 
     Returns (result dict, output of the first call or None). Failures are
     recorded in the result's `status`, never raised.
@@ -668,7 +707,8 @@ def run_impl(case: Case, impl: str, arg_sets: list[tuple], args, progress,
             )
             if mode == "fwd":
                 fwd_out = out
-                if out is not None and reference_out is not None:
+                if (out is not None and reference_out is not None
+                        and impl not in REFERENCE_POINTS):
                     entry[mode]["rel_err_vs_" + CHECK_REFERENCE] = relative_error(
                         out, reference_out)
             del out
@@ -799,7 +839,64 @@ def markdown_table(results: dict) -> str:
     if notes:
         lines += ["", "Notes:", ""]
         lines += [f"- {note} ({', '.join(where)})" for note, where in notes.items()]
+    targets = targets_table(results)
+    if targets:
+        lines += ["", targets.rstrip("\n")]
     return "\n".join(lines) + "\n"
+
+
+def _median(case: dict, impl: str, mode: str) -> float | None:
+    cell = case["impls"].get(impl, {}).get(mode, {})
+    return cell["median_ms"] if ok(cell) else None
+
+
+def fastest_alternative(case: dict, mode: str) -> tuple[str, float] | None:
+    """(name, median ms) of the fastest implementation other than the subject
+    and the reference points, or None when none ran."""
+    times = [
+        (name, ms) for name in case["impls"]
+        if name != SUBJECT and name not in REFERENCE_POINTS
+        and (ms := _median(case, name, mode)) is not None
+    ]
+    return min(times, key=lambda item: item[1]) if times else None
+
+
+def targets_table(results: dict) -> str:
+    """SPEC §6 read off this run: the subject against the fastest alternative
+    (16-bit dtypes, at TARGET_SHAPES), f+b memory against MEMORY_YARDSTICK's,
+    and float32 against XLA's float32. Empty when the subject did not run."""
+    if SUBJECT not in results["metadata"]["impls"]:
+        return ""
+    lines = [
+        "| shape | dtype | target | msa_pallas | fastest alternative (float32: xla) | ratio | goal | met |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for case in results["cases"]:
+        half = case["dtype"] in ("bf16", "f16")
+        if half and case["shape"] not in TARGET_SHAPES:
+            continue
+        for mode in MODES:
+            ours = _median(case, SUBJECT, mode)
+            other = (fastest_alternative(case, mode) if half
+                     else (CHECK_REFERENCE, _median(case, CHECK_REFERENCE, mode)))
+            if ours is None or other is None or other[1] is None:
+                continue
+            goal = TARGET_SPEEDUP[mode] if half else 1.0
+            ratio = other[1] / ours
+            lines.append(
+                f"| {case['shape']} | {case['dtype']} | {MODE_LABELS[mode]} | {fmt_ms(ours)} ms | "
+                f"{fmt_ms(other[1])} ms ({other[0]}) | {ratio:.2f}× | ≥ {goal:g}× | "
+                f"{'yes' if ratio >= goal else 'no'} |")
+        memory = [case["impls"].get(name, {}).get("fwd_bwd", {}).get("temp_plus_output_bytes")
+                  for name in (SUBJECT, MEMORY_YARDSTICK)]
+        if half and None not in memory:
+            lines.append(
+                f"| {case['shape']} | {case['dtype']} | f+b memory | {memory[0] / 1e6:,.0f} MB | "
+                f"{memory[1] / 1e6:,.0f} MB ({MEMORY_YARDSTICK}) | {memory[1] / memory[0]:.2f}× | "
+                f"≥ 1× | {'yes' if memory[0] <= memory[1] else 'no'} |")
+    if len(lines) == 2:
+        return ""
+    return "\n".join(["Targets (SPEC §6) in this run:", "", *lines]) + "\n"
 
 
 def case_notes(case: dict, impls: list[str]) -> list[tuple[str, str]]:

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from msa_pallas.layers import MSARowAttentionWithPairBias
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import batched_times_ms  # noqa: E402
+from msa_pallas.timing import batched_times_ms  # noqa: E402
 
 SHAPES = {
     "tiny": dict(B=1, S=4, N=24, msa_dim=32, pair_dim=16, heads=4),
@@ -60,7 +60,7 @@ def make_inputs(shape: dict, input_dtype, seed: int = 0):
 
 def time_fn(fn, args, warmup: int, iters: int, reps: int) -> float:
     """Median per-call milliseconds of `fn(*args)` (already compiled) over
-    `iters` samples of `reps` back-to-back calls (`timing.batched_times_ms`)."""
+    `iters` samples of `reps` back-to-back calls (`msa_pallas.timing.batched_times_ms`)."""
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
     return statistics.median(batched_times_ms(lambda i: fn(*args), samples=iters, reps=reps))

@@ -146,8 +146,9 @@ def check_case(case: bench.Case, names: list[str], mode: str,
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--impls", default=",".join(bench.IMPLEMENTATIONS),
-                        help="comma-separated, of " + ", ".join(bench.IMPLEMENTATIONS))
+    checkable = [name for name in bench.IMPLEMENTATIONS if name not in bench.REFERENCE_POINTS]
+    parser.add_argument("--impls", default=",".join(checkable),
+                        help="comma-separated, of " + ", ".join(checkable))
     parser.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
                         help="comma-separated BxSxNxHxd or bench_attention.py shape names "
                              "(default %(default)s)")
@@ -157,7 +158,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     names = bench.split_list(args.impls)
-    unknown = [name for name in names if name not in bench.IMPLEMENTATIONS]
+    unknown = [name for name in names if name not in checkable]
     if unknown:
         parser.error(f"unknown impl {', '.join(unknown)}")
     mode = args.mode if args.mode != "auto" else ("kernels" if bench.on_gpu() else "reference")

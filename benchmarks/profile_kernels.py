@@ -4,6 +4,11 @@ Times each Pallas kernel on its own, so a change to one kernel can be judged
 without the noise of the whole step, and tile candidates can be compared:
 
     python benchmarks/profile_kernels.py --shapes train,finetune,long --dtypes bf16,f32
+    python benchmarks/profile_kernels.py --shapes long --dtypes f32 \
+        --tiles "dkdv=32x64x4x2,64x64x4x3;dq=64x64x4x2"
+
+Every kernel runs first with the default tiles of `default_block_config`
+(labelled `default`), then with each candidate of `--tiles`.
 
 Each time is the median over `--samples` batches of `--reps` back-to-back
 calls divided by `--reps`: the launches queue up behind each other, so the
@@ -24,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_attention import DTYPES, SHAPES  # noqa: E402
-from timing import batched_times_ms  # noqa: E402
+from msa_pallas.timing import batched_times_ms  # noqa: E402
 
 from msa_pallas.attention import msa_row_attention  # noqa: E402
 from msa_pallas.block_sizes import KernelTiles, default_block_config, next_power_of_2  # noqa: E402
@@ -57,11 +62,35 @@ def fused_candidates(n_res: int):
         yield KernelTiles(16, span, warps, stages)
 
 
+KERNELS = {
+    "forward": "forward",
+    "dkdv": "backward_dkdv",
+    "dq": "backward_dq",
+    "dbias": "backward_dbias",
+    "dq_dbias": "backward_dq_dbias",
+}
+
+
+def parse_tiles(text: str) -> dict[str, list[KernelTiles]]:
+    """`"dkdv=32x64x4x2,64x64x4x3;dq=64x32x4x2"` -> {kernel: [KernelTiles, ...]}
+    (block_q x block_k x num_warps x num_stages)."""
+    candidates = {}
+    for group in filter(None, text.split(";")):
+        kernel, _, tiles = group.partition("=")
+        if kernel not in KERNELS:
+            raise SystemExit(f"--tiles: unknown kernel {kernel!r}; expected one of {list(KERNELS)}")
+        candidates[kernel] = [
+            KernelTiles(*map(int, one.split("x"))) for one in tiles.split(",") if one
+        ]
+    return candidates
+
+
 def profile(name, shape, dtype_name, args, emit):
     dtype = DTYPES[dtype_name]
     q, k, v, do, gate, bias, mask = make_inputs(shape, dtype)
     scale = shape[-1] ** -0.5
-    config = default_block_config(shape[2], shape[-1], dtype)
+    n_res = shape[2]
+    config = default_block_config(n_res, shape[-1], dtype)
     time_it = lambda call: batched_ms(call, args.reps, args.samples)
 
     def run(label, call):
@@ -76,32 +105,37 @@ def profile(name, shape, dtype_name, args, emit):
     )
     delta = jnp.swapaxes(jnp.sum(do.astype(jnp.float32) * attention, -1), 2, 3)
     operands = (q, k, v, bias, mask, do, row_max, row_log2_sum, delta)
-    precisions = ("tf32x3", "ieee") if dtype == jnp.float32 else (common.F32_DOTS,)
+
+    def kernel_call(kernel, tiles):
+        if kernel == "forward":
+            return lambda: attention_forward(
+                q, k, v, bias, mask, gate, scale=scale, tiles=tiles, interpret=INTERPRET,
+                save_stats=True)
+        function = getattr(backward, KERNELS[kernel])
+        return lambda: function(*operands, scale=scale, tiles=tiles, interpret=INTERPRET)
+
+    defaults = {
+        "forward": config.forward, "dkdv": config.backward_dkdv, "dq": config.backward_dq,
+        "dbias": config.backward_dbias,
+    }
+    precisions = ("tf32x3", "ieee") if dtype == jnp.float32 and args.ieee else (common.F32_DOTS,)
     for precision in precisions:
         common.F32_DOTS = precision
         jax.clear_caches()
         tag = f"[{precision}]" if dtype == jnp.float32 else ""
-        run(f"forward{tag} {config.forward}", lambda: attention_forward(
-            q, k, v, bias, mask, gate, scale=scale, tiles=config.forward, interpret=INTERPRET,
-            save_stats=True))
-        for kernel, tiles in (
-            (backward.backward_dkdv, config.backward_dkdv),
-            (backward.backward_dq, config.backward_dq),
-            (backward.backward_dbias, config.backward_dbias),
-        ):
-            run(f"{kernel.__name__}{tag} {tiles}",
-                lambda kernel=kernel, tiles=tiles: kernel(
-                    *operands, scale=scale, tiles=tiles, interpret=INTERPRET))
+        for kernel, tiles in defaults.items():
+            run(f"{KERNELS[kernel]}{tag} {tiles} default", kernel_call(kernel, tiles))
     common.F32_DOTS = "tf32x3"
     jax.clear_caches()
-    for tiles in args.dbias_tiles:
-        run(f"backward_dbias {tiles}", lambda tiles=tiles: backward.backward_dbias(
-            *operands, scale=scale, tiles=tiles.clipped(shape[2]), interpret=INTERPRET))
-    if shape[2] <= 512 and not args.skip_fused:
-        for tiles in fused_candidates(shape[2]):
-            run(f"backward_dq_dbias {tiles}",
-                lambda tiles=tiles: backward.backward_dq_dbias(
-                    *operands, scale=scale, tiles=tiles, interpret=INTERPRET))
+    candidates = dict(args.tiles)
+    if n_res <= 512 and not args.skip_fused and "dq_dbias" not in candidates:
+        candidates["dq_dbias"] = list(fused_candidates(n_res))
+    for kernel, tile_list in candidates.items():
+        for tiles in tile_list:
+            tiles = tiles.clipped(n_res)
+            if kernel == "dq_dbias" and tiles.block_k < n_res:
+                continue
+            run(f"{KERNELS[kernel]} {tiles}", kernel_call(kernel, tiles))
 
     def loss(q, k, v, bias, gate):
         out = msa_row_attention(q, k, v, bias, mask.astype(bool), gate, implementation="pallas")
@@ -110,6 +144,8 @@ def profile(name, shape, dtype_name, args, emit):
     fwd = jax.jit(lambda *a: msa_row_attention(
         *a[:4], mask.astype(bool), a[4], implementation="pallas"))
     fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+    if args.no_op:
+        return
     run("op forward", lambda: fwd(q, k, v, bias, gate))
     run("op forward+backward", lambda: fwd_bwd(q, k, v, bias, gate))
 
@@ -121,12 +157,15 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--samples", type=int, default=5)
     parser.add_argument("--skip-fused", action="store_true")
-    parser.add_argument("--dbias-tiles", default="",
-                        help="extra dbias tiles to time, e.g. 64x64x4x2,32x64x4x2 (q x k x warps x stages)")
+    parser.add_argument("--ieee", action="store_true",
+                        help="float32: also time the default tiles with IEEE products")
+    parser.add_argument("--no-op", action="store_true", help="skip the whole op's times")
+    parser.add_argument(
+        "--tiles", default="",
+        help="candidate tiles per kernel (block_q x block_k x warps x stages), e.g. "
+             "'dkdv=32x64x4x2,64x64x4x3;dq=64x32x4x2'; kernels: " + ", ".join(KERNELS))
     args = parser.parse_args(argv)
-    args.dbias_tiles = [
-        KernelTiles(*map(int, text.split("x"))) for text in args.dbias_tiles.split(",") if text
-    ]
+    args.tiles = parse_tiles(args.tiles)
     emit = lambda *fields: print(" | ".join(str(f) for f in fields), flush=True)
     for name in args.shapes.split(","):
         for dtype_name in args.dtypes.split(","):

@@ -8,6 +8,7 @@ Modules:
   kernels      the Pallas forward and backward kernels and their custom VJP
   block_sizes  tile choice
   autotune     optional tile timing on the user's GPU, cached on disk
+  timing       the batched timing loop of the autotuner and the benchmarks
   validation   trace-time argument checks
   layers       the flax.linen layer MSARowAttentionWithPairBias
   nnx_layers   the same layer in flax.nnx

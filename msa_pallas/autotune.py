@@ -24,7 +24,6 @@ import math
 import os
 import pathlib
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +34,7 @@ from msa_pallas.block_sizes import (
 )
 from msa_pallas.kernels import backward
 from msa_pallas.kernels.forward import attention_forward
+from msa_pallas.timing import batched_times_ms
 
 CACHE_FILE = "autotune.json"
 
@@ -44,17 +44,19 @@ DEFAULT_CANDIDATES: dict[str, tuple[KernelTiles, ...]] = {
         KernelTiles(64, 64, 4, 2), KernelTiles(64, 64, 4, 3), KernelTiles(128, 64, 4, 3),
         KernelTiles(128, 32, 4, 3), KernelTiles(64, 32, 4, 2), KernelTiles(128, 64, 8, 2),
     ),
+    # 1-stage candidates: float32 (3xTF32) products run best unpipelined.
     "backward_dkdv": (
-        KernelTiles(32, 64, 4, 2), KernelTiles(64, 64, 4, 3), KernelTiles(64, 128, 4, 3),
-        KernelTiles(32, 128, 4, 2), KernelTiles(16, 128, 4, 2),
+        KernelTiles(32, 64, 4, 2), KernelTiles(64, 64, 4, 3), KernelTiles(128, 64, 4, 3),
+        KernelTiles(64, 128, 4, 3), KernelTiles(32, 128, 4, 2), KernelTiles(64, 64, 4, 1),
+        KernelTiles(32, 64, 4, 1),
     ),
     "backward_dq": (
         KernelTiles(64, 32, 4, 2), KernelTiles(64, 64, 4, 3), KernelTiles(128, 64, 8, 2),
-        KernelTiles(128, 32, 4, 2),
+        KernelTiles(128, 32, 4, 2), KernelTiles(64, 32, 4, 1),
     ),
     "backward_dbias": (
         KernelTiles(64, 64, 4, 3), KernelTiles(64, 64, 4, 2), KernelTiles(128, 64, 8, 3),
-        KernelTiles(64, 128, 4, 2), KernelTiles(32, 32, 4, 2),
+        KernelTiles(64, 128, 4, 2), KernelTiles(32, 32, 4, 2), KernelTiles(64, 64, 4, 1),
     ),
     # block_k is clipped to N rounded up to a power of two: all keys in one tile.
     "backward_dq_dbias": (
@@ -92,15 +94,10 @@ def _config_from_json(entry: dict) -> BlockConfig:
     })
 
 
-def _median_ms(fn, iters: int) -> float:
+def _median_ms(fn, iters: int, reps: int) -> float:
     jax.block_until_ready(fn())  # compile
     jax.block_until_ready(fn())
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return statistics.median(batched_times_ms(lambda i: fn(), samples=iters, reps=reps))
 
 
 def _kernel_runners(shape, dtype, has_mask: bool, has_gate: bool, interpret: bool, seed: int):
@@ -151,6 +148,7 @@ def autotune(
     has_gate: bool = False,
     candidates: dict[str, tuple[KernelTiles, ...]] | None = None,
     iters: int = 10,
+    reps: int = 5,
     use_cache: bool = True,
     seed: int = 0,
     verbose: bool = False,
@@ -165,7 +163,9 @@ def autotune(
         `"backward_dq"`, `"backward_dbias"`, `"backward_dq_dbias"`), the tiles
         to try; default `DEFAULT_CANDIDATES`. Tiles are clipped to N first;
         candidates that fail to compile are skipped.
-      iters: timed calls per candidate (median).
+      iters: timed samples per candidate (median); a sample is `reps`
+        back-to-back calls, so the host's dispatch latency stays out of it.
+      reps: calls per sample.
       use_cache: read and write `cache_dir() / "autotune.json"`.
       seed: for the random inputs.
       verbose: print each timing.
@@ -189,7 +189,7 @@ def autotune(
         timings = {}
         for tiles in dict.fromkeys(t.clipped(n_res) for t in candidates[name]):
             try:
-                timings[tiles] = _median_ms(lambda: run(tiles), iters)
+                timings[tiles] = _median_ms(lambda: run(tiles), iters, reps)
             except Exception as error:  # a tile the compiler rejects is no candidate
                 if verbose:
                     print(f"{name} {tiles}: skipped ({type(error).__name__})")

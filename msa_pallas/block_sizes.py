@@ -110,31 +110,45 @@ def default_block_config(n_res: int, head_dim: int, dtype) -> BlockConfig:
       head_dim: d.
       dtype: q's dtype.
     """
-    # Measured on an H200 (bf16, d=32; benchmarks/RESULTS.md): 64x64 tiles with
-    # 4 warps lead at N=256 and N=1024; deeper pipelining pays once the key
-    # loop is long. 32-bit inputs and d=128 double the registers per tile.
+    # From tile sweeps on an H200 (benchmarks/RESULTS.md, profile_kernels.py):
+    # 64-wide tiles with 4 warps lead; deeper pipelining pays in 16 bits once
+    # the key loop is long, while 3xTF32 float32 products (three times the
+    # operand registers) run best unpipelined.
     long_rows = n_res > 256
-    wide = jnp.dtype(dtype).itemsize >= 4 or padded_head_dim(head_dim) >= 128
-    if wide:
+    d_pad = padded_head_dim(head_dim)
+    if jnp.dtype(dtype).itemsize >= 4 and d_pad <= 64:
+        # float32 with 3xTF32 products (H200, d=32, ms at train / long):
+        # unpipelined (1-stage) dk/dv 64x64 takes 0.60 / 29.9, against
+        # 0.85 / 47.2 for the 2-stage 32x64 tiles chosen for IEEE products.
+        forward = KernelTiles(64, 64, 4, 3) if long_rows else KernelTiles(64, 32, 4, 2)
+        dkdv = KernelTiles(64, 64, 4, 1)
+        dq = KernelTiles(64, 32, 4, 1)
+        dbias = KernelTiles(64, 64, 4, 1) if long_rows else KernelTiles(64, 64, 4, 3)
+    elif jnp.dtype(dtype).itemsize >= 4 or d_pad >= 128:
+        # IEEE float32 products, or d=128: twice the registers per tile.
         forward = KernelTiles(block_q=64, block_k=32, num_warps=4, num_stages=2)
         dkdv = KernelTiles(block_q=32, block_k=64, num_warps=4, num_stages=2)
         dq = KernelTiles(block_q=64, block_k=32, num_warps=4, num_stages=2)
-        # float32, d=32, H200: 64x64 tiles take 0.37 ms at train and 19 ms at
-        # long, against 1.5 and 83 ms for 32x32.
         dbias = (
             KernelTiles(block_q=64, block_k=64, num_warps=4, num_stages=2)
-            if padded_head_dim(head_dim) <= 64
+            if d_pad <= 64
             else KernelTiles(block_q=32, block_k=32, num_warps=4, num_stages=2)
         )
     else:
+        # 16-bit inputs (H200, bf16, d=32, ms at long): dk/dv 128x64 7.0
+        # against 7.2 for 64x64; dq 64x64 4.56 against 4.70 for 64x32.
         stages = 3 if long_rows else 2
         forward = KernelTiles(block_q=64, block_k=64, num_warps=4, num_stages=stages)
         dkdv = (
-            KernelTiles(block_q=64, block_k=64, num_warps=4, num_stages=3)
+            KernelTiles(block_q=128, block_k=64, num_warps=4, num_stages=3)
             if long_rows
             else KernelTiles(block_q=32, block_k=64, num_warps=4, num_stages=2)
         )
-        dq = KernelTiles(block_q=64, block_k=32, num_warps=4, num_stages=2)
+        dq = (
+            KernelTiles(block_q=64, block_k=64, num_warps=4, num_stages=3)
+            if long_rows
+            else KernelTiles(block_q=64, block_k=32, num_warps=4, num_stages=2)
+        )
         dbias = KernelTiles(block_q=64, block_k=64, num_warps=4, num_stages=3)
     # Measured on an H200 (bf16, d=32): the fused kernel with 16 query rows
     # against all keys takes 0.17 ms at train (2 warps; dq + dbias: 0.25 ms)
@@ -142,7 +156,8 @@ def default_block_config(n_res: int, head_dim: int, dtype) -> BlockConfig:
     # 80x slower (register spills, most likely); in float32 it took 1.4-16 ms
     # at train against 0.76 ms for the two kernels.
     dq_dbias = None
-    if not wide and n_res <= MAX_FUSED_KEYS:
+    sixteen_bit = jnp.dtype(dtype).itemsize < 4
+    if sixteen_bit and d_pad < 128 and n_res <= MAX_FUSED_KEYS:
         dq_dbias = KernelTiles(
             block_q=16, block_k=max(MIN_TILE, next_power_of_2(n_res)),
             num_warps=2 if n_res <= 256 else 4, num_stages=2,

@@ -274,3 +274,16 @@ def test_large_logits_half_precision(dtype, seed):
     helpers.assert_shapes_dtypes_finite(xla, inputs)
     compare(xla, reference, tolerance(dtype), f"xla large logits {jnp.dtype(dtype).name}")
     compare(pallas, reference, tolerance(dtype), f"pallas large logits {jnp.dtype(dtype).name}")
+
+
+@pytest.mark.parametrize(
+    "gate, expect_rounding", [(False, False), (True, True)], ids=["no-gate", "gate"]
+)
+def test_backward_rounds_do_only_when_it_is_computed(gate, expect_rounding):
+    """Without a gate the kernels' `do` is the cotangent itself (already in
+    q's dtype): the VJP must pass it through, not write a rounded copy (one
+    more [B, S, N, H, d] array in memory). With a gate, `do = dout * sigmoid(g)`
+    is new and must be rounded to bf16 before delta sees it."""
+    inputs = random_inputs(0, 1, 2, 16, 2, 16, jnp.bfloat16, gate=gate)
+    jaxpr = str(jax.make_jaxpr(fwd_bwd(PALLAS))(*inputs.args))
+    assert ("reduce_precision" in jaxpr) == expect_rounding

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -30,7 +31,7 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 def test_picks_candidates_and_caches(cache_dir):
-    config = autotune.autotune(SHAPE, jnp.float32, candidates=CANDIDATES, iters=1)
+    config = autotune.autotune(SHAPE, jnp.float32, candidates=CANDIDATES, iters=1, reps=1)
     for name in SEPARATE:
         assert getattr(config, name) in CANDIDATES[name]
     # Kept only where it beat dq plus dbias.
@@ -45,7 +46,7 @@ def test_picks_candidates_and_caches(cache_dir):
                for name in SEPARATE}
     planted["backward_dq_dbias"] = None
     (cache_dir / autotune.CACHE_FILE).write_text(json.dumps({key: planted}))
-    again = autotune.autotune(SHAPE, jnp.float32, candidates=CANDIDATES, iters=1)
+    again = autotune.autotune(SHAPE, jnp.float32, candidates=CANDIDATES, iters=1, reps=1)
     assert again.forward == KernelTiles(16, 32, 2, 1)
     assert again.backward_dbias == KernelTiles(16, 32, 2, 1)
     assert again.backward_dq_dbias is None
@@ -53,7 +54,7 @@ def test_picks_candidates_and_caches(cache_dir):
 
 def test_tuned_config_is_correct(cache_dir):
     config = autotune.autotune(
-        SHAPE, jnp.float32, candidates=CANDIDATES, iters=1, use_cache=False
+        SHAPE, jnp.float32, candidates=CANDIDATES, iters=1, reps=1, use_cache=False
     )
     assert not (cache_dir / autotune.CACHE_FILE).exists()
     rng = np.random.default_rng(11)
@@ -71,3 +72,40 @@ def test_tuned_config_is_correct(cache_dir):
 def test_rejects_bad_shape(cache_dir):
     with pytest.raises(ValueError, match="expected \\(B, S, N, H, d\\)"):
         autotune.autotune((2, 8, 32), jnp.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_tunes_on_the_gpu(cache_dir, dtype):
+    """The compiled kernels: every candidate is timed, the winners compute the
+    op and its gradients as the plain-jnp path does, and the cache is written."""
+    shape = (1, 8, 200, 4, 32)  # N = 200: partial tiles at every tile size
+    candidates = {
+        "forward": (KernelTiles(64, 64, 4, 2), KernelTiles(64, 32, 4, 1)),
+        "backward_dkdv": (KernelTiles(32, 64, 4, 2), KernelTiles(32, 64, 4, 1)),
+        "backward_dq": (KernelTiles(64, 32, 4, 2), KernelTiles(64, 64, 4, 1)),
+        "backward_dbias": (KernelTiles(64, 64, 4, 3), KernelTiles(64, 64, 4, 1)),
+        "backward_dq_dbias": (KernelTiles(16, 256, 2, 2), KernelTiles(16, 256, 4, 1)),
+    }
+    config = autotune.autotune(shape, dtype, has_gate=True, candidates=candidates, iters=3)
+    assert (cache_dir / autotune.CACHE_FILE).exists()
+    rng = np.random.default_rng(5)
+    q, k, v, gate, dout = (jnp.asarray(rng.standard_normal(shape), dtype) for _ in range(5))
+    bias = jnp.asarray(rng.standard_normal((1, 4, 200, 200)), jnp.float32)
+    mask = jnp.asarray(rng.random(shape[:3]) > 0.2)
+
+    def results(implementation, block_config=None):
+        def f(q, k, v, bias, gate):
+            return msa_pallas.msa_row_attention(
+                q, k, v, bias, mask, gate,
+                implementation=implementation, block_config=block_config)
+        out, pullback = jax.vjp(f, q, k, v, bias, gate)
+        return (out, *pullback(dout))
+
+    tuned = results("pallas", config)
+    reference = results("xla")
+    tolerance = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+    for name, got, want in zip(("out", "dq", "dk", "dv", "dbias", "dgate"), tuned, reference):
+        want = np.asarray(want, np.float64)
+        err = np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
+        assert err < tolerance, (name, err, config)

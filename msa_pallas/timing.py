@@ -1,4 +1,4 @@
-"""The timing loop shared by the benchmark scripts.
+"""The timing loop of the autotuner and the benchmark scripts.
 
 A sample is `reps` back-to-back calls, waited for once, divided by `reps`:
 the launches queue up on the GPU, so the host's per-call dispatch latency

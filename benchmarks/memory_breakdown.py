@@ -1,0 +1,86 @@
+"""What fills the compiled forward+backward's temporary memory: the largest buffers.
+
+    python benchmarks/memory_breakdown.py --shape long --dtype bf16
+    python benchmarks/memory_breakdown.py --shape 1x128x4096x8x32 --impl xla --top 5
+
+Compiles the benchmark's forward+backward (`bench_attention.jitted_pair`:
+gradients of q, k, v and bias) without running it, prints XLA's memory
+analysis, and lists the largest allocations of XLA's buffer assignment with
+the values that live in them, largest first (size, offset in the allocation,
+shape and the instruction that makes them; values whose offsets overlap
+share memory at different times).
+The buffer assignment is read from an XLA dump in a temporary folder, so the
+script sets `XLA_FLAGS` itself and must start before anything imports jax.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+DUMP_DIR = tempfile.mkdtemp(prefix="msa_pallas_xla_dump_")
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "")
+    + f" --xla_dump_to={DUMP_DIR} --xla_dump_hlo_module_re=.*loss.*"
+).strip()
+
+import jax  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_attention as bench  # noqa: E402
+
+ALLOCATION = re.compile(r"^allocation (\d+): size (\d+)(.*)$")
+VALUE = re.compile(r"^\s*value: <\d+ ([^ ]+) @\d+> \(size=(\d+),offset=(\d+)\): (\S+)")
+
+
+def largest_allocations(text: str, top: int) -> list[tuple[int, str, list[str]]]:
+    """(bytes, attributes, values) of the `top` largest allocations in a buffer-assignment dump."""
+    allocations, current = [], None
+    for line in text.splitlines():
+        if match := ALLOCATION.match(line):
+            current = (int(match.group(2)), match.group(3).strip(" ,:"), [])
+            allocations.append(current)
+        elif current is not None and (match := VALUE.match(line)):
+            name, size, offset, shape = match.groups()
+            current[2].append((int(size), f"{int(size) / 1e6:9.1f} MB at {int(offset) / 1e6:9.1f}  "
+                                          f"{shape:<40} {name}"))
+    return [
+        (size, attributes, [text for _, text in sorted(values, key=lambda v: -v[0])])
+        for size, attributes, values in sorted(allocations, key=lambda a: -a[0])[:top]
+    ]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="long", help="a bench_attention shape or BxSxNxHxd")
+    parser.add_argument("--dtype", default="bf16", choices=list(bench.DTYPES))
+    parser.add_argument("--impl", default="msa_pallas", choices=list(bench.IMPLEMENTATIONS))
+    parser.add_argument("--top", type=int, default=8, help="allocations to list")
+    args = parser.parse_args(argv)
+    shape_name, dims = bench.parse_shape(args.shape)
+    case = bench.Case(shape_name, dims, args.dtype)
+    inputs = bench.make_input_set(case, jax.random.PRNGKey(0))
+    compiled = bench.IMPLEMENTATIONS[args.impl](case).fwd_bwd.lower(*inputs).compile()
+    stats = bench.memory_stats(compiled)
+    print(f"# {args.impl} f+b, {case.key} {dims}, {jax.devices()[0].device_kind}")
+    for key, value in stats.items():
+        print(f"{key:>24}: {'?' if value is None else f'{value / 1e6:,.1f} MB'}")
+    dumps = sorted(Path(DUMP_DIR).glob("*buffer-assignment.txt"), key=lambda p: p.stat().st_size)
+    if not dumps:
+        print(f"no buffer assignment was dumped to {DUMP_DIR}")
+        return 1
+    for size, attributes, values in largest_allocations(dumps[-1].read_text(), args.top):
+        print(f"\n{size / 1e6:,.1f} MB  {attributes[:100]}")
+        for value in values[:12]:
+            print("    " + value)
+        if len(values) > 12:
+            print(f"    ... {len(values) - 12} more values")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
