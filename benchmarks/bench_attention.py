@@ -94,6 +94,8 @@ REFERENCE_POINTS = ("jax_mha_nobias",)
 TARGET_SPEEDUP = {"fwd": 1.5, "fwd_bwd": 2.0}
 TARGET_SHAPES = ("train", "finetune", "long")
 MEMORY_YARDSTICK = "cuequivariance"
+# SPEC §6: at N >= this, forward and backward must run where XLA runs out of memory.
+LONG_CHAIN_N = 4096
 
 # --- H200 rates for the lower bound (measured on the card) ------------------
 
@@ -864,7 +866,8 @@ def fastest_alternative(case: dict, mode: str) -> tuple[str, float] | None:
 def targets_table(results: dict) -> str:
     """SPEC §6 read off this run: the subject against the fastest alternative
     (16-bit dtypes, at TARGET_SHAPES), f+b memory against MEMORY_YARDSTICK's,
-    and float32 against XLA's float32. Empty when the subject did not run."""
+    float32 against XLA's float32, and at N >= LONG_CHAIN_N whether f+b runs
+    (where XLA's runs out of memory). Empty when the subject did not run."""
     if SUBJECT not in results["metadata"]["impls"]:
         return ""
     lines = [
@@ -872,6 +875,9 @@ def targets_table(results: dict) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for case in results["cases"]:
+        if case["dims"]["N"] >= LONG_CHAIN_N:
+            lines.append(_long_chain_row(case))
+            continue
         half = case["dtype"] in ("bf16", "f16")
         if half and case["shape"] not in TARGET_SHAPES:
             continue
@@ -897,6 +903,19 @@ def targets_table(results: dict) -> str:
     if len(lines) == 2:
         return ""
     return "\n".join(["Targets (SPEC §6) in this run:", "", *lines]) + "\n"
+
+
+def _long_chain_row(case: dict) -> str:
+    """SPEC §6's N = 4096 target: forward+backward runs where XLA's fails."""
+    ours = case["impls"][SUBJECT]["fwd_bwd"]
+    xla = case["impls"].get(CHECK_REFERENCE, {}).get("fwd_bwd", {"status": "not run"})
+    memory = ours.get("temp_plus_output_bytes")
+    ours_text = (f"{fmt_ms(ours['median_ms'])} ms, {memory / 1e6:,.0f} MB" if ok(ours)
+                 else ours.get("status", "?"))
+    xla_text = fmt_ms(xla["median_ms"]) + " ms" if ok(xla) else xla.get("status", "?")
+    ratio = f"{xla['median_ms'] / ours['median_ms']:.2f}×" if ok(ours) and ok(xla) else "–"
+    return (f"| {case['shape']} | {case['dtype']} | f+b at N = {case['dims']['N']} | {ours_text} | "
+            f"{xla_text} ({CHECK_REFERENCE}) | {ratio} | runs | {'yes' if ok(ours) else 'no'} |")
 
 
 def case_notes(case: dict, impls: list[str]) -> list[tuple[str, str]]:

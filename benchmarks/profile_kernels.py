@@ -137,6 +137,9 @@ def profile(name, shape, dtype_name, args, emit):
                 continue
             run(f"{KERNELS[kernel]} {tiles}", kernel_call(kernel, tiles))
 
+    if args.no_op:
+        return
+
     def loss(q, k, v, bias, gate):
         out = msa_row_attention(q, k, v, bias, mask.astype(bool), gate, implementation="pallas")
         return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32))
@@ -144,8 +147,6 @@ def profile(name, shape, dtype_name, args, emit):
     fwd = jax.jit(lambda *a: msa_row_attention(
         *a[:4], mask.astype(bool), a[4], implementation="pallas"))
     fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
-    if args.no_op:
-        return
     run("op forward", lambda: fwd(q, k, v, bias, gate))
     run("op forward+backward", lambda: fwd_bwd(q, k, v, bias, gate))
 

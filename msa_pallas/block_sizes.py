@@ -153,8 +153,8 @@ def default_block_config(n_res: int, head_dim: int, dtype) -> BlockConfig:
     # Measured on an H200 (bf16, d=32): the fused kernel with 16 query rows
     # against all keys takes 0.17 ms at train (2 warps; dq + dbias: 0.25 ms)
     # and 1.67 ms at finetune (4 warps; 1.68 ms). Taller query tiles were 3x to
-    # 80x slower (register spills, most likely); in float32 it took 1.4-16 ms
-    # at train against 0.76 ms for the two kernels.
+    # 80x slower (register spills, most likely); in float32 it takes 1.1 ms at
+    # train at best (4 warps, 1 stage) against 0.69 ms for the two kernels.
     dq_dbias = None
     sixteen_bit = jnp.dtype(dtype).itemsize < 4
     if sixteen_bit and d_pad < 128 and n_res <= MAX_FUSED_KEYS:

@@ -86,11 +86,11 @@ def test_bench_attention_smoke(tmp_path):
     assert "msa_pallas" in table and "xla" in table
 
 
-def _case(shape, dtype, times, memory=None):
+def _case(shape, dtype, times, memory=None, n_res=256):
     """A results.json case: {impl: (fwd ms, f+b ms)}, f+b memory in MB by impl."""
     memory = memory or {}
     return {
-        "shape": shape, "dtype": dtype,
+        "shape": shape, "dtype": dtype, "dims": {"B": 1, "S": 128, "N": n_res, "H": 8, "d": 32},
         "impls": {
             name: {
                 "fwd": {"status": "ok", "median_ms": fwd},
@@ -129,3 +129,18 @@ def test_targets_table_compares_with_the_fastest_alternative():
     # Shapes outside SPEC §6's list are not targets in 16 bits.
     assert "| extra |" not in bench_attention.targets_table(results)
     assert len(rows) == 5
+
+
+def test_targets_table_long_chain_row():
+    """SPEC §6: forward and backward run at N = 4096 where XLA runs out of memory."""
+    case = _case("1x128x4096x8x32", "f32", {"msa_pallas": (50.0, 310.0)}, {"msa_pallas": 2198},
+                 n_res=4096)
+    case["impls"]["xla"] = {"fwd": {"status": "OOM"}, "fwd_bwd": {"status": "OOM"}}
+    other = _case("train", "f32", {"msa_pallas": (1, 1), "xla": (2, 2)})
+    results = {"metadata": {"impls": ["msa_pallas", "xla"]}, "cases": [case, other]}
+    rows = [line for line in bench_attention.targets_table(results).splitlines()
+            if "N = 4096" in line]
+    assert rows == ["| 1x128x4096x8x32 | f32 | f+b at N = 4096 | 310.0 ms, 2,198 MB | "
+                    "OOM (xla) | – | runs | yes |"]
+    case["impls"]["msa_pallas"]["fwd_bwd"] = {"status": "OOM"}
+    assert bench_attention.targets_table(results).count("| runs | no |") == 1
