@@ -111,19 +111,19 @@ def _round_to(x32, dtype):
 def _fused_attention_bwd(scale, config, interpret, residuals, dout):
     q, k, v, bias, mask, gate, attention, row_max, row_log2_sum = residuals
     dout32 = dout.astype(jnp.float32)
-    if gate is None and dout.dtype == q.dtype:
-        # `do` is the cotangent itself: no rounding, and no copy of it. (A
-        # reduce_precision here would make XLA write a rounded copy, one more
-        # [B, S, N, H, d] array: 268 MB at the long shape in bf16.)
-        do, do32, dgate = dout, dout32, None
+    if gate is None:
+        do32, dgate = dout32, None
     else:
-        if gate is None:
-            do32, dgate = dout32, None
-        else:
-            gate_sigmoid = jax.nn.sigmoid(gate.astype(jnp.float32))
-            do32 = dout32 * gate_sigmoid
-            dgate = dout32 * attention * gate_sigmoid * (1.0 - gate_sigmoid)
-            dgate = dgate.astype(gate.dtype)
+        gate_sigmoid = jax.nn.sigmoid(gate.astype(jnp.float32))
+        do32 = dout32 * gate_sigmoid
+        dgate = dout32 * attention * gate_sigmoid * (1.0 - gate_sigmoid)
+        dgate = dgate.astype(gate.dtype)
+    if gate is None and dout.dtype == q.dtype:
+        # `do` is the cotangent itself, already in q's dtype: no rounding and no
+        # copy (a reduce_precision here makes XLA write a rounded copy, one more
+        # [B, S, N, H, d] array: 268 MB at the long shape in bf16).
+        do = dout
+    else:
         # The kernels multiply v by `do` in q's dtype: delta must see the same rounding.
         do32 = _round_to(do32, q.dtype)
         do = do32.astype(q.dtype)
