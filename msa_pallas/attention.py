@@ -42,7 +42,10 @@ def on_gpu() -> bool:
     return target_platform() == "gpu"
 
 
-def _resolve_implementation(implementation, q, dropout_rate: float) -> str:
+def resolve_implementation(implementation, q, dropout_rate: float) -> str:
+    """The implementation `msa_row_attention` runs: `implementation` when given,
+    else `"pallas"` on a GPU when q's dtype and head dim fit the kernels and
+    no attention dropout is asked for, else `"xla"`."""
     if implementation is not None:
         return implementation
     # Runs before validation: a malformed q must reach the checks that name it.
@@ -55,6 +58,14 @@ def _resolve_implementation(implementation, q, dropout_rate: float) -> str:
         and shape[-1] <= MAX_KERNEL_HEAD_DIM
     )
     return "pallas" if on_gpu() and kernel_fits else "xla"
+
+
+def kernel_bias_dtype(q_dtype, bias_dtype, round_bias: bool) -> str | None:
+    """The dtype name the kernels read the bias in, or None for its own."""
+    q_dtype, bias_dtype = jnp.dtype(q_dtype), jnp.dtype(bias_dtype)
+    if round_bias and q_dtype.itemsize < 4 and bias_dtype.itemsize > q_dtype.itemsize:
+        return q_dtype.name
+    return None
 
 
 def msa_row_attention(
@@ -70,6 +81,7 @@ def msa_row_attention(
     block_config: BlockConfig | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
+    round_bias: bool = False,
 ) -> jax.Array:
     """Row-wise gated self-attention over an MSA, with a pair bias.
 
@@ -94,11 +106,19 @@ def msa_row_attention(
         `"pallas"` on a machine without a GPU runs the same kernels in Pallas
         interpret mode (slow; for tests); `"xla"` is the plain-`jnp` path.
       block_config: tiles for the Pallas kernels; default chosen by
-        `msa_pallas.block_sizes.default_block_config(N, d, dtype)`.
+        `msa_pallas.block_sizes.default_block_config(N, d, dtype, bias_dtype)`.
       dropout_rate: dropout on the attention weights (the reference layer's
         convention), with `dropout_rng` a PRNG key. Not in the kernels yet:
         with a rate > 0, `implementation=None` runs the `"xla"` path and
         `"pallas"` raises.
+      round_bias: opt-in speed for 16-bit q with a wider bias (float32, as
+        AlphaFold's pair projections give): the kernels then read the bias
+        rounded once to q's dtype (float16: saturated to its range), half
+        the memory traffic of a float32 bias. It costs accuracy in
+        proportion to the bias's size (README, "Numerics"); the logits,
+        softmax and bias gradient stay float32, and the bias gradient comes
+        back in the bias's own dtype. Default False: the kernels read the
+        bias as given. No effect on the `"xla"` path or on float32 inputs.
 
     Returns:
       `[*batch, S, N, H, d]` in q's dtype. Differentiable in q, k, v, bias and
@@ -110,7 +130,7 @@ def msa_row_attention(
         bias = jnp.zeros((2, 4, 32, 32), jnp.float32)
         out = msa_pallas.msa_row_attention(q, k, v, bias)   # [2, 8, 32, 4, 16]
     """
-    implementation = _resolve_implementation(implementation, q, dropout_rate)
+    implementation = resolve_implementation(implementation, q, dropout_rate)
     validate_arguments(q, k, v, bias, mask, gate, scale, implementation)
     validate_dropout(dropout_rate, dropout_rng, implementation)
     validate_block_config(block_config)
@@ -134,11 +154,14 @@ def msa_row_attention(
             scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
         )
     else:
+        bias_dtype = kernel_bias_dtype(q.dtype, bias.dtype, round_bias)
         if block_config is None:
-            block_config = default_block_config(n_res, head_dim, q.dtype)
+            block_config = default_block_config(
+                n_res, head_dim, q.dtype, bias.dtype if bias_dtype is None else bias_dtype
+            )
         out = fused_attention(
             q, k, v, bias,
             None if mask is None else mask.astype(jnp.int8),
-            gate, scale, block_config.clipped(n_res), not on_gpu(),
+            gate, scale, block_config.clipped(n_res), not on_gpu(), bias_dtype,
         )
     return out.reshape(*batch_shape, rows, n_res, heads, head_dim)

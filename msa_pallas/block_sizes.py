@@ -12,6 +12,7 @@ import dataclasses
 import jax.numpy as jnp
 
 MIN_TILE = 16
+FLOAT32_PRODUCTS = ("tf32x3", "ieee")
 # The fused dq+dbias kernel holds whole softmax rows in registers: N <= 512.
 MAX_FUSED_KEYS = 512
 # Row-chunk split of the kernels that loop over S: about 4 programs per SM of
@@ -34,16 +35,27 @@ class KernelTiles:
     """Tiles and launch parameters of one kernel.
 
     Attributes:
-      block_q: query rows per tile (power of two >= 16).
-      block_k: key rows per tile (power of two >= 16).
+      block_q: query residues per tile (power of two >= 16).
+      block_k: key residues per tile (power of two >= 16).
       num_warps: warps per program.
       num_stages: software-pipelining depth of the key/query loop.
+      msa_rows: MSA rows one program of the forward, dk/dv and dq kernels
+        serves: every row of a batch element shares the bias, so each bias
+        tile a program loads feeds `msa_rows` rows (less bias traffic, more
+        registers). Used as the largest divisor of S not above it. The
+        kernels that loop over all S rows (dbias, dq+dbias) ignore it.
+      float32_products: how float32 inputs multiply on the GPU: "tf32x3"
+        (three TF32 products on split operands, error ~1e-6; the default)
+        or "ieee" (FMA pipes; slower). Never plain TF32. Part of the
+        configuration, so it is in every compilation cache key.
     """
 
     block_q: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 2
+    msa_rows: int = 1
+    float32_products: str = "tf32x3"
 
     def __post_init__(self):
         for name in ("block_q", "block_k"):
@@ -56,6 +68,16 @@ class KernelTiles:
             raise ValueError(f"num_warps={self.num_warps}; expected 1, 2, 4, 8 or 16.")
         if self.num_stages < 1:
             raise ValueError(f"num_stages={self.num_stages}; expected >= 1.")
+        if self.msa_rows < 1:
+            raise ValueError(f"msa_rows={self.msa_rows}; expected >= 1.")
+        if self.float32_products not in FLOAT32_PRODUCTS:
+            raise ValueError(
+                f"float32_products={self.float32_products!r}; expected one of {FLOAT32_PRODUCTS}."
+            )
+
+    def msa_rows_for(self, rows: int) -> int:
+        """MSA rows per program for S = `rows`: the largest divisor of S <= msa_rows."""
+        return max(r for r in range(1, min(self.msa_rows, rows) + 1) if rows % r == 0)
 
     def clipped(self, n_res: int) -> "KernelTiles":
         """The same tiles, no larger than N rounded up to a power of two."""
@@ -102,29 +124,31 @@ class BlockConfig:
         return self.backward_dq_dbias is not None and self.backward_dq_dbias.block_k >= n_res
 
 
-def default_block_config(n_res: int, head_dim: int, dtype) -> BlockConfig:
-    """A heuristic choice by (N, d, dtype) that needs no tuning run.
+def default_block_config(n_res: int, head_dim: int, dtype, bias_dtype=None) -> BlockConfig:
+    """A heuristic choice by (N, d, dtype, bias dtype) that needs no tuning run.
+
+    The rules come from tile sweeps on an H200 (`benchmarks/profile_kernels.py`;
+    the measurements are in benchmarks/RESULTS.md). For one shape that
+    matters, `msa_pallas.autotune` times the candidates on your GPU.
 
     Args:
       n_res: N, the residues per MSA row.
       head_dim: d.
       dtype: q's dtype.
+      bias_dtype: the bias's dtype as the kernels read it (default: q's).
     """
-    # From tile sweeps on an H200 (benchmarks/RESULTS.md, profile_kernels.py):
-    # 64-wide tiles with 4 warps lead; deeper pipelining pays in 16 bits once
-    # the key loop is long, while 3xTF32 float32 products (three times the
-    # operand registers) run best unpipelined.
     long_rows = n_res > 256
     d_pad = padded_head_dim(head_dim)
-    if jnp.dtype(dtype).itemsize >= 4 and d_pad <= 64:
-        # float32 with 3xTF32 products (H200, d=32, ms at train / long):
-        # unpipelined (1-stage) dk/dv 64x64 takes 0.60 / 29.9, against
-        # 0.85 / 47.2 for the 2-stage 32x64 tiles chosen for IEEE products.
+    itemsize = jnp.dtype(dtype).itemsize
+    wide_bias = bias_dtype is not None and jnp.dtype(bias_dtype).itemsize > itemsize
+    if itemsize >= 4 and d_pad <= 64:
+        # float32 with 3xTF32 products: three times the operand registers, so
+        # unpipelined (1-stage) tiles in the backward.
         forward = KernelTiles(64, 64, 4, 3) if long_rows else KernelTiles(64, 32, 4, 2)
         dkdv = KernelTiles(64, 64, 4, 1)
         dq = KernelTiles(64, 32, 4, 1)
         dbias = KernelTiles(64, 64, 4, 1) if long_rows else KernelTiles(64, 64, 4, 3)
-    elif jnp.dtype(dtype).itemsize >= 4 or d_pad >= 128:
+    elif itemsize >= 4 or d_pad >= 128:
         # IEEE float32 products, or d=128: twice the registers per tile.
         forward = KernelTiles(block_q=64, block_k=32, num_warps=4, num_stages=2)
         dkdv = KernelTiles(block_q=32, block_k=64, num_warps=4, num_stages=2)
@@ -135,12 +159,12 @@ def default_block_config(n_res: int, head_dim: int, dtype) -> BlockConfig:
             else KernelTiles(block_q=32, block_k=32, num_warps=4, num_stages=2)
         )
     else:
-        # 16-bit inputs (H200, bf16, d=32, ms at long): dk/dv 128x64 7.0
-        # against 7.2 for 64x64; dq 64x64 4.56 against 4.70 for 64x32.
+        # 16-bit inputs: 64-wide tiles with 4 warps; deeper pipelining once
+        # the key loop is long.
         stages = 3 if long_rows else 2
         forward = KernelTiles(block_q=64, block_k=64, num_warps=4, num_stages=stages)
         dkdv = (
-            KernelTiles(block_q=128, block_k=64, num_warps=4, num_stages=3)
+            KernelTiles(block_q=64, block_k=64, num_warps=4, num_stages=3)
             if long_rows
             else KernelTiles(block_q=32, block_k=64, num_warps=4, num_stages=2)
         )
@@ -149,15 +173,29 @@ def default_block_config(n_res: int, head_dim: int, dtype) -> BlockConfig:
             if long_rows
             else KernelTiles(block_q=64, block_k=32, num_warps=4, num_stages=2)
         )
-        dbias = KernelTiles(block_q=64, block_k=64, num_warps=4, num_stages=3)
-    # Measured on an H200 (bf16, d=32): the fused kernel with 16 query rows
-    # against all keys takes 0.17 ms at train (2 warps; dq + dbias: 0.25 ms)
-    # and 1.67 ms at finetune (4 warps; 1.68 ms). Taller query tiles were 3x to
-    # 80x slower (register spills, most likely); in float32 it takes 1.1 ms at
-    # train at best (4 warps, 1 stage) against 0.69 ms for the two kernels.
+        dbias = (
+            KernelTiles(block_q=64, block_k=32, num_warps=4, num_stages=3)
+            if long_rows and d_pad >= 32
+            else KernelTiles(block_q=64, block_k=64, num_warps=4, num_stages=3)
+        )
+        if wide_bias:
+            # A float32 bias tile takes twice the shared memory of a 16-bit
+            # one: 64x32 dbias tiles win at every N (64x64 only beside the
+            # 16-wide head dim of the extra-MSA stack), and 2 MSA rows per
+            # dk/dv program pay at N <= 256.
+            if not long_rows:
+                dkdv = KernelTiles(block_q=64, block_k=64, num_warps=4, num_stages=2, msa_rows=2)
+            if d_pad >= 32:
+                dbias = KernelTiles(block_q=64, block_k=32, num_warps=4, num_stages=3)
+                if n_res <= 384:
+                    forward = KernelTiles(block_q=64, block_k=32, num_warps=4, num_stages=3)
+    # The fused dq+dbias kernel (16 query rows against all keys) wins at d=32
+    # with N <= 256 and ties at N = 384; taller query tiles spill registers;
+    # with a 16-wide padded head dim (d <= 16, the extra-MSA stack) it is
+    # 30-50x slower than dq + dbias, and in float32 slower than the two
+    # kernels. So: 16-bit inputs, 32 <= d_pad <= 64, N <= 512.
     dq_dbias = None
-    sixteen_bit = jnp.dtype(dtype).itemsize < 4
-    if sixteen_bit and d_pad < 128 and n_res <= MAX_FUSED_KEYS:
+    if itemsize < 4 and 32 <= d_pad < 128 and n_res <= MAX_FUSED_KEYS:
         dq_dbias = KernelTiles(
             block_q=16, block_k=max(MIN_TILE, next_power_of_2(n_res)),
             num_warps=2 if n_res <= 256 else 4, num_stages=2,

@@ -1,6 +1,6 @@
-"""Numerical edge cases (SPEC §1, §7), written once and run on CPU (Pallas
-interpret mode and the plain-jnp path, test_edge_cases.py) and on a GPU (the
-compiled kernels, test_gpu_reliability.py).
+"""Numerical edge cases (masked rows, non-finite inputs, large logits),
+written once and run on CPU (Pallas interpret mode and the plain-jnp path,
+test_edge_cases.py) and on a GPU (the compiled kernels, test_gpu_reliability.py).
 
 Each check takes `run`, a jitted `(q, k, v, bias, mask, gate, dout) ->
 (out, (dq, dk, dv, dbias, dgate))` (helpers.fwd_bwd), and, where it compares
@@ -36,7 +36,7 @@ def _sigmoid(x):
 def fully_masked_batch_element(inputs: Inputs, b: int, run, reference, tol: float, label=""):
     """Every key of every MSA row of batch element `b` masked.
 
-    The weights there are uniform (SPEC §1: masked logits are replaced, not
+    The weights there are uniform (masked logits are replaced, not
     -inf): out = mean_j v * sigmoid(gate); nothing flows to q, k or the bias
     (dq = dk = dbias = 0 exactly); dv[j] = (1/N) sum_i do[i]. Everything is
     finite, and the whole result (other batch elements included) matches
@@ -92,7 +92,7 @@ def nonfinite_may_reach(where, shapes: dict) -> dict:
 
 
 def nonfinite_query_row(inputs: Inputs, where, value: float, run, tol: float, label=""):
-    """A NaN or Inf query row stays in its rows (SPEC §7), forward and backward.
+    """A NaN or Inf query row stays in its rows, forward and backward.
 
     The output row of that query is non-finite; every element outside
     `nonfinite_may_reach` is finite and equals the run on the clean inputs

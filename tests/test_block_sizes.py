@@ -107,18 +107,22 @@ def test_padded_head_dim(d, expected):
     assert padded_head_dim(d) == expected
 
 
+@pytest.mark.parametrize("bias_dtype", [None, jnp.float32])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("head_dim", [8, 16, 32, 64, 128])
 @pytest.mark.parametrize("n_res", [1, 5, 37, 256, 1000, 4096])
-def test_default_block_config_is_valid(n_res, head_dim, dtype):
-    config = default_block_config(n_res, head_dim, dtype)
+def test_default_block_config_is_valid(n_res, head_dim, dtype, bias_dtype):
+    config = default_block_config(n_res, head_dim, dtype, bias_dtype)
     assert isinstance(config, BlockConfig)
     cap = max(16, next_power_of_2(n_res))
     for f in dataclasses.fields(config):
         tiles = getattr(config, f.name)
         if f.name == "backward_dq_dbias":
-            # 16-bit inputs with d <= 64 and N <= 512 only: one key tile of all N.
-            fused = jnp.dtype(dtype).itemsize == 2 and head_dim <= 64 and n_res <= MAX_FUSED_KEYS
+            # 16-bit inputs with 16 < d <= 64 (padded 32 or 64) and N <= 512
+            # only: one key tile of all N. With d <= 16 the fused kernel is
+            # many times slower than dq + dbias (the extra-MSA stack).
+            fused = (jnp.dtype(dtype).itemsize == 2 and 16 < head_dim <= 64
+                     and n_res <= MAX_FUSED_KEYS)
             assert (tiles is not None) == fused, tiles
             assert config.fuses_dq_dbias(n_res) == fused
             if tiles is None:
@@ -130,5 +134,42 @@ def test_default_block_config_is_valid(n_res, head_dim, dtype):
         for side in (tiles.block_q, tiles.block_k):
             assert side >= 16 and side == next_power_of_2(side), (f.name, tiles)
         assert tiles.num_warps in (1, 2, 4, 8, 16) and tiles.num_stages >= 1
+        assert tiles.msa_rows >= 1
     assert config.clipped(n_res) == config  # already clipped
     hash(config)
+
+
+def test_extra_msa_stack_never_fuses_dq_dbias():
+    # The extra-MSA stack (d=8) ran the fused dq+dbias kernel 30-50x slower
+    # than the two kernels: the default must not pick it, for any bias dtype.
+    for bias_dtype in (None, jnp.float32, jnp.bfloat16):
+        config = default_block_config(384, 8, jnp.bfloat16, bias_dtype)
+        assert not config.fuses_dq_dbias(384)
+
+
+def test_wide_bias_gets_its_own_tiles():
+    # A float32 bias with 16-bit inputs: 64x32 dbias tiles at every N (with
+    # d >= 32), and at N <= 256 two MSA rows per dk/dv program; a 16-bit bias
+    # keeps the 64x64 dbias tile at N <= 256.
+    for n_res in (256, 384, 1024):
+        wide = default_block_config(n_res, 32, jnp.bfloat16, jnp.float32)
+        assert (wide.backward_dbias.block_q, wide.backward_dbias.block_k) == (64, 32)
+    narrow = default_block_config(256, 32, jnp.bfloat16)
+    wide = default_block_config(256, 32, jnp.bfloat16, jnp.float32)
+    assert (narrow.backward_dbias.block_q, narrow.backward_dbias.block_k) == (64, 64)
+    assert wide.backward_dkdv.msa_rows == 2 and narrow.backward_dkdv.msa_rows == 1
+    # The bias as wide as q (or narrower) is no wide bias.
+    assert default_block_config(1024, 32, jnp.bfloat16, jnp.bfloat16) == (
+        default_block_config(1024, 32, jnp.bfloat16))
+    assert default_block_config(256, 32, jnp.float32, jnp.float32) == (
+        default_block_config(256, 32, jnp.float32))
+
+
+@pytest.mark.parametrize("limit, rows, expected", [(1, 7, 1), (2, 8, 2), (4, 6, 3), (4, 5, 1), (3, 2, 2)])
+def test_msa_rows_per_program_divides_s(limit, rows, expected):
+    assert KernelTiles(16, 16, msa_rows=limit).msa_rows_for(rows) == expected
+
+
+def test_msa_rows_must_be_positive():
+    with pytest.raises(ValueError, match="msa_rows"):
+        KernelTiles(16, 16, msa_rows=0)

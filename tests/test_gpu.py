@@ -2,7 +2,7 @@
 skipped elsewhere; see conftest.py).
 
 The reference is float64, computed on the GPU under `jax.enable_x64(True)` by
-an independent plain-jnp transcription of SPEC §1 (`helpers.jnp_reference_fwd_bwd`,
+an independent plain-jnp transcription of the op (`helpers.jnp_reference_fwd_bwd`,
 itself checked against the NumPy reference on CPU), chunked over MSA rows so
 the float64 logits fit in memory. Relative errors are printed with a
 `[rel err]` prefix for the release notes: run with `pytest -s -m gpu`.
@@ -32,8 +32,8 @@ pytestmark = pytest.mark.gpu
 
 PALLAS = "pallas"
 
-# SPEC §4 shapes: id -> (B, S, N, H, d).
-SPEC_SHAPES = {
+# The shapes that matter (README, "Shapes"): id -> (B, S, N, H, d).
+SHAPES = {
     "seed": (2, 8, 32, 4, 16),
     "train": (1, 128, 256, 8, 32),
     "finetune": (1, 512, 384, 8, 32),
@@ -56,8 +56,10 @@ def chunk_rows(shape) -> int:
     return rows
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "dtype", "mask_rate", "gate"))
-def _device_inputs(key, *, shape, dtype, mask_rate=0.1, gate=True):
+@functools.partial(
+    jax.jit, static_argnames=("shape", "dtype", "mask_rate", "gate", "bias_dtype")
+)
+def _device_inputs(key, *, shape, dtype, mask_rate=0.1, gate=True, bias_dtype=jnp.float32):
     B, S, N, H, d = shape
     ks = jax.random.split(key, 7)
     normal = lambda k, s: jax.random.normal(k, s, jnp.float32).astype(dtype)
@@ -68,35 +70,89 @@ def _device_inputs(key, *, shape, dtype, mask_rate=0.1, gate=True):
         keep = keep.at[0, min(1, S - 1)].set(False)  # one fully masked MSA row
     return Inputs(
         normal(ks[0], rows), normal(ks[1], rows), normal(ks[2], rows),
-        jax.random.normal(ks[3], (B, H, N, N), jnp.float32),
+        jax.random.normal(ks[3], (B, H, N, N), jnp.float32).astype(bias_dtype),
         keep, normal(ks[4], rows) if gate else None, normal(ks[6], rows),
     )
 
 
 def device_inputs(seed, shape, dtype, **kw) -> Inputs:
     """Fresh normal inputs drawn on the GPU (host NumPy draws of 10^8 values are
-    slow); bias float32; mask with 10% keys masked and MSA row 1 fully masked."""
+    slow); bias float32 unless `bias_dtype`; mask with 10% keys masked and MSA
+    row 1 fully masked."""
     return _device_inputs(jax.random.PRNGKey(seed), shape=tuple(shape), dtype=dtype, **kw)
 
 
-def run_and_check(inputs, label, *, block_config=None, scale=None):
+def run_and_check(inputs, label, *, block_config=None, scale=None, reference_inputs=None):
+    """Runs the op's forward and gradients and compares them with float64 of
+    `reference_inputs` (default: the same inputs)."""
     shape = inputs.q.shape
     start = time.perf_counter()
     result = jax.block_until_ready(fwd_bwd(PALLAS, scale, block_config)(*inputs.args))
     elapsed = time.perf_counter() - start
     helpers.assert_shapes_dtypes_finite(result, inputs)
-    reference = helpers.jnp_reference_fwd_bwd(inputs, scale, chunk_rows=chunk_rows(shape))
+    reference = helpers.jnp_reference_fwd_bwd(
+        inputs if reference_inputs is None else reference_inputs, scale,
+        chunk_rows=chunk_rows(shape),
+    )
     errors = compare(result, reference, tolerance(inputs.q.dtype), label)
     print(f"[gpu] {label}: first call (compile + run) {elapsed:.2f} s")
     return result, errors
 
 
 @pytest.mark.parametrize("dtype_id", list(DTYPES))
-@pytest.mark.parametrize("shape_id", list(SPEC_SHAPES))
-def test_spec_shapes_against_float64(shape_id, dtype_id, seed):
-    shape = SPEC_SHAPES[shape_id]
+@pytest.mark.parametrize("shape_id", list(SHAPES))
+def test_shapes_against_float64(shape_id, dtype_id, seed):
+    shape = SHAPES[shape_id]
     inputs = device_inputs(seed, shape, DTYPES[dtype_id])
     run_and_check(inputs, f"gpu {shape_id} {shape} {dtype_id}")
+
+
+@pytest.mark.parametrize("shape_id", ["train", "extra", "long-S16"])
+def test_bias_in_input_dtype(shape_id, seed):
+    """A bf16 bias with bf16 inputs: its own tiles (default_block_config's
+    16-bit-bias rules) and a bf16 bias gradient, summed in float32."""
+    inputs = device_inputs(seed, SHAPES[shape_id], jnp.bfloat16, bias_dtype=jnp.bfloat16)
+    result, _ = run_and_check(inputs, f"gpu {shape_id} bf16 bias bf16")
+    assert result[1][3].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("msa_rows", [2, 3])
+def test_several_msa_rows_per_program(msa_rows, seed):
+    """Forward, dk/dv and dq programs serving several MSA rows (S = 6: 2 or 3
+    programs per head), against float64 and bitwise against one row each."""
+    shape = (1, 6, 200, 4, 32)
+    inputs = device_inputs(seed, shape, jnp.bfloat16)
+    base = msa_pallas.block_sizes.default_block_config(200, 32, jnp.bfloat16, jnp.float32)
+    rows = lambda tiles, r: dataclasses.replace(tiles, msa_rows=r)  # noqa: E731
+    config = lambda r: dataclasses.replace(  # noqa: E731
+        base, forward=rows(base.forward, r), backward_dkdv=rows(base.backward_dkdv, r),
+        backward_dq=rows(base.backward_dq, r), backward_dq_dbias=None,
+    )
+    result, _ = run_and_check(inputs, f"gpu msa_rows={msa_rows}", block_config=config(msa_rows))
+    one_row = jax.block_until_ready(fwd_bwd(PALLAS, None, config(1))(*inputs.args))
+    for name, a, b in zip(helpers.RESULT_NAMES, jax.tree.leaves(result), jax.tree.leaves(one_row)):
+        assert np.array_equal(np.asarray(a), np.asarray(b)), name
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_round_bias(dtype, seed):
+    """`round_bias=True`: the kernels read the float32 bias rounded to q's
+    dtype; the results match float64 of the rounded bias, and the bias
+    gradient comes back in float32."""
+    inputs = device_inputs(seed, (1, 16, 384, 8, 32), dtype)
+    rounded = inputs._replace(bias=inputs.bias.astype(dtype).astype(jnp.float32))
+
+    def run(q, k, v, bias, mask, gate, dout):
+        def f(q, k, v, bias, gate):
+            return msa_pallas.msa_row_attention(
+                q, k, v, bias, mask, gate, implementation=PALLAS, round_bias=True)
+        out, pullback = jax.vjp(f, q, k, v, bias, gate)
+        return out, pullback(dout)
+
+    result = jax.block_until_ready(jax.jit(run)(*inputs.args))
+    assert result[1][3].dtype == jnp.float32
+    reference = helpers.jnp_reference_fwd_bwd(rounded, chunk_rows=16)
+    compare(result, reference, tolerance(dtype), f"gpu round_bias {jnp.dtype(dtype).name}")
 
 
 @pytest.mark.parametrize("shape_id, full_shape", [
@@ -120,7 +176,7 @@ def test_full_msa_long_rows(shape_id, full_shape, seed):
 
 
 def test_deterministic_train_bf16(seed):
-    inputs = device_inputs(seed, SPEC_SHAPES["train"], jnp.bfloat16)
+    inputs = device_inputs(seed, SHAPES["train"], jnp.bfloat16)
     run = fwd_bwd(PALLAS)
     first = jax.tree.leaves(jax.block_until_ready(run(*inputs.args)))
     second = jax.tree.leaves(jax.block_until_ready(run(*inputs.args)))

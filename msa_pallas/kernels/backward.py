@@ -5,10 +5,11 @@ the forward's row statistics (`common.probabilities`), so no `[S, H, N, N]`
 array exists. The kernels own disjoint outputs, so no atomics are used and
 two runs give bitwise identical gradients:
 
-- dk/dv: one program per key tile of one (batch, MSA row, head), looping
-  over query tiles.
-- dq: one program per query tile of one (batch, MSA row, head), looping over
-  key tiles.
+- dk/dv: one program per key tile of one head and `tiles.msa_rows` MSA rows
+  of one batch element, looping over query tiles (each bias tile it loads
+  serves all its rows).
+- dq: one program per query tile of one head and `tiles.msa_rows` MSA rows,
+  looping over key tiles.
 - dbias: one program per (query tile, key tile) of one (batch, head),
   looping over the S MSA rows; the sum over S stays in registers and the
   bias tile is read once.
@@ -37,7 +38,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from msa_pallas.block_sizes import padded_head_dim, row_chunks
 from msa_pallas.kernels import common
-from msa_pallas.kernels.forward import bias_spec, mask_spec, row_specs, stats_spec
+from msa_pallas.kernels.forward import (
+    bias_spec, mask_spec, program_rows_of, qkv_spec, stats_spec,
+)
 
 
 def _query_tile_stats(row_max_ref, row_log2_sum_ref, delta_ref, prefix, q_start, block_q, n_res):
@@ -47,75 +50,114 @@ def _query_tile_stats(row_max_ref, row_log2_sum_ref, delta_ref, prefix, q_start,
     )
 
 
+def _recompute_tile(q, k, v, do, bias, keep, stats, k_start, *, scale, n_res, precision):
+    """The probabilities `p` and the logit gradient `ds` of one
+    (query tile, key tile) of one MSA row, both `[block_q, block_k]` float32,
+    from the forward's row statistics: what every backward kernel rebuilds.
+
+    Args:
+      q, do: `[block_q, d_pad]`; k, v: `[block_k, d_pad]`, input dtype.
+      bias: `[block_q, block_k]` float32 in base 2 (`common.load_bias_tile`).
+      keep: `[block_k]` bool or None.
+      stats: (row max, log2 row sum, delta), each `[block_q]` float32.
+    """
+    row_max, row_log2_sum, delta = stats
+    t = common.log2_logits(
+        q, k, bias, keep, k_start, qk_scale_log2=scale * common.LOG2E, n_res=n_res,
+        precision=precision,
+    )
+    p = common.probabilities(t, row_max, row_log2_sum)
+    dp = plgpu.dot(do, v, trans_b=True, precision=precision)
+    return p, common.logit_gradient(p, dp, delta, keep)
+
+
 def _dkdv_kernel(
     q_ref, k_ref, v_ref, bias_ref, mask_ref, do_ref, row_max_ref, row_log2_sum_ref, delta_ref,
     dk_ref, dv_ref,
-    *, scale: float, n_res: int, head_dim: int, block_q: int, block_k: int, precision,
+    *, scale: float, n_res: int, head_dim: int, block_q: int, block_k: int, msa_rows: int,
+    precision,
 ):
     k_start = pl.program_id(0) * block_k
-    k = common.load_rows(k_ref, (), k_start, block_k, n_res, head_dim)
-    v = common.load_rows(v_ref, (), k_start, block_k, n_res, head_dim)
-    keep = common.load_key_keep(mask_ref, (), k_start, block_k, n_res)
+    program_rows = program_rows_of(msa_rows)
+    keys = [
+        (
+            common.load_residues(k_ref, row, k_start, block_k, n_res, head_dim),
+            common.load_residues(v_ref, row, k_start, block_k, n_res, head_dim),
+            common.load_key_keep(mask_ref, row, k_start, block_k, n_res),
+        )
+        for row in program_rows
+    ]
 
     def visit_query_tile(query_tile, carry):
-        dk, dv = carry
         q_start = query_tile * block_q
-        q = common.load_rows(q_ref, (), q_start, block_q, n_res, head_dim)
-        do = common.load_rows(do_ref, (), q_start, block_q, n_res, head_dim)
-        row_max, row_log2_sum, delta = _query_tile_stats(
-            row_max_ref, row_log2_sum_ref, delta_ref, (), q_start, block_q, n_res
-        )
+        # One bias tile for all of this program's MSA rows.
         bias = common.load_bias_tile(bias_ref, q_start, k_start, block_q, block_k, n_res)
-        t = common.log2_logits(
-            q, k, bias, keep, k_start, qk_scale_log2=scale * common.LOG2E, n_res=n_res,
-            precision=precision,
-        )
-        p = common.probabilities(t, row_max, row_log2_sum)
-        dv = dv + plgpu.dot(p.astype(do.dtype), do, trans_a=True, precision=precision)
-        dp = plgpu.dot(do, v, trans_b=True, precision=precision)
-        ds = common.logit_gradient(p, dp, delta, keep)
-        dk = dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True, precision=precision)
-        return dk, dv
+        updated = []
+        for row, (k, v, keep), (dk, dv) in zip(program_rows, keys, carry):
+            q = common.load_residues(q_ref, row, q_start, block_q, n_res, head_dim)
+            do = common.load_residues(do_ref, row, q_start, block_q, n_res, head_dim)
+            stats = _query_tile_stats(
+                row_max_ref, row_log2_sum_ref, delta_ref, row, q_start, block_q, n_res
+            )
+            p, ds = _recompute_tile(
+                q, k, v, do, bias, keep, stats, k_start,
+                scale=scale, n_res=n_res, precision=precision,
+            )
+            dv = dv + plgpu.dot(p.astype(do.dtype), do, trans_a=True, precision=precision)
+            dk = dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True, precision=precision)
+            updated.append((dk, dv))
+        return tuple(updated)
 
-    zeros = jnp.zeros(k.shape, jnp.float32)
-    dk, dv = jax.lax.fori_loop(
-        0, pl.cdiv(n_res, block_q), visit_query_tile, (zeros, zeros)
+    zeros = jnp.zeros(keys[0][0].shape, jnp.float32)
+    carry = jax.lax.fori_loop(
+        0, pl.cdiv(n_res, block_q), visit_query_tile, tuple((zeros, zeros) for _ in program_rows)
     )
-    common.store_rows(dk_ref, (), k_start, dk * scale, n_res, head_dim)
-    common.store_rows(dv_ref, (), k_start, dv, n_res, head_dim)
+    for row, (dk, dv) in zip(program_rows, carry):
+        common.store_residues(dk_ref, row, k_start, dk * scale, n_res, head_dim)
+        common.store_residues(dv_ref, row, k_start, dv, n_res, head_dim)
 
 
 def _dq_kernel(
     q_ref, k_ref, v_ref, bias_ref, mask_ref, do_ref, row_max_ref, row_log2_sum_ref, delta_ref,
     dq_ref,
-    *, scale: float, n_res: int, head_dim: int, block_q: int, block_k: int, precision,
+    *, scale: float, n_res: int, head_dim: int, block_q: int, block_k: int, msa_rows: int,
+    precision,
 ):
     q_start = pl.program_id(0) * block_q
-    q = common.load_rows(q_ref, (), q_start, block_q, n_res, head_dim)
-    do = common.load_rows(do_ref, (), q_start, block_q, n_res, head_dim)
-    row_max, row_log2_sum, delta = _query_tile_stats(
-        row_max_ref, row_log2_sum_ref, delta_ref, (), q_start, block_q, n_res
-    )
-
-    def visit_key_tile(key_tile, dq):
-        k_start = key_tile * block_k
-        k = common.load_rows(k_ref, (), k_start, block_k, n_res, head_dim)
-        v = common.load_rows(v_ref, (), k_start, block_k, n_res, head_dim)
-        keep = common.load_key_keep(mask_ref, (), k_start, block_k, n_res)
-        bias = common.load_bias_tile(bias_ref, q_start, k_start, block_q, block_k, n_res)
-        t = common.log2_logits(
-            q, k, bias, keep, k_start, qk_scale_log2=scale * common.LOG2E, n_res=n_res,
-            precision=precision,
+    program_rows = program_rows_of(msa_rows)
+    queries = [
+        (
+            common.load_residues(q_ref, row, q_start, block_q, n_res, head_dim),
+            common.load_residues(do_ref, row, q_start, block_q, n_res, head_dim),
+            _query_tile_stats(
+                row_max_ref, row_log2_sum_ref, delta_ref, row, q_start, block_q, n_res
+            ),
         )
-        p = common.probabilities(t, row_max, row_log2_sum)
-        dp = plgpu.dot(do, v, trans_b=True, precision=precision)
-        ds = common.logit_gradient(p, dp, delta, keep)
-        return dq + plgpu.dot(ds.astype(k.dtype), k, precision=precision)
+        for row in program_rows
+    ]
 
-    dq = jax.lax.fori_loop(
-        0, pl.cdiv(n_res, block_k), visit_key_tile, jnp.zeros(q.shape, jnp.float32)
+    def visit_key_tile(key_tile, carry):
+        k_start = key_tile * block_k
+        # One bias tile for all of this program's MSA rows.
+        bias = common.load_bias_tile(bias_ref, q_start, k_start, block_q, block_k, n_res)
+        updated = []
+        for row, (q, do, stats), dq in zip(program_rows, queries, carry):
+            k = common.load_residues(k_ref, row, k_start, block_k, n_res, head_dim)
+            v = common.load_residues(v_ref, row, k_start, block_k, n_res, head_dim)
+            keep = common.load_key_keep(mask_ref, row, k_start, block_k, n_res)
+            _, ds = _recompute_tile(
+                q, k, v, do, bias, keep, stats, k_start,
+                scale=scale, n_res=n_res, precision=precision,
+            )
+            updated.append(dq + plgpu.dot(ds.astype(k.dtype), k, precision=precision))
+        return tuple(updated)
+
+    zeros = jnp.zeros(queries[0][0].shape, jnp.float32)
+    carry = jax.lax.fori_loop(
+        0, pl.cdiv(n_res, block_k), visit_key_tile, tuple(zeros for _ in program_rows)
     )
-    common.store_rows(dq_ref, (), q_start, dq * scale, n_res, head_dim)
+    for row, dq in zip(program_rows, carry):
+        common.store_residues(dq_ref, row, q_start, dq * scale, n_res, head_dim)
 
 
 def _bias_gradient_body(
@@ -135,29 +177,26 @@ def _bias_gradient_body(
 
     def visit_msa_row(row, dbias):
         prefix = (row,)
-        q = common.load_rows(q_ref, prefix, q_start, block_q, n_res, head_dim)
-        do = common.load_rows(do_ref, prefix, q_start, block_q, n_res, head_dim)
-        k = common.load_rows(k_ref, prefix, k_start, block_k, n_res, head_dim)
-        v = common.load_rows(v_ref, prefix, k_start, block_k, n_res, head_dim)
+        q = common.load_residues(q_ref, prefix, q_start, block_q, n_res, head_dim)
+        do = common.load_residues(do_ref, prefix, q_start, block_q, n_res, head_dim)
+        k = common.load_residues(k_ref, prefix, k_start, block_k, n_res, head_dim)
+        v = common.load_residues(v_ref, prefix, k_start, block_k, n_res, head_dim)
         keep = common.load_key_keep(mask_ref, prefix, k_start, block_k, n_res)
-        row_max, row_log2_sum, delta = _query_tile_stats(
+        stats = _query_tile_stats(
             row_max_ref, row_log2_sum_ref, delta_ref, prefix, q_start, block_q, n_res
         )
-        t = common.log2_logits(
-            q, k, bias, keep, k_start, qk_scale_log2=scale * common.LOG2E, n_res=n_res,
-            precision=precision,
+        _, ds = _recompute_tile(
+            q, k, v, do, bias, keep, stats, k_start,
+            scale=scale, n_res=n_res, precision=precision,
         )
-        p = common.probabilities(t, row_max, row_log2_sum)
-        dp = plgpu.dot(do, v, trans_b=True, precision=precision)
-        ds = common.logit_gradient(p, dp, delta, keep)
         if dq_ref is not None:
             dq = plgpu.dot(ds.astype(k.dtype), k, precision=precision)
-            common.store_rows(dq_ref, prefix, q_start, dq * scale, n_res, head_dim)
+            common.store_residues(dq_ref, prefix, q_start, dq * scale, n_res, head_dim)
         return dbias + ds
 
-    rows = q_ref.shape[0]
+    msa_rows_here = q_ref.shape[0]
     dbias = jax.lax.fori_loop(
-        0, rows, visit_msa_row, jnp.zeros((block_q, block_k), jnp.float32)
+        0, msa_rows_here, visit_msa_row, jnp.zeros((block_q, block_k), jnp.float32)
     )
     plgpu.store(
         common.bias_view(dbias_ref, q_start, k_start, block_q, block_k),
@@ -181,7 +220,7 @@ def _row_chunk_specs(rows_per_chunk: int, n_res: int, d_pad: int):
     partial bias gradient they write."""
     rows = rows_per_chunk
     return dict(
-        rows=pl.BlockSpec(
+        qkv=pl.BlockSpec(
             (None, rows, n_res, None, d_pad), lambda i, j, c, h, b: (b, c, 0, h, 0)
         ),
         bias=pl.BlockSpec((None, None, n_res, n_res), lambda i, j, c, h, b: (b, h, 0, 0)),
@@ -193,69 +232,77 @@ def _row_chunk_specs(rows_per_chunk: int, n_res: int, d_pad: int):
     )
 
 
-def _call_over_row_chunks(kernel, tiles, operands, *, key_tiles, row_out, name, interpret):
+def _call_over_row_chunks(
+    kernel, tiles, operands, *, key_tiles, row_out, dbias_dtype, name, interpret
+):
     """Runs a kernel that loops over S on a (q tile, key_tiles, chunk, h, b)
     grid and sums the chunks' partial bias gradients.
 
-    Returns (dq or None, dbias): dq `[B, S, N, H, d]` when `row_out`.
+    Returns (dq or None, dbias): dq `[B, S, N, H, d]` when `row_out`, dbias
+    `[B, H, N, N]` in `dbias_dtype`.
     """
     q, bias, mask = operands[0], operands[3], operands[4]
-    batch, rows, n_res, heads, head_dim = q.shape
+    batch, num_msa_rows, n_res, heads, head_dim = q.shape
     query_tiles = pl.cdiv(n_res, tiles.block_q)
-    chunks = row_chunks(query_tiles * key_tiles * heads * batch, rows)
-    specs = _row_chunk_specs(rows // chunks, n_res, padded_head_dim(head_dim))
-    # One chunk writes the gradient in the bias dtype; several write float32
+    chunks = row_chunks(query_tiles * key_tiles * heads * batch, num_msa_rows)
+    specs = _row_chunk_specs(num_msa_rows // chunks, n_res, padded_head_dim(head_dim))
+    # One chunk writes the gradient in dbias_dtype; several write float32
     # partial sums, added here.
     partial = jax.ShapeDtypeStruct(
-        (chunks, *bias.shape), bias.dtype if chunks == 1 else jnp.float32
+        (chunks, *bias.shape), dbias_dtype if chunks == 1 else jnp.float32
     )
     out_specs, out_shape = [specs["partial_bias"]], [partial]
     if row_out:
-        out_specs.insert(0, specs["rows"])
+        out_specs.insert(0, specs["qkv"])
         out_shape.insert(0, jax.ShapeDtypeStruct(q.shape, q.dtype))
     results = common.pallas_call(
         kernel, tiles,
         grid=(query_tiles, key_tiles, chunks, heads, batch),
         in_specs=[
-            specs["rows"], specs["rows"], specs["rows"], specs["bias"],
+            specs["qkv"], specs["qkv"], specs["qkv"], specs["bias"],
             None if mask is None else specs["mask"],
-            specs["rows"], specs["stats"], specs["stats"], specs["stats"],
+            specs["qkv"], specs["stats"], specs["stats"], specs["stats"],
         ],
         out_specs=out_specs, out_shape=out_shape, interpret=interpret, name=name,
     )(*operands)
-    dbias = results[-1][0] if chunks == 1 else results[-1].sum(axis=0).astype(bias.dtype)
+    dbias = results[-1][0] if chunks == 1 else results[-1].sum(axis=0).astype(dbias_dtype)
     return (results[0] if row_out else None), dbias
 
 
-def _operand_specs(n_res: int, d_pad: int, has_mask: bool):
-    """In-specs of the per-row kernels (dk/dv and dq), on a (tile, s, h, b) grid."""
-    row_spec, stat_spec = row_specs(n_res, d_pad), stats_spec(n_res)
+def _operand_specs(n_res: int, d_pad: int, has_mask: bool, msa_rows: int):
+    """In-specs of the per-row kernels (dk/dv and dq), on a (tile, S / msa_rows, h, b) grid."""
+    row_spec, stat_spec = qkv_spec(n_res, d_pad, msa_rows), stats_spec(n_res, msa_rows)
     return [
         row_spec, row_spec, row_spec, bias_spec(n_res),
-        mask_spec(n_res) if has_mask else None,
+        mask_spec(n_res, msa_rows) if has_mask else None,
         row_spec, stat_spec, stat_spec, stat_spec,
     ]
 
 
-def _bind(body, scale, n_res, head_dim, tiles, dtype, interpret):
+def _bind(body, scale, n_res, head_dim, tiles, dtype, interpret, **extra):
     return functools.partial(
         body, scale=scale, n_res=n_res, head_dim=head_dim,
         block_q=tiles.block_q, block_k=tiles.block_k,
-        precision=common.dot_precision(dtype, interpret, padded_head_dim(head_dim)),
+        precision=common.dot_precision(
+            dtype, interpret, padded_head_dim(head_dim), tiles.float32_products
+        ),
+        **extra,
     )
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
 def backward_dkdv(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, tiles, interpret):
     """dk, dv `[B, S, N, H, d]` in q's dtype (arguments as in the module docstring)."""
-    batch, rows, n_res, heads, head_dim = q.shape
+    batch, num_msa_rows, n_res, heads, head_dim = q.shape
     d_pad = padded_head_dim(head_dim)
+    msa_rows = tiles.msa_rows_for(num_msa_rows)
     row_grad = jax.ShapeDtypeStruct(q.shape, q.dtype)
     return common.pallas_call(
-        _bind(_dkdv_kernel, scale, n_res, head_dim, tiles, q.dtype, interpret), tiles,
-        grid=(pl.cdiv(n_res, tiles.block_k), rows, heads, batch),
-        in_specs=_operand_specs(n_res, d_pad, mask is not None),
-        out_specs=[row_specs(n_res, d_pad)] * 2, out_shape=[row_grad, row_grad],
+        _bind(_dkdv_kernel, scale, n_res, head_dim, tiles, q.dtype, interpret,
+              msa_rows=msa_rows), tiles,
+        grid=(pl.cdiv(n_res, tiles.block_k), num_msa_rows // msa_rows, heads, batch),
+        in_specs=_operand_specs(n_res, d_pad, mask is not None, msa_rows),
+        out_specs=[qkv_spec(n_res, d_pad, msa_rows)] * 2, out_shape=[row_grad, row_grad],
         interpret=interpret, name="msa_row_attention_bwd_dkdv",
     )(q, k, v, bias, mask, do, row_max, row_log2_sum, delta)
 
@@ -263,35 +310,46 @@ def backward_dkdv(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scal
 @functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
 def backward_dq(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, tiles, interpret):
     """dq `[B, S, N, H, d]` in q's dtype (arguments as in the module docstring)."""
-    batch, rows, n_res, heads, head_dim = q.shape
+    batch, num_msa_rows, n_res, heads, head_dim = q.shape
     d_pad = padded_head_dim(head_dim)
+    msa_rows = tiles.msa_rows_for(num_msa_rows)
     return common.pallas_call(
-        _bind(_dq_kernel, scale, n_res, head_dim, tiles, q.dtype, interpret), tiles,
-        grid=(pl.cdiv(n_res, tiles.block_q), rows, heads, batch),
-        in_specs=_operand_specs(n_res, d_pad, mask is not None),
-        out_specs=row_specs(n_res, d_pad), out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        _bind(_dq_kernel, scale, n_res, head_dim, tiles, q.dtype, interpret,
+              msa_rows=msa_rows), tiles,
+        grid=(pl.cdiv(n_res, tiles.block_q), num_msa_rows // msa_rows, heads, batch),
+        in_specs=_operand_specs(n_res, d_pad, mask is not None, msa_rows),
+        out_specs=qkv_spec(n_res, d_pad, msa_rows),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         interpret=interpret, name="msa_row_attention_bwd_dq",
     )(q, k, v, bias, mask, do, row_max, row_log2_sum, delta)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
-def backward_dbias(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, tiles, interpret):
-    """dbias `[B, H, N, N]` in the bias dtype, summed over the S MSA rows."""
+@functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret", "dbias_dtype"))
+def backward_dbias(
+    q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, tiles, interpret,
+    dbias_dtype=None,
+):
+    """dbias `[B, H, N, N]` summed over the S MSA rows, in `dbias_dtype`
+    (default: the bias dtype)."""
     n_res, head_dim = q.shape[2], q.shape[4]
     _, dbias = _call_over_row_chunks(
         _bind(_dbias_kernel, scale, n_res, head_dim, tiles, q.dtype, interpret), tiles,
         (q, k, v, bias, mask, do, row_max, row_log2_sum, delta),
         key_tiles=pl.cdiv(n_res, tiles.block_k), row_out=False,
+        dbias_dtype=jnp.dtype(dbias_dtype or bias.dtype),
         name="msa_row_attention_bwd_dbias", interpret=interpret,
     )
     return dbias
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
-def backward_dq_dbias(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, tiles, interpret):
-    """dq `[B, S, N, H, d]` in q's dtype and dbias `[B, H, N, N]` in the bias
-    dtype from one kernel. `tiles.block_k` must be >= N: one key tile spans
-    every key."""
+@functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret", "dbias_dtype"))
+def backward_dq_dbias(
+    q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, tiles, interpret,
+    dbias_dtype=None,
+):
+    """dq `[B, S, N, H, d]` in q's dtype and dbias `[B, H, N, N]` in
+    `dbias_dtype` (default: the bias dtype) from one kernel. `tiles.block_k`
+    must be >= N: one key tile spans every key."""
     n_res, head_dim = q.shape[2], q.shape[4]
     if tiles.block_k < n_res:
         raise ValueError(
@@ -300,5 +358,6 @@ def backward_dq_dbias(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, 
     return _call_over_row_chunks(
         _bind(_dq_dbias_kernel, scale, n_res, head_dim, tiles, q.dtype, interpret), tiles,
         (q, k, v, bias, mask, do, row_max, row_log2_sum, delta),
-        key_tiles=1, row_out=True, name="msa_row_attention_bwd_dq_dbias", interpret=interpret,
+        key_tiles=1, row_out=True, dbias_dtype=jnp.dtype(dbias_dtype or bias.dtype),
+        name="msa_row_attention_bwd_dq_dbias", interpret=interpret,
     )

@@ -25,31 +25,26 @@ LOG2E = math.log2(math.e)
 MASKED_LOGIT_LOG2 = MASKED_LOGIT * LOG2E
 
 
-# The float32 products on the GPU: "tf32x3" (default) or "ieee". A switch for
-# benchmarks/profile_kernels.py, which times both; it is read at trace time, so
-# a change needs `jax.clear_caches()` to reach already-compiled calls.
-F32_DOTS = "tf32x3"
-
-
-def dot_precision(dtype, interpret: bool, d_pad: int):
+def dot_precision(dtype, interpret: bool, d_pad: int, float32_products: str = "tf32x3"):
     """The precision of the kernels' matrix products for inputs of `dtype`.
 
     16-bit inputs: the matrix units' native products, float32 accumulation.
-    float32 inputs on the GPU with a (padded) head dim <= 64: three TF32
-    products per product (a = a_hi + a_lo split, measured error 1e-7 to
+    float32 inputs on the GPU with a (padded) head dim <= 64 and
+    `float32_products="tf32x3"` (the default, `KernelTiles.float32_products`):
+    three TF32 products per product (a = a_hi + a_lo split, error 1e-7 to
     1.5e-6 against float64), which run on the matrix units instead of the
-    FMA pipes (3x faster forward at d=32 on an H200); never plain TF32.
-    IEEE float32 products for d=128 (where the split was not measured) and
-    in interpret mode (CPU has no TF32).
+    FMA pipes; never plain TF32. IEEE float32 products for d=128 (where the
+    split was not measured), for `float32_products="ieee"`, and in interpret
+    mode (CPU has no TF32).
     """
     if jnp.dtype(dtype) != jnp.float32:
         return None
-    if interpret or d_pad > 64 or F32_DOTS == "ieee":
+    if interpret or d_pad > 64 or float32_products == "ieee":
         return jax.lax.Precision.HIGHEST
     return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
-def row_ids(start, block: int):
+def residue_ids(start, block: int):
     return start + jnp.arange(block, dtype=jnp.int32)
 
 
@@ -61,10 +56,10 @@ def _both(mask_a, mask_b):
 
 def _in_range(start, block: int, n_res: int):
     """`[block]` bool, True below N; None when every tile is full (no mask needed)."""
-    return None if n_res % block == 0 else row_ids(start, block) < n_res
+    return None if n_res % block == 0 else residue_ids(start, block) < n_res
 
 
-def rows_mask(start, block: int, n_res: int, head_dim: int, d_pad: int):
+def residue_mask(start, block: int, n_res: int, head_dim: int, d_pad: int):
     """`[block, d_pad]` mask of rows < N and columns < head_dim, or None if all are."""
     rows = _in_range(start, block, n_res)
     cols = None if head_dim == d_pad else jnp.arange(d_pad) < head_dim
@@ -81,7 +76,7 @@ def tile_mask(q_start, k_start, block_q: int, block_k: int, n_res: int):
     )
 
 
-def load_rows(ref, prefix: tuple, start, block: int, n_res: int, head_dim: int):
+def load_residues(ref, prefix: tuple, start, block: int, n_res: int, head_dim: int):
     """Loads rows `[start, start + block)` of a `[*prefix, N, d_pad]` ref.
 
     Rows >= N and columns >= head_dim read as 0.
@@ -89,19 +84,19 @@ def load_rows(ref, prefix: tuple, start, block: int, n_res: int, head_dim: int):
     Returns:
       `[block, d_pad]` in the ref's dtype.
     """
-    mask = rows_mask(start, block, n_res, head_dim, ref.shape[-1])
+    mask = residue_mask(start, block, n_res, head_dim, ref.shape[-1])
     view = ref.at[(*prefix, pl.ds(start, block), slice(None))]
     if mask is None:
         return view[...]
     return plgpu.load(view, mask=mask, other=0)
 
 
-def store_rows(ref, prefix: tuple, start, value, n_res: int, head_dim: int):
+def store_residues(ref, prefix: tuple, start, value, n_res: int, head_dim: int):
     """Stores `[block, d_pad]` into rows `[start, start + block)`, columns < head_dim."""
     block, d_pad = value.shape
     view = ref.at[(*prefix, pl.ds(start, block), slice(None))]
     plgpu.store(
-        view, value.astype(ref.dtype), mask=rows_mask(start, block, n_res, head_dim, d_pad)
+        view, value.astype(ref.dtype), mask=residue_mask(start, block, n_res, head_dim, d_pad)
     )
 
 

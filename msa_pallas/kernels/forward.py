@@ -1,6 +1,7 @@
 """The Pallas forward kernel: flash-style biased, masked, gated row attention.
 
-One program computes one query tile of one (batch, MSA row, head): it walks
+One program computes one query tile of one head for `tiles.msa_rows` MSA
+rows of one batch element (every row shares the bias tiles): it walks
 the key tiles with an online softmax (running max and sum in float32), reads
 the key mask as a `[block_k]` vector and the pair bias as a
 `[block_q, block_k]` tile, applies the sigmoid gate in the epilogue and, for
@@ -25,66 +26,88 @@ def _forward_kernel(
     q_ref, k_ref, v_ref, bias_ref, mask_ref, gate_ref,  # inputs
     out_ref, attention_ref, row_max_ref, row_log2_sum_ref,  # outputs
     *, qk_scale_log2: float, n_res: int, head_dim: int, block_q: int, block_k: int,
-    precision,
+    msa_rows: int, precision,
 ):
     q_start = pl.program_id(0) * block_q
-    q = common.load_rows(q_ref, (), q_start, block_q, n_res, head_dim)
-    d_pad = q.shape[-1]
+    program_rows = program_rows_of(msa_rows)
+    qs = [common.load_residues(q_ref, row, q_start, block_q, n_res, head_dim) for row in program_rows]
+    d_pad = qs[0].shape[-1]
 
     def visit_key_tile(key_tile, carry):
-        acc, row_max, row_sum = carry
         k_start = key_tile * block_k
-        k = common.load_rows(k_ref, (), k_start, block_k, n_res, head_dim)
-        v = common.load_rows(v_ref, (), k_start, block_k, n_res, head_dim)
+        # One bias tile for all of this program's MSA rows.
         bias = common.load_bias_tile(bias_ref, q_start, k_start, block_q, block_k, n_res)
-        keep = common.load_key_keep(mask_ref, (), k_start, block_k, n_res)
-        t = common.log2_logits(
-            q, k, bias, keep, k_start, qk_scale_log2=qk_scale_log2, n_res=n_res,
-            precision=precision,
+        updated = []
+        for row, q, (acc, row_max, row_sum) in zip(program_rows, qs, carry):
+            k = common.load_residues(k_ref, row, k_start, block_k, n_res, head_dim)
+            v = common.load_residues(v_ref, row, k_start, block_k, n_res, head_dim)
+            keep = common.load_key_keep(mask_ref, row, k_start, block_k, n_res)
+            t = common.log2_logits(
+                q, k, bias, keep, k_start, qk_scale_log2=qk_scale_log2, n_res=n_res,
+                precision=precision,
+            )
+            new_max = jnp.maximum(row_max, jnp.max(t, axis=1))
+            rescale = jnp.exp2(row_max - new_max)
+            p = jnp.exp2(t - new_max[:, None])
+            row_sum = row_sum * rescale + jnp.sum(p, axis=1)
+            acc = acc * rescale[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
+            updated.append((acc, new_max, row_sum))
+        return tuple(updated)
+
+    init = tuple(
+        (
+            jnp.zeros((block_q, d_pad), jnp.float32),
+            jnp.full((block_q,), -jnp.inf, jnp.float32),
+            jnp.zeros((block_q,), jnp.float32),
         )
-        new_max = jnp.maximum(row_max, jnp.max(t, axis=1))
-        rescale = jnp.exp2(row_max - new_max)
-        p = jnp.exp2(t - new_max[:, None])
-        row_sum = row_sum * rescale + jnp.sum(p, axis=1)
-        acc = acc * rescale[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
-        return acc, new_max, row_sum
-
-    init = (
-        jnp.zeros((block_q, d_pad), jnp.float32),
-        jnp.full((block_q,), -jnp.inf, jnp.float32),
-        jnp.zeros((block_q,), jnp.float32),
+        for _ in program_rows
     )
-    acc, row_max, row_sum = jax.lax.fori_loop(
-        0, pl.cdiv(n_res, block_k), visit_key_tile, init
+    carry = jax.lax.fori_loop(0, pl.cdiv(n_res, block_k), visit_key_tile, init)
+    for row, (acc, row_max, row_sum) in zip(program_rows, carry):
+        out = acc / row_sum[:, None]
+        if attention_ref is not None:
+            common.store_residues(attention_ref, row, q_start, out, n_res, head_dim)
+        if gate_ref is not None:
+            gate = common.load_residues(gate_ref, row, q_start, block_q, n_res, head_dim)
+            out = out * jax.nn.sigmoid(gate.astype(jnp.float32))
+        common.store_residues(out_ref, row, q_start, out, n_res, head_dim)
+        if row_max_ref is not None:
+            common.store_vector(row_max_ref, row, q_start, row_max, n_res)
+            common.store_vector(row_log2_sum_ref, row, q_start, jnp.log2(row_sum), n_res)
+
+
+def program_rows_of(msa_rows: int) -> list[tuple]:
+    """Ref index prefixes of a program's MSA rows: `[()]` for one row (the
+    specs then drop the row axis), `[(0,), (1,), ...]` for several."""
+    # Array indices: a Python int index is not accepted by interpret mode.
+    return [()] if msa_rows == 1 else [(jnp.int32(row),) for row in range(msa_rows)]
+
+
+def _rows_block(msa_rows: int):
+    return None if msa_rows == 1 else msa_rows
+
+
+def qkv_spec(n_res: int, d_pad: int, msa_rows: int = 1) -> pl.BlockSpec:
+    """`[B, S, N, H, d]` arrays, `msa_rows` MSA rows of one head per program
+    of a (tile, S / msa_rows, h, b) grid."""
+    return pl.BlockSpec(
+        (None, _rows_block(msa_rows), n_res, None, d_pad), lambda t, s, h, b: (b, s, 0, h, 0)
     )
-    out = acc / row_sum[:, None]
-    if attention_ref is not None:
-        common.store_rows(attention_ref, (), q_start, out, n_res, head_dim)
-    if gate_ref is not None:
-        gate = common.load_rows(gate_ref, (), q_start, block_q, n_res, head_dim)
-        out = out * jax.nn.sigmoid(gate.astype(jnp.float32))
-    common.store_rows(out_ref, (), q_start, out, n_res, head_dim)
-    if row_max_ref is not None:
-        common.store_vector(row_max_ref, (), q_start, row_max, n_res)
-        common.store_vector(row_log2_sum_ref, (), q_start, jnp.log2(row_sum), n_res)
-
-
-def row_specs(n_res: int, d_pad: int) -> pl.BlockSpec:
-    """`[B, S, N, H, d]` arrays, one (MSA row, head) per program of a (tile, s, h, b) grid."""
-    return pl.BlockSpec((None, None, n_res, None, d_pad), lambda t, s, h, b: (b, s, 0, h, 0))
 
 
 def bias_spec(n_res: int) -> pl.BlockSpec:
     return pl.BlockSpec((None, None, n_res, n_res), lambda t, s, h, b: (b, h, 0, 0))
 
 
-def mask_spec(n_res: int) -> pl.BlockSpec:
-    return pl.BlockSpec((None, None, n_res), lambda t, s, h, b: (b, s, 0))
+def mask_spec(n_res: int, msa_rows: int = 1) -> pl.BlockSpec:
+    return pl.BlockSpec((None, _rows_block(msa_rows), n_res), lambda t, s, h, b: (b, s, 0))
 
 
-def stats_spec(n_res: int) -> pl.BlockSpec:
+def stats_spec(n_res: int, msa_rows: int = 1) -> pl.BlockSpec:
     """`[B, S, H, N]` float32 row statistics."""
-    return pl.BlockSpec((None, None, None, n_res), lambda t, s, h, b: (b, s, h, 0))
+    return pl.BlockSpec(
+        (None, _rows_block(msa_rows), None, n_res), lambda t, s, h, b: (b, s, h, 0)
+    )
 
 
 @functools.partial(
@@ -111,27 +134,29 @@ def attention_forward(
       attention output `[B, S, N, H, d]` in float32 and the float32 row max
       and log2 row sum, each `[B, S, H, N]`, in base-2 units.
     """
-    batch, rows, n_res, heads, head_dim = q.shape
+    batch, num_msa_rows, n_res, heads, head_dim = q.shape
     d_pad = padded_head_dim(head_dim)
-    grid = (pl.cdiv(n_res, tiles.block_q), rows, heads, batch)
+    msa_rows = tiles.msa_rows_for(num_msa_rows)
+    grid = (pl.cdiv(n_res, tiles.block_q), num_msa_rows // msa_rows, heads, batch)
     kernel = functools.partial(
         _forward_kernel,
         qk_scale_log2=scale * common.LOG2E,
         n_res=n_res, head_dim=head_dim, block_q=tiles.block_q, block_k=tiles.block_k,
-        precision=common.dot_precision(q.dtype, interpret, d_pad),
+        msa_rows=msa_rows,
+        precision=common.dot_precision(q.dtype, interpret, d_pad, tiles.float32_products),
     )
-    rows_spec = row_specs(n_res, d_pad)
+    qkv_block = qkv_spec(n_res, d_pad, msa_rows)
     in_specs = [
-        rows_spec, rows_spec, rows_spec, bias_spec(n_res),
-        None if mask is None else mask_spec(n_res),
-        None if gate is None else rows_spec,
+        qkv_block, qkv_block, qkv_block, bias_spec(n_res),
+        None if mask is None else mask_spec(n_res, msa_rows),
+        None if gate is None else qkv_block,
     ]
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
-    out_specs = [rows_spec]
+    out_specs = [qkv_block]
     if save_stats:
-        stats = jax.ShapeDtypeStruct((batch, rows, heads, n_res), jnp.float32)
+        stats = jax.ShapeDtypeStruct((batch, num_msa_rows, heads, n_res), jnp.float32)
         out_shape += [jax.ShapeDtypeStruct(q.shape, jnp.float32), stats, stats]
-        out_specs += [rows_spec, stats_spec(n_res), stats_spec(n_res)]
+        out_specs += [qkv_block, stats_spec(n_res, msa_rows), stats_spec(n_res, msa_rows)]
     else:
         kernel = _without_stats(kernel)
     results = common.pallas_call(

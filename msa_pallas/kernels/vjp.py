@@ -51,48 +51,80 @@ def _forward(q, k, v, bias, mask, gate, *, scale, config, interpret, save_stats)
 
 
 def _backward(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, config, interpret):
-    """dq, dk, dv `[B, S, N, H, d]` and dbias `[B, H, N, N]` (summed over S)."""
+    """dq, dk, dv `[B, S, N, H, d]` in q's dtype and dbias `[B, H, N, N]`
+    float32 (summed over S).
+
+    The bias gradient leaves the kernels in float32 whatever the bias dtype,
+    so that the sum over the devices that shard S (a psum) is a float32 sum,
+    rounded once by the caller.
+    """
     operands = (q, k, v, bias, mask, do, row_max, row_log2_sum, delta)
-    bind = lambda kernel, tiles: functools.partial(
-        kernel, scale=scale, tiles=tiles, interpret=interpret
+    bind = lambda kernel, tiles, **extra: functools.partial(
+        kernel, scale=scale, tiles=tiles, interpret=interpret, **extra
     )
     dk, dv = partitioned_call(
         bind(backward_dkdv, config.backward_dkdv), operands, _BACKWARD_IN, (KEY_ROWS, KEY_ROWS)
     )
     if config.fuses_dq_dbias(q.shape[2]):
         dq, dbias = partitioned_call(
-            bind(backward_dq_dbias, config.backward_dq_dbias), operands, _BACKWARD_IN,
-            (QUERY_ROWS, BIAS),
+            bind(backward_dq_dbias, config.backward_dq_dbias, dbias_dtype=jnp.float32),
+            operands, _BACKWARD_IN, (QUERY_ROWS, BIAS),
         )
         return dq, dk, dv, dbias
     (dq,) = partitioned_call(
         bind(backward_dq, config.backward_dq), operands, _BACKWARD_IN, (QUERY_ROWS,)
     )
     (dbias,) = partitioned_call(
-        bind(backward_dbias, config.backward_dbias), operands, _BACKWARD_IN, (BIAS,)
+        bind(backward_dbias, config.backward_dbias, dbias_dtype=jnp.float32),
+        operands, _BACKWARD_IN, (BIAS,),
     )
     return dq, dk, dv, dbias
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def fused_attention(q, k, v, bias, mask, gate, scale: float, config: BlockConfig, interpret: bool):
+def kernel_bias(bias, dtype):
+    """The bias as the kernels read it: rounded to `dtype` (None: as it is).
+
+    Rounding to float16 saturates at float16's largest value first, so a
+    large bias (a -1e9 mask folded into it, say) stays finite.
+    """
+    if dtype is None or bias.dtype == jnp.dtype(dtype):
+        return bias
+    if jnp.dtype(dtype) == jnp.float16:
+        largest = float(jnp.finfo(jnp.float16).max)
+        bias = jnp.clip(bias, -largest, largest)
+    return bias.astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def fused_attention(
+    q, k, v, bias, mask, gate, scale: float, config: BlockConfig, interpret: bool,
+    bias_dtype: str | None = None,
+):
     """Pallas MSA row attention on `[B, S, N, H, d]` inputs (see `attention_forward`).
 
     Differentiable in q, k, v, bias and gate; mask (`[B, S, N]` int8) is not.
+    `bias_dtype` (a dtype name, or None for the bias's own) is the dtype the
+    kernels read the bias in (`kernel_bias`); the bias gradient is summed in
+    float32 and returned in the bias's own dtype either way.
     """
     (out,) = _forward(
-        q, k, v, bias, mask, gate,
+        q, k, v, kernel_bias(bias, bias_dtype), mask, gate,
         scale=scale, config=config, interpret=interpret, save_stats=False,
     )
     return out
 
 
-def _fused_attention_fwd(q, k, v, bias, mask, gate, scale, config, interpret):
+def _fused_attention_fwd(q, k, v, bias, mask, gate, scale, config, interpret, bias_dtype):
+    rounded_bias = kernel_bias(bias, bias_dtype)
     out, attention, row_max, row_log2_sum = _forward(
-        q, k, v, bias, mask, gate,
+        q, k, v, rounded_bias, mask, gate,
         scale=scale, config=config, interpret=interpret, save_stats=True,
     )
-    return out, (q, k, v, bias, mask, gate, attention, row_max, row_log2_sum)
+    # The bias's own dtype travels as a zero-size array: residuals are arrays.
+    bias_dtype_token = jnp.zeros((0,), bias.dtype)
+    residuals = (q, k, v, rounded_bias, bias_dtype_token, mask, gate, attention, row_max,
+                 row_log2_sum)
+    return out, residuals
 
 
 def _round_to(x32, dtype):
@@ -108,8 +140,8 @@ def _round_to(x32, dtype):
     return jax.lax.reduce_precision(x32, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
-def _fused_attention_bwd(scale, config, interpret, residuals, dout):
-    q, k, v, bias, mask, gate, attention, row_max, row_log2_sum = residuals
+def _fused_attention_bwd(scale, config, interpret, bias_dtype, residuals, dout):
+    q, k, v, bias, bias_dtype_token, mask, gate, attention, row_max, row_log2_sum = residuals
     dout32 = dout.astype(jnp.float32)
     if gate is None:
         do32, dgate = dout32, None
@@ -133,7 +165,7 @@ def _fused_attention_bwd(scale, config, interpret, residuals, dout):
         q, k, v, bias, mask, do, row_max, row_log2_sum, delta,
         scale=scale, config=config, interpret=interpret,
     )
-    return dq, dk, dv, dbias, None, dgate
+    return dq, dk, dv, dbias.astype(bias_dtype_token.dtype), None, dgate
 
 
 fused_attention.defvjp(_fused_attention_fwd, _fused_attention_bwd)
