@@ -1,32 +1,30 @@
 #!/usr/bin/env bash
-# Downloads the wheels that let benchmarks/bench_attention.py measure NVIDIA's
-# cuEquivariance and Google's tokamax beside msa_pallas on the GPU machine,
-# which has no network (see /work/shared/DEVICE.md, "Measuring the
-# alternatives in the same run").
+# Downloads the wheels that let benchmarks/bench_attention.py and bench_layer.py
+# measure NVIDIA's cuEquivariance and Google's tokamax beside msa_pallas on a
+# GPU machine that has no network.
 #
 #   bash benchmarks/fetch_wheels.sh          # into .whl/ at the repository root
 #   bash benchmarks/fetch_wheels.sh DIR      # into DIR (relative to the current directory)
 #
 # Run it where pip can reach the package index; then carry `.whl` to the GPU
 # machine, where benchmarks/run_gpu.sh installs the wheels with
-# `pip install --no-index --no-deps --target /tmp/bench_site` for the benchmark
+# `pip install --no-index --no-deps --target $BENCH_SITE` for the benchmarks
 # only. `.whl/` is git-ignored.
 #
 # Wheels are for CPython 3.12 on manylinux x86-64 (the GPU image), fetched with
 # --no-deps, so every runtime dependency that the GPU image lacks is named
-# below, pinned, one version each. Dependencies the image already has (see
-# /work/.library/device/KINDS.md, "Python packages already there") are not
-# fetched: networkx, numpy, opt-einsum, scipy, sympy (cuequivariance); einops,
+# below, pinned, one version each. Dependencies the GPU image already has are
+# not fetched: networkx, numpy, opt-einsum, scipy, sympy (cuequivariance); einops,
 # packaging, jax (cuequivariance-jax); nvidia-cublas, tqdm, nvidia-ml-py
 # (cuequivariance-ops-cu13); absl-py, jax, jaxlib, jaxtyping, tqdm (tokamax);
 # flax (qwix); protobuf (tensorboardx). tokamax also requires xprof, which
-# is not fetched: bench_attention.py provides a stand-in for the one module
-# tokamax imports from it (benchmarks/_stubs/xprof).
+# is not fetched: benchmarks/packages.py provides a stand-in for the one
+# module tokamax imports from it (benchmarks/_stubs/xprof).
 #
 # Environment: PYTHON (default python3; any Python with pip: the target
 # interpreter is given by --python-version), MAX_MB (default 55: exit 1 when
-# the wheels in DIR add up to more; the device tool carries at most 64 MiB
-# with the working tree).
+# the wheels in DIR add up to more, to keep the copy carried to the GPU
+# machine beside the working tree small).
 
 set -uo pipefail
 

@@ -3,7 +3,7 @@
     python benchmarks/memory_breakdown.py --shape long --dtype bf16
     python benchmarks/memory_breakdown.py --shape 1x128x4096x8x32 --impl xla --top 5
 
-Compiles the benchmark's forward+backward (`bench_attention.jitted_pair`:
+Compiles the benchmark's forward+backward (`alternatives.jitted_pair`:
 gradients of q, k, v and bias) without running it, prints XLA's memory
 analysis, and lists the largest allocations of XLA's buffer assignment with
 the values that live in them, largest first (size, offset in the allocation,
@@ -31,7 +31,9 @@ os.environ["XLA_FLAGS"] = (
 import jax  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_attention as bench  # noqa: E402
+import measure  # noqa: E402
+import shapes  # noqa: E402
+from alternatives import IMPLEMENTATIONS  # noqa: E402
 
 ALLOCATION = re.compile(r"^allocation (\d+): size (\d+)(.*)$")
 VALUE = re.compile(r"^\s*value: <\d+ ([^ ]+) @\d+> \(size=(\d+),offset=(\d+)\): (\S+)")
@@ -56,17 +58,24 @@ def largest_allocations(text: str, top: int) -> list[tuple[int, str, list[str]]]
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="long", help="a bench_attention shape or BxSxNxHxd")
-    parser.add_argument("--dtype", default="bf16", choices=list(bench.DTYPES))
-    parser.add_argument("--impl", default="msa_pallas", choices=list(bench.IMPLEMENTATIONS))
+    parser.add_argument("--shape", default="long",
+                        help="a name of benchmarks/shapes.py or BxSxNxHxd[:padded]")
+    parser.add_argument("--dtype", default="bf16", choices=list(shapes.DTYPES))
+    parser.add_argument("--bias-dtype", default="f32", choices=list(shapes.BIAS_DTYPES),
+                        help="f32 or input (the q/k/v dtype) (default %(default)s)")
+    parser.add_argument("--impl", default="msa_pallas", choices=list(IMPLEMENTATIONS))
     parser.add_argument("--top", type=int, default=8, help="allocations to list")
     args = parser.parse_args(argv)
-    shape_name, dims = bench.parse_shape(args.shape)
-    case = bench.Case(shape_name, dims, args.dtype)
-    inputs = bench.make_input_set(case, jax.random.PRNGKey(0))
-    compiled = bench.IMPLEMENTATIONS[args.impl](case).fwd_bwd.lower(*inputs).compile()
-    stats = bench.memory_stats(compiled)
-    print(f"# {args.impl} f+b, {case.key} {dims}, {jax.devices()[0].device_kind}")
+    try:
+        shape = shapes.parse_shape(args.shape)
+    except ValueError as exc:
+        parser.error(str(exc))
+    bias = shapes.bias_dtype_names(args.dtype, [args.bias_dtype])[0]
+    case = shapes.Case(shape, args.dtype, bias)
+    inputs = measure.make_input_set(case, measure.input_key(0))
+    compiled = IMPLEMENTATIONS[args.impl](case).fwd_bwd.lower(*inputs).compile()
+    stats = measure.memory_stats(compiled)
+    print(f"# {args.impl} f+b, {case.key} {shape.dims}, {jax.devices()[0].device_kind}")
     for key, value in stats.items():
         print(f"{key:>24}: {'?' if value is None else f'{value / 1e6:,.1f} MB'}")
     dumps = sorted(Path(DUMP_DIR).glob("*buffer-assignment.txt"), key=lambda p: p.stat().st_size)

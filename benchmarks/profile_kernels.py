@@ -18,6 +18,7 @@ host's dispatch latency (tens of microseconds) is not in the number.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 from pathlib import Path
@@ -28,12 +29,12 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_attention import DTYPES, SHAPES  # noqa: E402
+from shapes import DIMS as SHAPES, DTYPES  # noqa: E402
 from msa_pallas.timing import batched_times_ms  # noqa: E402
 
 from msa_pallas.attention import msa_row_attention  # noqa: E402
 from msa_pallas.block_sizes import KernelTiles, default_block_config, next_power_of_2  # noqa: E402
-from msa_pallas.kernels import backward, common  # noqa: E402
+from msa_pallas.kernels import backward  # noqa: E402
 from msa_pallas.kernels.forward import attention_forward  # noqa: E402
 
 # Without a GPU the kernels run in interpret mode: only a check that the script works.
@@ -45,13 +46,14 @@ def batched_ms(call, reps: int, samples: int) -> float:
     return statistics.median(batched_times_ms(lambda i: call(), samples=samples, reps=reps))
 
 
-def make_inputs(shape, dtype, seed=0):
+def make_inputs(shape, dtype, seed=0, bias_dtype=None):
     batch, rows, n_res, heads, head_dim = shape
     keys = jax.random.split(jax.random.PRNGKey(seed), 7)
     q, k, v, do, gate = (
         jax.random.normal(key, shape, jnp.float32).astype(dtype) for key in keys[:5]
     )
-    bias = jax.random.normal(keys[5], (batch, heads, n_res, n_res), jnp.float32).astype(dtype)
+    bias = jax.random.normal(keys[5], (batch, heads, n_res, n_res), jnp.float32)
+    bias = bias.astype(dtype if bias_dtype is None else bias_dtype)
     mask = jax.random.bernoulli(keys[6], 0.9, (batch, rows, n_res)).astype(jnp.int8)
     return q, k, v, do, gate, bias, mask
 
@@ -73,7 +75,7 @@ KERNELS = {
 
 def parse_tiles(text: str) -> dict[str, list[KernelTiles]]:
     """`"dkdv=32x64x4x2,64x64x4x3;dq=64x32x4x2"` -> {kernel: [KernelTiles, ...]}
-    (block_q x block_k x num_warps x num_stages)."""
+    (block_q x block_k x num_warps x num_stages [x msa_rows])."""
     candidates = {}
     for group in filter(None, text.split(";")):
         kernel, _, tiles = group.partition("=")
@@ -87,10 +89,13 @@ def parse_tiles(text: str) -> dict[str, list[KernelTiles]]:
 
 def profile(name, shape, dtype_name, args, emit):
     dtype = DTYPES[dtype_name]
-    q, k, v, do, gate, bias, mask = make_inputs(shape, dtype)
+    bias_dtype = None if args.bias_dtype == "input" else DTYPES[args.bias_dtype]
+    q, k, v, do, gate, bias, mask = make_inputs(shape, dtype, bias_dtype=bias_dtype)
+    if bias_dtype is not None:
+        dtype_name = f"{dtype_name}/bias {args.bias_dtype}"
     scale = shape[-1] ** -0.5
     n_res = shape[2]
-    config = default_block_config(n_res, shape[-1], dtype)
+    config = default_block_config(n_res, shape[-1], dtype, bias.dtype)
     time_it = lambda call: batched_ms(call, args.reps, args.samples)
 
     def run(label, call):
@@ -118,16 +123,18 @@ def profile(name, shape, dtype_name, args, emit):
         "forward": config.forward, "dkdv": config.backward_dkdv, "dq": config.backward_dq,
         "dbias": config.backward_dbias,
     }
-    precisions = ("tf32x3", "ieee") if dtype == jnp.float32 and args.ieee else (common.F32_DOTS,)
-    for precision in precisions:
-        common.F32_DOTS = precision
-        jax.clear_caches()
-        tag = f"[{precision}]" if dtype == jnp.float32 else ""
+    products = ("tf32x3", "ieee") if dtype == jnp.float32 and args.ieee else ("tf32x3",)
+    for float32_products in products:
+        tag = f"[{float32_products}]" if dtype == jnp.float32 else ""
         for kernel, tiles in defaults.items():
+            tiles = dataclasses.replace(tiles, float32_products=float32_products)
             run(f"{KERNELS[kernel]}{tag} {tiles} default", kernel_call(kernel, tiles))
-    common.F32_DOTS = "tf32x3"
-    jax.clear_caches()
-    candidates = dict(args.tiles)
+    candidates = {kernel: list(tiles) for kernel, tiles in args.tiles.items()}
+    for rows in args.msa_rows:
+        # The default tiles serving `rows` MSA rows per program.
+        for kernel in ("forward", "dkdv", "dq"):
+            candidates.setdefault(kernel, []).append(
+                dataclasses.replace(defaults[kernel], msa_rows=rows))
     if n_res <= 512 and not args.skip_fused and "dq_dbias" not in candidates:
         candidates["dq_dbias"] = list(fused_candidates(n_res))
     for kernel, tile_list in candidates.items():
@@ -149,6 +156,15 @@ def profile(name, shape, dtype_name, args, emit):
     fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
     run("op forward", lambda: fwd(q, k, v, bias, gate))
     run("op forward+backward", lambda: fwd_bwd(q, k, v, bias, gate))
+    if bias.dtype != q.dtype:
+        # The bias rounded to q's dtype inside the timed call (its gradient
+        # comes back through the cast).
+        rounded = lambda fn: (lambda q, k, v, bias, gate: fn(q, k, v, bias.astype(q.dtype), gate))
+        fwd_r = jax.jit(rounded(lambda *a: msa_row_attention(
+            *a[:4], mask.astype(bool), a[4], implementation="pallas")))
+        fwd_bwd_r = jax.jit(jax.grad(rounded(loss), argnums=(0, 1, 2, 3, 4)))
+        run("op forward, bias rounded to q's dtype", lambda: fwd_r(q, k, v, bias, gate))
+        run("op forward+backward, bias rounded", lambda: fwd_bwd_r(q, k, v, bias, gate))
 
 
 def main(argv=None) -> int:
@@ -157,6 +173,11 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", default="bf16")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--samples", type=int, default=5)
+    parser.add_argument("--bias-dtype", default="input",
+                        help="the bias dtype: input (q's) or one of " + ", ".join(DTYPES))
+    parser.add_argument("--msa-rows", default="",
+                        help="comma-separated MSA rows per program to time the default "
+                             "forward, dk/dv and dq tiles with (e.g. 2,4)")
     parser.add_argument("--skip-fused", action="store_true")
     parser.add_argument("--ieee", action="store_true",
                         help="float32: also time the default tiles with IEEE products")
@@ -167,6 +188,7 @@ def main(argv=None) -> int:
              "'dkdv=32x64x4x2,64x64x4x3;dq=64x32x4x2'; kernels: " + ", ".join(KERNELS))
     args = parser.parse_args(argv)
     args.tiles = parse_tiles(args.tiles)
+    args.msa_rows = [int(r) for r in args.msa_rows.split(",") if r]
     emit = lambda *fields: print(" | ".join(str(f) for f in fields), flush=True)
     for name in args.shapes.split(","):
         for dtype_name in args.dtypes.split(","):

@@ -3,36 +3,45 @@
 #
 #   bash benchmarks/run_gpu.sh OUT_DIR
 #   BENCH_ARGS="--shapes train,long --dtypes bf16" bash benchmarks/run_gpu.sh OUT_DIR
+#   COMPARE_WITH=old_run/results.json bash benchmarks/run_gpu.sh OUT_DIR
 #
 # Writes OUT_DIR/gpu_tests.log, OUT_DIR/bench.log and the benchmark's
 # results.json, results.md and results.png; the layer benchmark's results
 # under OUT_DIR/layer and its log in OUT_DIR/bench_layer.log. Everything also goes to stdout,
-# and a compact summary (test summary line and the results table) comes last,
-# since whoever reads the run may see only the end of its output.
+# and a compact summary (test summary line, the results table, the comparison
+# with an earlier run) comes last, since whoever reads the run may see only the
+# end of its output.
 #
 # The alternatives (cuEquivariance, tokamax) are not in the GPU image: when
 # $WHEEL_DIR (default .whl, filled by benchmarks/fetch_wheels.sh and carried
 # along) holds wheels, they are installed with pip --no-index --no-deps into
-# $BENCH_SITE (default /tmp/bench_site), which is put first on PYTHONPATH for
-# the alternatives check and the op benchmark only (not for the tests or the
-# layer benchmark). If that fails, the run goes on and their cells read
-# `skipped`. benchmarks/check_alternatives.py then checks every implementation's
-# forward and gradients against a float32 reference on small shapes (log in
+# $BENCH_SITE (default $TMPDIR/msa_pallas_bench_site), which is put first on
+# PYTHONPATH for the alternatives check and the two benchmarks only (not for the
+# tests). If that fails, the run goes on and their cells read `skipped`.
+# benchmarks/check_alternatives.py then checks every implementation's forward
+# and gradients against a float32 reference on small shapes (log in
 # OUT_DIR/alternatives_check.log; its verdict is in the summary, it does not
 # change the exit status).
 #
 # The Haiku drop-in's test wheels (WHEEL_DIR/test, also from fetch_wheels.sh)
-# are installed into /tmp/test_site for the tests only.
+# are installed into $TMPDIR/msa_pallas_test_site for the tests only.
+#
+# With COMPARE_WITH set to an earlier run's results.json, benchmarks/compare.py
+# lists the cells of msa_pallas whose median time changed by more than 10%
+# against it (COMPARE_ARGS: more arguments, e.g. "--threshold 0.05"); its output
+# is in OUT_DIR/compare.log and in the summary.
 #
 # Environment: PYTHON (default python3), TEST_ARGS (extra pytest arguments,
 # split on spaces, e.g. "-x tests/test_gpu.py"; TESTS=0 skips the tests), LAYER_BENCH (0 skips the
 # layer benchmark), BENCH_ARGS (extra arguments of
-# benchmarks/bench_attention.py, split on spaces), XLA_PYTHON_CLIENT_MEM_FRACTION
+# benchmarks/bench_attention.py, split on spaces), LAYER_ARGS (of
+# benchmarks/bench_layer.py), XLA_PYTHON_CLIENT_MEM_FRACTION
 # (default 0.90 here, so that large XLA baselines get their chance), WHEEL_DIR,
 # BENCH_SITE, CHECK_ALTERNATIVES (default 1; 0 skips the check), CHECK_ARGS
 # (arguments of check_alternatives.py, default
-# "--shapes 2x3x37x2x8,1x4x128x4x32 --dtypes bf16,f32").
-# Exit status: 1 if the GPU tests failed, else the benchmark's status.
+# "--shapes 2x3x37x2x8,1x4x128x4x32 --dtypes bf16,f32"), COMPARE_WITH, COMPARE_ARGS.
+# Exit status: 1 if the GPU tests failed, else the benchmark's status when it
+# failed, else 3 when compare.py found a regression, else 0.
 
 set -uo pipefail
 
@@ -50,7 +59,10 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.90}
 PYTHON=${PYTHON:-python3}
 read -r -a BENCH_ARGV <<< "${BENCH_ARGS:-}"
 WHEEL_DIR=${WHEEL_DIR:-.whl}
-BENCH_SITE=${BENCH_SITE:-/tmp/bench_site}
+SCRATCH=${TMPDIR:-/tmp}
+BENCH_SITE=${BENCH_SITE:-$SCRATCH/msa_pallas_bench_site}
+read -r -a LAYER_ARGV <<< "${LAYER_ARGS:-}"
+read -r -a COMPARE_ARGV <<< "${COMPARE_ARGS:-}"
 CHECK_ALTERNATIVES=${CHECK_ALTERNATIVES:-1}
 read -r -a CHECK_ARGV <<< "${CHECK_ARGS:---shapes 2x3x37x2x8,1x4x128x4x32 --dtypes bf16,f32}"
 
@@ -70,8 +82,9 @@ if [[ ${TESTS:-1} != 0 ]]; then
     TEST_PYTHONPATH=$PYTHONPATH
     test_wheels=("$WHEEL_DIR"/test/*.whl)
     if [[ -e ${test_wheels[0]} ]] && "$PYTHON" -m pip install -q --no-index --no-deps \
-            --no-compile --no-cache-dir --upgrade --target /tmp/test_site "${test_wheels[@]}"; then
-        TEST_PYTHONPATH=/tmp/test_site:$PYTHONPATH
+            --no-compile --no-cache-dir --upgrade --target "$SCRATCH/msa_pallas_test_site" \
+            "${test_wheels[@]}"; then
+        TEST_PYTHONPATH=$SCRATCH/msa_pallas_test_site:$PYTHONPATH
     fi
     PYTHONPATH=$TEST_PYTHONPATH "$PYTHON" -m pytest -q -m gpu tests -s -p no:cacheprovider --durations=15 \
         ${TEST_ARGV[@]+"${TEST_ARGV[@]}"} 2>&1 | tee "$OUT_DIR/gpu_tests.log"
@@ -81,7 +94,7 @@ else
     test_status=5
 fi
 
-# The alternatives' wheels, for the check and the op benchmark only.
+# The alternatives' wheels, for the check and the benchmarks only.
 BENCH_PYTHONPATH=$PYTHONPATH
 rm -f "$OUT_DIR/alternatives_check.log"
 wheels=("$WHEEL_DIR"/*.whl)
@@ -117,9 +130,19 @@ PYTHONPATH=$BENCH_PYTHONPATH "$PYTHON" benchmarks/bench_attention.py --out "$OUT
     ${BENCH_ARGV[@]+"${BENCH_ARGV[@]}"} 2>&1 | tee "$OUT_DIR/bench.log"
 bench_status=${PIPESTATUS[0]}
 
-section "layer benchmark: $PYTHON benchmarks/bench_layer.py --out $OUT_DIR/layer"
+rm -f "$OUT_DIR/compare.log"
+compare_status=0
+if [[ -n ${COMPARE_WITH:-} ]]; then
+    section "comparison: $PYTHON benchmarks/compare.py $COMPARE_WITH $OUT_DIR/results.json ${COMPARE_ARGS:-}"
+    "$PYTHON" benchmarks/compare.py "$COMPARE_WITH" "$OUT_DIR/results.json" \
+        ${COMPARE_ARGV[@]+"${COMPARE_ARGV[@]}"} 2>&1 | tee "$OUT_DIR/compare.log"
+    compare_status=${PIPESTATUS[0]}
+fi
+
+section "layer benchmark: $PYTHON benchmarks/bench_layer.py --out $OUT_DIR/layer ${LAYER_ARGS:-}"
 if [[ ${LAYER_BENCH:-1} != 0 ]]; then
-    "$PYTHON" benchmarks/bench_layer.py --out "$OUT_DIR/layer" 2>&1 | tee "$OUT_DIR/bench_layer.log"
+    PYTHONPATH=$BENCH_PYTHONPATH "$PYTHON" benchmarks/bench_layer.py --out "$OUT_DIR/layer" \
+        ${LAYER_ARGV[@]+"${LAYER_ARGV[@]}"} 2>&1 | tee "$OUT_DIR/bench_layer.log"
     layer_status=${PIPESTATUS[0]}
 else
     echo "skipped (LAYER_BENCH=0)" | tee "$OUT_DIR/bench_layer.log"
@@ -151,9 +174,23 @@ else
     echo "no results.md; last lines of bench.log:"
     tail -n 20 "$OUT_DIR/bench.log"
 fi
-tail -n 8 "$OUT_DIR/bench_layer.log"
+echo "layer benchmark: exit $layer_status"
+# The layer table and its notes: from the table's header to the end of the log.
+awk '/^\| shape /{found=1} found' "$OUT_DIR/bench_layer.log" | grep -v '^wrote ' | head -n 20
+if [[ -n ${COMPARE_WITH:-} ]]; then
+    case $compare_status in
+        0) echo "comparison with $COMPARE_WITH: no regression" ;;
+        1) echo "comparison with $COMPARE_WITH: REGRESSED" ;;
+        *) echo "comparison with $COMPARE_WITH: did not run (exit $compare_status)" ;;
+    esac
+    head -n 60 "$OUT_DIR/compare.log"
+fi
 
 if (( tests_failed )); then
     exit 1
 fi
-exit "$bench_status"
+if (( bench_status != 0 )); then
+    exit "$bench_status"
+fi
+(( compare_status == 1 )) && exit 3
+exit 0

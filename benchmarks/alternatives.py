@@ -1,0 +1,326 @@
+"""The implementations of MSA row attention that the benchmarks time, one adapter each.
+
+`IMPLEMENTATIONS` maps a name to a builder `build(case) -> Callables`: msa_pallas, xla
+(msa_pallas' plain-jnp path, the reference of the forward check), cudnn
+(`jax.nn.dot_product_attention`), cuequivariance (`cuequivariance_jax.triangle_attention`),
+tokamax_mosaic and tokamax_triton (`tokamax.dot_product_attention`), and jax_mha_nobias,
+a reference point that computes less (no bias, no mask). The other packages are not in
+the GPU image: benchmarks/fetch_wheels.sh fetches their wheels and run_gpu.sh installs
+them; where they are missing, or without a GPU, the builders raise `Unavailable`.
+benchmarks/check_alternatives.py checks each mapping, forward and gradients, against xla.
+
+Every op is `op(q, k, v, bias, mask) -> out` in msa_pallas' layout: q/k/v `[B, S, N, H, d]`,
+bias `[B, H, N, N]` in the case's bias dtype (an adapter whose package needs another
+dtype casts inside the timed call), mask `[B, S, N]` bool, True keeps a key.
+`LAYER_CORES` holds the alternatives as `attention_fn`s for msa_pallas' Flax layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+import msa_pallas
+# Unavailable, on_gpu and the importers are used by the scripts through this module too.
+from packages import (ALTERNATIVE_PACKAGES, Unavailable, import_cuequivariance,  # noqa: F401
+                      import_tokamax, on_gpu, package_version, tokamax_with)
+from shapes import HALF_DTYPES, Case
+
+
+@dataclasses.dataclass
+class Callables:
+    """Jitted `fwd(q, k, v, bias, mask)` and `fwd_bwd(q, k, v, bias, mask, ct)`.
+
+    `fwd_bwd` returns the gradients of `sum(out.astype(f32) * ct)` with respect
+    to q, k, v and bias. `info` is recorded in results.json.
+    """
+
+    fwd: Callable
+    fwd_bwd: Callable
+    info: dict
+
+
+def jitted_pair(op: Callable, info: dict | None = None) -> Callables:
+    """Jitted forward and forward+backward callables of `op(q, k, v, bias, mask)`."""
+
+    def loss(q, k, v, bias, mask, ct):
+        out = op(q, k, v, bias, mask)
+        return jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32))
+
+    return Callables(
+        fwd=jax.jit(op),
+        fwd_bwd=jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))),
+        info=info or {},
+    )
+
+
+# --- msa_pallas and JAX's own ------------------------------------------------
+
+
+def build_msa_pallas(case: Case) -> Callables:
+    """msa_pallas' Pallas kernels (interpret mode without a GPU)."""
+    _, _, n, _, d = case.dims
+
+    def op(q, k, v, bias, mask):
+        return msa_pallas.msa_row_attention(
+            q, k, v, bias, mask, scale=case.scale, implementation="pallas"
+        )
+
+    config = msa_pallas.default_block_config(n, d, case.dtype)
+    info = {"interpret": not on_gpu(), "block_config": dataclasses.asdict(config)}
+    return jitted_pair(op, info)
+
+
+def build_xla(case: Case) -> Callables:
+    """msa_pallas' plain-jnp path (materialises [B, S, H, N, N] logits)."""
+
+    def op(q, k, v, bias, mask):
+        return msa_pallas.msa_row_attention(
+            q, k, v, bias, mask, scale=case.scale, implementation="xla"
+        )
+
+    return jitted_pair(op)
+
+
+def cudnn_op(scale: float, implementation: str = "cudnn") -> Callable:
+    """`op(q, k, v, bias, mask)` through `jax.nn.dot_product_attention`, MSA rows folded into batch.
+
+    q/k/v `[B, S, N, H, d]` -> `[B*S, N, H, d]` (a free reshape). The bias is
+    passed as `[1, H, N, N]` when B == 1 (the API broadcasts it over the
+    batch); for B > 1 it has to be repeated over S to `[B*S, H, N, N]`. The key
+    mask goes in as bool `[B*S, 1, 1, N]`. Note that jax 0.11.2 turns a boolean
+    mask into an additive bias and adds it to `bias`, so with a mask the
+    combined `[B*S, H, N, N]` bias is materialised in any case (and its
+    gradient reduced over S by XLA). `implementation="xla"` runs the same
+    mapping anywhere (benchmarks/check_alternatives.py uses it on CPU).
+    """
+
+    def op(q, k, v, bias, mask):
+        b, s, n, h, d = q.shape
+        rows = lambda x: x.reshape(b * s, n, h, d)  # noqa: E731
+        if b == 1:
+            bias_rows = bias
+        else:
+            bias_rows = jnp.broadcast_to(bias[:, None], (b, s, h, n, n))
+            bias_rows = bias_rows.reshape(b * s, h, n, n)
+        out = jax.nn.dot_product_attention(
+            rows(q), rows(k), rows(v),
+            bias=bias_rows,
+            mask=mask.reshape(b * s, 1, 1, n),
+            scale=scale,
+            implementation=implementation,
+        )
+        return out.reshape(b, s, n, h, d)
+
+    return op
+
+
+def build_cudnn(case: Case) -> Callables:
+    """`jax.nn.dot_product_attention(implementation="cudnn")` (see `cudnn_op`)."""
+    if not on_gpu():
+        raise Unavailable("cuDNN needs a GPU")
+    if case.dtype_name not in HALF_DTYPES:
+        raise Unavailable("cuDNN flash attention takes bf16/fp16 only")
+    return jitted_pair(cudnn_op(case.scale))
+
+
+def build_jax_mha_nobias(case: Case) -> Callables:
+    """JAX's own Pallas Triton flash attention (`jax.experimental.pallas.ops.gpu.attention.mha`),
+    default block sizes, MSA rows folded into the batch, **without bias and mask**.
+
+    Not an alternative (it computes less): a reference point for what a
+    Triton flash-attention kernel reaches at these shapes on this GPU when
+    there is no bias to add and no bias gradient to reduce.
+    """
+    if not on_gpu():
+        raise Unavailable("a Triton kernel: needs a GPU")
+    if case.dtype_name not in HALF_DTYPES:
+        raise Unavailable("16-bit only (its float32 products would be TF32)")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from jax.experimental.pallas.ops.gpu import attention as jax_attention
+
+    def op(q, k, v, bias, mask):
+        del bias, mask  # not supported by this kernel: the point of the comparison
+        b, s, n, h, d = q.shape
+        rows = lambda x: x.reshape(b * s, n, h, d)  # noqa: E731
+        out = jax_attention.mha(rows(q), rows(k), rows(v), None, sm_scale=case.scale)
+        return out.reshape(b, s, n, h, d)
+
+    info = {"reference_point": True,
+            "note": "no bias and no mask: a reference point, not an alternative"}
+    return jitted_pair(op, info)
+
+
+# --- the alternatives from other packages --------------------------------------
+
+
+def cuequivariance_op(cuet, scale: float) -> Callable:
+    """`op(q, k, v, bias, mask)` in msa_pallas' layout through `cuet.triangle_attention`.
+
+    cuEquivariance takes q/k/v `[B, S, H, N, d]` (one transpose each way,
+    counted in the time), the pair bias `[B, 1, H, N, N]` in float32 (shared by
+    the S rows; a bias in another dtype is cast here, in the timed call; its
+    gradient is reduced over S inside the kernel and comes back in float32,
+    cast to the bias dtype) and the key mask `[B, S, 1, 1, N]` bool, True keeps
+    a key, masked logits replaced by -1e9. It returns `[out, lse, max]`.
+    """
+
+    def op(q, k, v, bias, mask):
+        heads_first = lambda x: jnp.swapaxes(x, 2, 3)  # noqa: E731 - [B,S,N,H,d] <-> [B,S,H,N,d]
+        out, _lse, _max = cuet.triangle_attention(
+            heads_first(q), heads_first(k), heads_first(v),
+            bias[:, None].astype(jnp.float32),
+            mask[:, :, None, None, :].astype(jnp.bool_),
+            scale,
+        )
+        return heads_first(out)
+
+    return op
+
+
+def tokamax_op(tokamax, scale: float, implementation: str) -> Callable:
+    """`op(q, k, v, bias, mask)` through `tokamax.dot_product_attention`.
+
+    tokamax takes `[*batch, N, H, d]`, so msa_pallas' `[B, S, N, H, d]` goes in
+    as it is, with (B, S) as two batch dimensions: no transpose. The bias goes
+    in as `[B, 1, H, N, N]` in its own dtype and the key mask as `[B, S, 1, 1, N]`
+    (True keeps a key; masked logits are replaced by float32's minimum); both
+    broadcast over S without a `[B, S, H, N, N]` array in the forward.
+    (tokamax's backward kernels write a per-row bias gradient and sum it over S
+    in XLA: that is in its `f+b` memory.) One implementation only, so tokamax
+    raises rather than falling back to another.
+    """
+
+    def op(q, k, v, bias, mask):
+        return tokamax.dot_product_attention(
+            q, k, v, bias=bias[:, None], mask=mask[:, :, None, None, :].astype(jnp.bool_),
+            scale=scale, implementation=implementation,
+        )
+
+    return op
+
+
+def build_cuequivariance(case: Case) -> Callables:
+    """`cuequivariance_jax.triangle_attention` (NVIDIA cuEquivariance's CUDA kernels)."""
+    if not on_gpu():
+        raise Unavailable("cuEquivariance's kernels need a GPU")
+    cuet = import_cuequivariance()
+    info = {
+        "versions": {name: package_version(name) for name in ALTERNATIVE_PACKAGES[1:]},
+        "layout": "q/k/v transposed to [B,S,H,N,d] and back; bias [B,1,H,N,N] cast to f32",
+    }
+    if case.dtype_name == "f32":
+        info["note"] = ("cuequivariance_ops_jax runs the float32 backward in TF32 "
+                        "(no full-float32 backward; it warns)")
+    return jitted_pair(cuequivariance_op(cuet, case.scale), info)
+
+
+def _build_tokamax(case: Case, implementation: str, half_only: bool = False) -> Callables:
+    """The builder of a tokamax entry; `implementation` is a key of tokamax's registry."""
+    if not on_gpu():
+        raise Unavailable(f"tokamax's {implementation} kernels need a GPU")
+    if half_only and case.dtype_name not in HALF_DTYPES:
+        # tokamax 0.0.17 maps float32 to the TF32 (or F32) dot preset, and its
+        # Mosaic GPU kernels cast only to bf16/fp16: NotImplementedError.
+        raise Unavailable(f"tokamax's {implementation} kernels take bf16/fp16 only")
+    tokamax = tokamax_with(implementation)
+    info = {"versions": {"tokamax": package_version("tokamax")},
+            "implementation": implementation,
+            "layout": "no transpose: (B, S) are batch dims; bias [B,1,H,N,N], mask [B,S,1,1,N]",
+            "config": "tokamax's default (its autotuning cache, else heuristics)"}
+    if case.dtype_name == "f32":
+        info["note"] = "tokamax's default precision for float32 on GPU is TF32"
+    return jitted_pair(tokamax_op(tokamax, case.scale, implementation), info)
+
+
+def build_tokamax_mosaic(case: Case) -> Callables:
+    """`tokamax.dot_product_attention(implementation="mosaic")` on NVIDIA (Mosaic GPU kernels)."""
+    # "mosaic_gpu" is what tokamax's API makes of implementation="mosaic" when
+    # the default device's kind contains "NVIDIA" (else it picks "mosaic_tpu");
+    # naming it directly never takes the TPU kernels.
+    return _build_tokamax(case, "mosaic_gpu", half_only=True)
+
+
+def build_tokamax_triton(case: Case) -> Callables:
+    """`tokamax.dot_product_attention(implementation="triton")`: Pallas Triton kernels."""
+    return _build_tokamax(case, "triton")
+
+
+IMPLEMENTATIONS: dict[str, Callable[[Case], Callables]] = {
+    "msa_pallas": build_msa_pallas,
+    "xla": build_xla,
+    "cudnn": build_cudnn,
+    "cuequivariance": build_cuequivariance,
+    "tokamax_mosaic": build_tokamax_mosaic,
+    "tokamax_triton": build_tokamax_triton,
+    "jax_mha_nobias": build_jax_mha_nobias,
+}
+# Timed for comparison but computing a different operation (no bias, no mask):
+# never an alternative to beat, and its output is not checked.
+REFERENCE_POINTS = ("jax_mha_nobias",)
+
+
+# --- attention cores for msa_pallas' Flax layer --------------------------------
+
+
+def gated_attention_fn(op_for_scale: Callable[[float], Callable]) -> Callable:
+    """An `attention_fn` with `msa_pallas.msa_row_attention`'s signature around an op
+    without a gate.
+
+    `op_for_scale(scale)` returns `op(q, k, v, bias, mask)` in the benchmark's
+    form (above). The returned function takes q/k/v/gate `[*batch, S, N, H, d]`
+    (the batch dimensions folded into one for the op), bias `[*batch, H, N, N]`,
+    mask `[*batch, S, N]` (nonzero keeps a key; None keeps every key), and
+    returns `op(...) * sigmoid(gate)` in q's dtype, the gate applied in float32
+    as msa_pallas' kernels do. `implementation` and `block_config` are
+    msa_pallas' own knobs and are ignored; attention dropout is refused.
+    """
+
+    def attention_fn(q, k, v, bias, mask=None, gate=None, *, scale=None, implementation=None,
+                     block_config=None, dropout_rate=0.0, dropout_rng=None):
+        del implementation, block_config, dropout_rng
+        if dropout_rate:
+            raise NotImplementedError("attention dropout is not in this core")
+        *batch, s, n, h, d = q.shape
+        folded = lambda x: x.reshape(-1, *x.shape[len(batch):])  # noqa: E731
+        keep = (jnp.ones((*batch, s, n), jnp.bool_) if mask is None
+                else mask if mask.dtype == jnp.bool_ else mask != 0)
+        op = op_for_scale(1.0 / math.sqrt(d) if scale is None else scale)
+        out = op(folded(q), folded(k), folded(v), folded(bias), folded(keep))
+        out = out.reshape(*batch, s, n, h, d).astype(jnp.float32)
+        if gate is not None:
+            out = out * jax.nn.sigmoid(gate.astype(jnp.float32))
+        return out.astype(q.dtype)
+
+    return attention_fn
+
+
+def cuequivariance_core() -> Callable:
+    """cuEquivariance's `triangle_attention` as a layer's attention core (GPU only)."""
+    if not on_gpu():
+        raise Unavailable("cuEquivariance's kernels need a GPU")
+    cuet = import_cuequivariance()
+    return gated_attention_fn(lambda scale: cuequivariance_op(cuet, scale))
+
+
+def tokamax_core(implementation: str) -> Callable:
+    """tokamax's `dot_product_attention` with `implementation` as a layer's attention core."""
+    if not on_gpu():
+        raise Unavailable(f"tokamax's {implementation} kernels need a GPU")
+    tokamax = tokamax_with(implementation)
+    return gated_attention_fn(lambda scale: tokamax_op(tokamax, scale, implementation))
+
+
+# name -> a function returning the layer's `attention_fn`, or raising `Unavailable`.
+LAYER_CORES: dict[str, Callable[[], Callable]] = {
+    "cuequivariance": cuequivariance_core,
+    "tokamax_mosaic": lambda: tokamax_core("mosaic_gpu"),
+    "tokamax_triton": lambda: tokamax_core("triton"),
+}

@@ -1,0 +1,335 @@
+"""The benchmark's results as Markdown (a table, the targets, notes) and as a plot.
+
+Everything here reads the `results` dict that bench_attention.py writes to results.json,
+so a table can be rendered again from an old run's file:
+
+    python -c "import json, sys; sys.path.insert(0, 'benchmarks'); import report; \\
+        print(report.markdown_table(json.load(open('OUT/results.json'))))"
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from alternatives import REFERENCE_POINTS
+from measure import CHECK_REFERENCE, CHECK_TOLERANCE, EXP_PER_S, MODE_LABELS, MODES, ok
+from shapes import HALF_DTYPES
+
+SUBJECT = "msa_pallas"  # the implementation the speed-ups, floor fractions and targets are about
+
+# The targets, all read as ratios measured in one run on one GPU (ratio = the
+# other's time or memory / the subject's, so above 1 is better):
+# - 16-bit inputs, float32 bias and bias in the input dtype, at every shape: the
+#   forward at least 1.5x and the forward+backward at least 2x faster than the
+#   fastest alternative, and the forward+backward's temporary+output memory no
+#   larger than cuEquivariance's (whose kernels reduce the bias gradient over S too).
+# - float32 inputs: faster than XLA's and cuEquivariance's float32 (tokamax's
+#   float32 is TF32, not comparable in accuracy; cuDNN has no float32).
+# - N >= 4096: the forward+backward runs, where XLA's runs out of memory.
+TARGET_SPEEDUP = {"fwd": 1.5, "fwd_bwd": 2.0}
+FLOAT32_YARDSTICKS = ("xla", "cuequivariance")
+MEMORY_YARDSTICK = "cuequivariance"
+LONG_CHAIN_N = 4096
+
+
+# --- cells ---------------------------------------------------------------------
+
+
+def fmt_ms(value: float) -> str:
+    return f"{value:.3f}" if value < 10 else f"{value:.2f}" if value < 100 else f"{value:.1f}"
+
+
+def fmt_cell(cell: dict) -> str:
+    """A time cell: milliseconds, or a short failure code."""
+    if ok(cell):
+        return fmt_ms(cell["median_ms"])
+    status = cell.get("status", "")
+    if status.endswith("OOM"):
+        return "OOM"
+    return "n/a" if status.startswith("skipped") else "error"
+
+
+def fmt_mb(cell: dict) -> str:
+    value = cell.get("temp_plus_output_bytes")
+    return "–" if value is None else f"{value / 1e6:,.0f}" if value >= 1e7 else f"{value / 1e6:.2f}"
+
+
+def fmt_ratio(value: float | None) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.2f}" if value >= 0.01 else f"{value:.1e}"
+
+
+def fmt_pair(values) -> str:
+    """Two ratios (fwd, f+b) as `a / b`."""
+    return " / ".join(fmt_ratio(v) for v in values)
+
+
+def bias_dtype(case: dict) -> str:
+    """The case's bias dtype; results from before the bias dtype was recorded had the input's."""
+    return case.get("bias_dtype", case["dtype"])
+
+
+def shape_label(case: dict) -> str:
+    return f"{case['shape']} ({','.join(str(v) for v in case['dims'].values())})"
+
+
+# --- the results table -----------------------------------------------------------
+
+
+def markdown_table(results: dict) -> str:
+    """The results as a Markdown table (one row per shape x dtype x bias dtype), notes and targets."""
+    impls = results["metadata"]["impls"]
+    meta = results["metadata"]
+    others = [name for name in impls if name != SUBJECT] if SUBJECT in impls else []
+    header = ["shape (B,S,N,H,d)", "dtype", "bias"]
+    header += [f"{name} {MODE_LABELS[mode]} ms" for mode in MODES for name in impls]
+    header += [f"× vs {name} fwd / f+b" for name in others]
+    if SUBJECT in impls:
+        header.append(f"{SUBJECT} fraction of floor fwd / f+b")
+    header += [f"{name} f+b mem MB" for name in impls]
+    lines = [
+        f"{meta['device_kind']} · jax {meta['jax_version']} · commit {meta['commit']} · "
+        f"{meta['date_utc']} · median of {meta['iters']} samples of "
+        f"{meta.get('reps', 1)} back-to-back calls",
+        "",
+    ]
+    installed = [f"{name} {version}" for name, version in meta.get("packages", {}).items()
+                 if version is not None]
+    if installed:
+        lines += ["Alternatives' packages: " + ", ".join(installed), ""]
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    notes: dict[str, list[str]] = {}
+    for case in results["cases"]:
+        cells = case["impls"]
+        row = [shape_label(case), case["dtype"], bias_dtype(case)]
+        row += [fmt_cell(cells[name][mode]) for mode in MODES for name in impls]
+        row += [fmt_pair([case["speedup"][name][m] for m in MODES]) for name in others]
+        if SUBJECT in impls:
+            row.append(fmt_pair([cells[SUBJECT][m].get("fraction_of_floor") for m in MODES]))
+        row += [fmt_mb(cells[name]["fwd_bwd"]) for name in impls]
+        lines.append("| " + " | ".join(row) + " |")
+        for note, where in case_notes(case, impls):
+            notes.setdefault(note, [])
+            if where not in notes[note]:
+                notes[note].append(where)
+    lines += ["", f"Floor: max(B·S·H·N² exponentials × (1 fwd, 3 f+b) at {EXP_PER_S:.2g}/s, "
+              "matrix FLOPs (4, 14)·B·S·H·N²·d at 790e12/s bf16/f16, 60e12/s f32), every "
+              "logit counted (masked or not); fraction of floor = floor / median. Memory: "
+              "XLA temp + output bytes of the compiled f+b."]
+    lines += padding_lines(results)
+    if notes:
+        lines += ["", "Notes:", ""]
+        lines += [f"- {note} ({', '.join(where)})" for note, where in notes.items()]
+    targets = targets_table(results)
+    if targets:
+        lines += ["", targets.rstrip("\n")]
+    return "\n".join(lines) + "\n"
+
+
+def padding_lines(results: dict) -> list[str]:
+    """For each padded case: the keys it keeps, and the subject's time against the same
+    shape with random masks (a padded batch should cost less as less is left to compute)."""
+    lines = []
+    for case in results["cases"]:
+        if case.get("mask", "random") != "padded":
+            continue
+        text = (f"- {case['shape']} {case['dtype']} bias {bias_dtype(case)}: "
+                f"{case.get('kept_fraction', float('nan')):.0%} of keys kept, "
+                f"{case.get('fully_masked_rows', '?')} MSA rows fully masked (left out of "
+                "the forward check)")
+        full = next((c for c in results["cases"] if c.get("mask", "random") == "random"
+                     and c["dims"] == case["dims"] and c["dtype"] == case["dtype"]
+                     and bias_dtype(c) == bias_dtype(case)), None)
+        if full is not None and SUBJECT in results["metadata"]["impls"]:
+            ratios = [_median(case, SUBJECT, m) / _median(full, SUBJECT, m)
+                      if _median(case, SUBJECT, m) and _median(full, SUBJECT, m) else None
+                      for m in MODES]
+            text += (f"; {SUBJECT} time / {full['shape']}'s (random masks, 90% kept) "
+                     f"fwd / f+b: {fmt_pair(ratios)}")
+        lines.append(text)
+    return ["", "Padded batches:", "", *lines] if lines else []
+
+
+def case_notes(case: dict, impls: list[str]) -> list[tuple[str, str]]:
+    """(note, where) for the failures, skips and forward mismatches of one case.
+
+    A failure common to both modes gives one note without the mode.
+    """
+    found = []
+    where = f"{case['shape']} {case['dtype']}" + (
+        f" bias {bias_dtype(case)}" if bias_dtype(case) != case["dtype"] else "")
+    tolerance = CHECK_TOLERANCE.get(case["dtype"], 1e-2)
+    for name in impls:
+        cells = case["impls"][name]
+        statuses = [cells[mode].get("status", "") for mode in MODES]
+        if len(set(statuses)) == 1 and statuses[0] != "ok":
+            found.append((f"{name}: {statuses[0]}", where))
+        else:
+            found += [(f"{name} {MODE_LABELS[mode]}: {status}", where)
+                      for mode, status in zip(MODES, statuses) if status != "ok"]
+        note = cells.get("info", {}).get("note")
+        if note and any(ok(cells[mode]) for mode in MODES):
+            found.append((f"{name}: {note}", where))
+        for mode in MODES:
+            err = cells[mode].get("rel_err_vs_" + CHECK_REFERENCE)
+            if err is not None and err > tolerance:
+                found.append((f"{name} {MODE_LABELS[mode]}: relative error vs "
+                              f"{CHECK_REFERENCE} above {tolerance:g}", f"{where}: {err:.1e}"))
+    return found
+
+
+# --- the targets -----------------------------------------------------------------
+
+
+def _median(case: dict, impl: str, mode: str) -> float | None:
+    cell = case["impls"].get(impl, {}).get(mode, {})
+    return cell["median_ms"] if ok(cell) else None
+
+
+def wrong_output(case: dict, impl: str) -> bool:
+    """Whether `impl`'s forward output failed the check against CHECK_REFERENCE."""
+    err = case["impls"].get(impl, {}).get("fwd", {}).get("rel_err_vs_" + CHECK_REFERENCE)
+    return err is not None and err > CHECK_TOLERANCE.get(case["dtype"], 1e-2)
+
+
+def fastest_alternative(case: dict, mode: str) -> tuple[str, float] | None:
+    """(name, median ms) of the fastest yardstick that ran and computed the
+    op (its forward passed the check), or None.
+
+    16-bit: every implementation but the subject and the reference points;
+    float32: FLOAT32_YARDSTICKS only. A fast wrong answer is no yardstick."""
+    half = case["dtype"] in HALF_DTYPES
+    times = [
+        (name, ms) for name in case["impls"]
+        if name != SUBJECT and name not in REFERENCE_POINTS
+        and (half or name in FLOAT32_YARDSTICKS)
+        and not wrong_output(case, name)
+        and (ms := _median(case, name, mode)) is not None
+    ]
+    return min(times, key=lambda item: item[1]) if times else None
+
+
+def _verdict(ratio: float, goal: float) -> str:
+    return f"{'yes' if ratio >= goal else 'no'}: {ratio:.2f}× (≥ {goal:g}×)"
+
+
+def time_target(case: dict, mode: str) -> tuple[str, bool | None]:
+    """(cell, met) of the speed target of one mode; met is None when it cannot be judged."""
+    ours = case["impls"][SUBJECT][mode]
+    if not ok(ours):
+        return f"{SUBJECT}: {fmt_cell(ours)}", False
+    other = fastest_alternative(case, mode)
+    if other is None:
+        return "no alternative ran", None
+    goal = TARGET_SPEEDUP[mode] if case["dtype"] in HALF_DTYPES else 1.0
+    ratio = other[1] / ours["median_ms"]
+    return (f"{_verdict(ratio, goal)}; {fmt_ms(ours['median_ms'])} vs {fmt_ms(other[1])} ms "
+            f"{other[0]}", ratio >= goal)
+
+
+def memory_target(case: dict) -> tuple[str, bool | None]:
+    """(cell, met) of the f+b memory target (16-bit inputs only)."""
+    if case["dtype"] not in HALF_DTYPES:
+        return "–", None
+    memory = [case["impls"].get(name, {}).get("fwd_bwd", {}).get("temp_plus_output_bytes")
+              for name in (SUBJECT, MEMORY_YARDSTICK)]
+    if None in memory:
+        return "–", None
+    return (f"{_verdict(memory[1] / memory[0], 1.0)}; {memory[0] / 1e6:,.0f} vs "
+            f"{memory[1] / 1e6:,.0f} MB {MEMORY_YARDSTICK}", memory[0] <= memory[1])
+
+
+def long_chain_target(case: dict) -> tuple[str, bool | None]:
+    """(cell, met) at N >= LONG_CHAIN_N: the subject's f+b runs where XLA's fails."""
+    if case["dims"]["N"] < LONG_CHAIN_N:
+        return "–", None
+    ours = case["impls"][SUBJECT]["fwd_bwd"]
+    xla = case["impls"].get(CHECK_REFERENCE, {}).get("fwd_bwd", {"status": "not run"})
+    memory = ours.get("temp_plus_output_bytes")
+    ours_text = (f"{fmt_ms(ours['median_ms'])} ms, {memory / 1e6:,.0f} MB" if ok(ours)
+                 else ours.get("status", "?"))
+    xla_text = f"{fmt_ms(xla['median_ms'])} ms" if ok(xla) else xla.get("status", "?")
+    return (f"{'yes' if ok(ours) else 'no'}: {ours_text}; {CHECK_REFERENCE} {xla_text}",
+            ok(ours))
+
+
+def targets_table(results: dict) -> str:
+    """The targets (see TARGET_SPEEDUP above) read off this run, one row per case, each
+    cell with the subject's ratio to its yardstick. Empty when the subject did not run."""
+    if SUBJECT not in results["metadata"]["impls"]:
+        return ""
+    lines = [
+        "| shape | dtype | bias | fwd | f+b | f+b memory | f+b runs at N ≥ 4096 | met |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for case in results["cases"]:
+        cells = [time_target(case, "fwd"), time_target(case, "fwd_bwd"),
+                 memory_target(case), long_chain_target(case)]
+        judged = [met for _, met in cells if met is not None]
+        lines.append(f"| {case['shape']} | {case['dtype']} | {bias_dtype(case)} | "
+                     + " | ".join(text for text, _ in cells)
+                     + f" | {sum(judged)} of {len(judged)} |")
+    return "\n".join([
+        f"Targets in this run: {SUBJECT} against the fastest alternative that ran and "
+        "passed the forward check (ratio = "
+        "its time or memory / msa_pallas', above 1 is better). 16-bit inputs: forward "
+        "≥ 1.5×, forward+backward ≥ 2×, f+b memory no more than cuequivariance's. float32: "
+        "faster than xla's and cuequivariance's float32. N ≥ 4096: f+b runs where xla's "
+        "runs out of memory.", "", *lines]) + "\n"
+
+
+# --- files ---------------------------------------------------------------------------
+
+
+def plot(results: dict, path: Path) -> str | None:
+    """Writes results.png (bf16 inputs, float32 bias where measured); returns why not when it cannot."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not importable"
+    kinds = [(case["dtype"], bias_dtype(case)) for case in results["cases"]]
+    if not kinds:
+        return "no results"
+    kind = ("bf16", "f32") if ("bf16", "f32") in kinds else kinds[0]
+    cases = sorted((c for c in results["cases"] if (c["dtype"], bias_dtype(c)) == kind),
+                   key=lambda c: (c["dims"]["N"], c["logits"], c["shape"]))
+    labels = [f"{c['shape']}\nN={c['dims']['N']}" for c in cases]
+    x = np.arange(len(cases))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    panels = [(MODE_LABELS[mode] + " time (ms)", mode, "median_ms", 1.0) for mode in MODES]
+    panels.append(("f+b temp+output memory (MB)", "fwd_bwd", "temp_plus_output_bytes", 1e-6))
+    for ax, (title, mode, field, factor) in zip(axes, panels):
+        for name in results["metadata"]["impls"]:
+            values = [c["impls"][name][mode].get(field) for c in cases]
+            ys = [np.nan if v is None else v * factor for v in values]
+            if field == "median_ms":
+                ys = [y if ok(c["impls"][name][mode]) else np.nan for y, c in zip(ys, cases)]
+            ax.plot(x, ys, marker="o", label=name)
+        if field == "median_ms" and len(cases):
+            ax.plot(x, [c["floor"][mode]["floor_ms"] for c in cases], "k--", linewidth=1,
+                    label="floor")
+        ax.set_yscale("log")
+        ax.set_xticks(x, labels)
+        ax.set_title(f"{title}, {kind[0]}, bias {kind[1]}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    meta = results["metadata"]
+    fig.suptitle(f"MSA row attention — {meta['device_kind']}, jax {meta['jax_version']}, "
+                 f"commit {meta['commit']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def write_outputs(results: dict, out_dir: Path) -> None:
+    """results.json and results.md (rewritten after every case, so a cut run keeps its part)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out_dir / "results.md").write_text(markdown_table(results))
