@@ -14,8 +14,11 @@ On a GPU the default is the AlphaFold2 training crop (B, S, N, H, d =
 1, 128, 256, 8, 32) in bfloat16. Without one, a small float32 case runs the
 same kernels in Pallas interpret mode (slow, so only a few timed calls).
 
-    python examples/demo.py
-    python examples/demo.py --shape 1 512 384 8 32 --dtype bfloat16 --iters 50
+From the repository root, with the virtualenv `scripts/env.sh` makes
+(`bash scripts/demo.sh` runs the first line)::
+
+    .venv/bin/python examples/demo.py
+    .venv/bin/python examples/demo.py --shape 1 512 384 8 32 --dtype bfloat16 --iters 50
 """
 
 from __future__ import annotations

@@ -17,10 +17,14 @@ stacked over blocks), loads them back with the equivalent of AF2's
 `utils.flat_params_to_haiku`, runs the stack under `jax.jit` and prints the
 output shape.
 
-    PYTHONPATH=. python examples/haiku_evoformer.py
-    PYTHONPATH=. python examples/haiku_evoformer.py --blocks 4 --seqs 32 --res 64 --implementation xla
+From the repository root, with the virtualenv `scripts/env.sh` makes (or any
+environment where msa_pallas and dm-haiku are installed, with its `python`)::
 
-Needs dm-haiku: `pip install msa_pallas[haiku]`.
+    .venv/bin/python examples/haiku_evoformer.py
+    .venv/bin/python examples/haiku_evoformer.py --blocks 4 --seqs 32 --res 64 --implementation xla
+
+Needs dm-haiku: in `.venv` already (the test extra); elsewhere `pip install -e ".[haiku]"`
+from the repository root.
 """
 
 from __future__ import annotations

@@ -10,9 +10,13 @@ Modules:
   autotune     optional tile timing on the user's GPU, cached on disk
   timing       the batched timing loop of the autotuner and the benchmarks
   validation   trace-time argument checks
+  layer_core   the maths the linen, NNX and Haiku layers share (no Flax)
   layers       the flax.linen layer MSARowAttentionWithPairBias
   nnx_layers   the same layer in flax.nnx
+  haiku        AlphaFold2's Haiku module on the fused op (optional dm-haiku)
   convert      weight converters (PyTorch reference, OpenFold, AlphaFold2)
+  weight_checks  reading the converters' weight dictionaries
+  sharding, exporting  several devices; jax.export for a GPU target
 """
 
 from msa_pallas.attention import msa_row_attention

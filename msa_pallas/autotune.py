@@ -19,11 +19,13 @@ so the timings say nothing about GPU speed; that mode exists for tests.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
 import pathlib
 import statistics
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -152,6 +154,7 @@ def autotune(
     use_cache: bool = True,
     seed: int = 0,
     verbose: bool = False,
+    timer: Callable[[str, KernelTiles, Callable[[], Any]], float] | None = None,
 ) -> BlockConfig:
     """The fastest tiles of each kernel for one problem, timed on this device.
 
@@ -169,6 +172,10 @@ def autotune(
       use_cache: read and write `cache_dir() / "autotune.json"`.
       seed: for the random inputs.
       verbose: print each timing.
+      timer: how one candidate is timed: `timer(kernel_name, tiles, run)`
+        returns milliseconds, where `run()` launches the kernel once with
+        those tiles. None: the median of `iters` samples of `reps` calls.
+        For tests, or to time with a profiler.
 
     Returns:
       A `BlockConfig` to pass as `block_config=`.
@@ -184,12 +191,14 @@ def autotune(
     n_res = shape[2]
     runners = _kernel_runners(shape, dtype, has_mask, has_gate, not on_gpu(), seed)
     candidates = candidates or DEFAULT_CANDIDATES
+    if timer is None:
+        timer = lambda name, tiles, run: _median_ms(run, iters, reps)
     best, best_ms = {}, {}
     for name, run in runners.items():
         timings = {}
         for tiles in dict.fromkeys(t.clipped(n_res) for t in candidates[name]):
             try:
-                timings[tiles] = _median_ms(lambda: run(tiles), iters, reps)
+                timings[tiles] = float(timer(name, tiles, functools.partial(run, tiles)))
             except Exception as error:  # a tile the compiler rejects is no candidate
                 if verbose:
                     print(f"{name} {tiles}: skipped ({type(error).__name__})")

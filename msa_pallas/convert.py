@@ -1,6 +1,6 @@
 """Weight converters into `msa_pallas.MSARowAttentionWithPairBias` variables.
 
-- `from_torch_state_dict`: the PyTorch reference layer (`reference/torch_reference.py`).
+- `from_torch_state_dict`: the PyTorch reference layer (`tests/fixtures/torch_reference.py`).
 - `from_openfold_state_dict`: OpenFold's `MSARowAttentionWithPairBias`.
 - `from_alphafold2_params`: AlphaFold2's Haiku parameters (`msa_row_attention_with_pair_bias`).
 
@@ -29,7 +29,11 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 import numpy as np
 
-from msa_pallas.layers import MSARowAttentionWithPairBias, alphafold2_options
+from msa_pallas.layer_core import alphafold2_options
+from msa_pallas.layers import MSARowAttentionWithPairBias
+from msa_pallas.weight_checks import (
+    as_param, check_keys, expect_shape, flatten_haiku, strip_prefix, to_numpy,
+)
 
 __all__ = [
     "from_torch_state_dict",
@@ -45,74 +49,25 @@ __all__ = [
 DEFAULT_ALPHAFOLD2_MODULE = "msa_row_attention_with_pair_bias"
 
 
-def _to_numpy(value, key: str) -> np.ndarray:
-    """A torch tensor (any device, bf16 included), JAX or NumPy array -> NumPy."""
-    if hasattr(value, "detach"):  # torch.Tensor, without importing torch
-        value = value.detach().cpu()
-        if str(value.dtype) in ("torch.bfloat16", "torch.float16"):
-            value = value.float()
-        value = value.numpy()
-    try:
-        array = np.asarray(value)
-    except Exception as err:  # pragma: no cover - depends on exotic inputs
-        raise TypeError(f"{key!r}: cannot convert {type(value).__name__} to an array.") from err
-    if not np.issubdtype(array.dtype, np.floating) and array.dtype.name != "bfloat16":
-        raise TypeError(f"{key!r} has dtype {array.dtype}; expected a floating array.")
-    return array
-
-
-def _param(array: np.ndarray, dtype) -> jnp.ndarray:
-    return jnp.asarray(np.asarray(array), dtype=dtype)
-
-
-def _check_keys(got, required, optional, what: str) -> None:
-    got = set(got)
-    missing = sorted(set(required) - got)
-    unexpected = sorted(got - set(required) - set(optional))
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing keys {missing}")
-        if unexpected:
-            parts.append(f"unexpected keys {unexpected}")
-        raise ValueError(f"{what}: " + "; ".join(parts) + ".")
-
-
-def _expect(key: str, array: np.ndarray, shape: tuple, meaning: str) -> None:
-    if tuple(array.shape) != tuple(shape):
-        raise ValueError(
-            f"{key!r} has shape {tuple(array.shape)}; expected {tuple(shape)} ({meaning})."
-        )
-
-
-def _strip_prefix(state_dict: Mapping, prefix: str, what: str) -> dict:
-    if prefix and not prefix.endswith("."):
-        prefix += "."
-    out = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
-    if not out:
-        raise ValueError(f"{what}: no key starts with prefix {prefix!r}.")
-    return out
-
-
 def _linear(sd: dict, name: str, n_in: int, n_out: int, bias: bool | None, dtype, what: str):
     """Flax Dense params from torch `name.weight [out, in]` (+ `name.bias [out]`)."""
     w = sd[f"{name}.weight"]
-    _expect(f"{name}.weight", w, (n_out, n_in), f"[out, in] of {what}")
-    params = {"kernel": _param(w.T, dtype)}
+    expect_shape(f"{name}.weight", w, (n_out, n_in), f"[out, in] of {what}")
+    params = {"kernel": as_param(w.T, dtype)}
     if bias is None:
         bias = f"{name}.bias" in sd
     if bias:
         b = sd[f"{name}.bias"]
-        _expect(f"{name}.bias", b, (n_out,), f"[out] of {what}")
-        params["bias"] = _param(b, dtype)
+        expect_shape(f"{name}.bias", b, (n_out,), f"[out] of {what}")
+        params["bias"] = as_param(b, dtype)
     return params
 
 
 def _layer_norm(sd: dict, name: str, n: int, dtype, what: str):
     w, b = sd[f"{name}.weight"], sd[f"{name}.bias"]
-    _expect(f"{name}.weight", w, (n,), what)
-    _expect(f"{name}.bias", b, (n,), what)
-    return {"scale": _param(w, dtype), "bias": _param(b, dtype)}
+    expect_shape(f"{name}.weight", w, (n,), what)
+    expect_shape(f"{name}.bias", b, (n,), what)
+    return {"scale": as_param(w, dtype), "bias": as_param(b, dtype)}
 
 
 def from_torch_state_dict(state_dict: Mapping[str, Any], *, prefix: str = "",
@@ -143,14 +98,14 @@ def from_torch_state_dict(state_dict: Mapping[str, Any], *, prefix: str = "",
         out = layer.apply(variables, m, z, mask)      # == torch_layer(m, z, mask)
     """
     what = "torch state_dict of MSARowAttentionWithPairBias"
-    sd = _strip_prefix(state_dict, prefix, what) if prefix else dict(state_dict)
-    sd = {k: _to_numpy(v, k) for k, v in sd.items()}
+    sd = strip_prefix(state_dict, prefix, what) if prefix else dict(state_dict)
+    sd = {k: to_numpy(v, k) for k, v in sd.items()}
     required = ["layer_norm.weight", "layer_norm.bias", "pair_bias.weight"]
     required += [f"{n}.weight" for n in ("query", "key", "value", "gate", "out_proj")]
     required += ["gate.bias", "out_proj.bias"]
     optional = ["query.bias", "key.bias", "value.bias", "pair_bias.bias",
                 "pair_layer_norm.weight", "pair_layer_norm.bias"]
-    _check_keys(sd, required, optional, what)
+    check_keys(sd, required, optional, what)
     qkv_biases = [f"{n}.bias" in sd for n in ("query", "key", "value")]
     if len(set(qkv_biases)) != 1:
         raise ValueError(f"{what}: query/key/value biases must be all present or all absent; "
@@ -212,14 +167,14 @@ def from_openfold_state_dict(state_dict: Mapping[str, Any], *, prefix: str = "",
         out = layer.apply(variables, m, z, mask)   # == msa_att_row(m, z, mask)
     """
     what = "OpenFold state_dict of MSARowAttentionWithPairBias"
-    sd = _strip_prefix(state_dict, prefix, what) if prefix else dict(state_dict)
-    sd = {k: _to_numpy(v, k) for k, v in sd.items()}
+    sd = strip_prefix(state_dict, prefix, what) if prefix else dict(state_dict)
+    sd = {k: to_numpy(v, k) for k, v in sd.items()}
     required = [
         "layer_norm_m.weight", "layer_norm_m.bias", "layer_norm_z.weight", "layer_norm_z.bias",
         "linear_z.weight", "mha.linear_q.weight", "mha.linear_k.weight", "mha.linear_v.weight",
         "mha.linear_g.weight", "mha.linear_g.bias", "mha.linear_o.weight", "mha.linear_o.bias",
     ]
-    _check_keys(sd, required, [], what)
+    check_keys(sd, required, [], what)
     ln_m, ln_z = sd["layer_norm_m.weight"], sd["layer_norm_z.weight"]
     if ln_m.ndim != 1 or ln_z.ndim != 1:
         raise ValueError(f"{what}: layer_norm_m.weight / layer_norm_z.weight must be 1-D; "
@@ -229,7 +184,7 @@ def from_openfold_state_dict(state_dict: Mapping[str, Any], *, prefix: str = "",
     if wz.ndim != 2:
         raise ValueError(f"'linear_z.weight' has shape {wz.shape}; expected [no_heads, c_z].")
     num_heads = wz.shape[0]
-    _expect("linear_z.weight", wz, (num_heads, c_z), "[no_heads, c_z]")
+    expect_shape("linear_z.weight", wz, (num_heads, c_z), "[no_heads, c_z]")
     wq = sd["mha.linear_q.weight"]
     if wq.ndim != 2 or wq.shape[0] % num_heads:
         raise ValueError(f"'mha.linear_q.weight' has shape {wq.shape}; expected "
@@ -246,19 +201,6 @@ def from_openfold_state_dict(state_dict: Mapping[str, Any], *, prefix: str = "",
         "out_proj": _linear(sd, "mha.linear_o", inner, c_m, True, dtype, "linear_o: H*c_hidden -> c_m"),
     }
     return {"params": params}
-
-
-def _flatten_haiku(params: Mapping, parent: str = "") -> dict[str, Any]:
-    """`{"a/b": {"w": x}}`, `{"a": {"b": {"w": x}}}` or `{"a/b//w": x}` -> `{"a/b/w": x}`."""
-    flat = {}
-    for key, value in params.items():
-        key = str(key).replace("//", "/")
-        path = f"{parent}/{key}" if parent else key
-        if isinstance(value, Mapping):
-            flat.update(_flatten_haiku(value, path))
-        else:
-            flat[path] = value
-    return flat
 
 
 def from_alphafold2_params(params: Mapping[str, Any], prefix: str | None = None, *,
@@ -295,7 +237,7 @@ def from_alphafold2_params(params: Mapping[str, Any], prefix: str | None = None,
                  "msa_row_attention_with_pair_bias", index=0)
         layer = module_from_variables(variables, preset="alphafold2")   # c_m=256, c_z=128, H=8
     """
-    flat = _flatten_haiku(params)
+    flat = flatten_haiku(params)
     if prefix is None:
         suffix = DEFAULT_ALPHAFOLD2_MODULE + "/feat_2d_weights"
         found = sorted(k[: -len("/feat_2d_weights")] for k in flat
@@ -317,8 +259,8 @@ def from_alphafold2_params(params: Mapping[str, Any], prefix: str | None = None,
     what = f"AlphaFold2 params under {prefix!r}"
     if not sub:
         raise ValueError(f"{what}: no parameter has this module path.")
-    _check_keys(sub, names, [], what)
-    arrays = {k: _to_numpy(v, f"{prefix}/{k}") for k, v in sub.items()}
+    check_keys(sub, names, [], what)
+    arrays = {k: to_numpy(v, f"{prefix}/{k}") for k, v in sub.items()}
 
     stacked = arrays["query_norm/scale"].ndim == 2
     if stacked:
@@ -356,25 +298,25 @@ def from_alphafold2_params(params: Mapping[str, Any], prefix: str | None = None,
         "attention/output_w": (heads, d, c_m), "attention/output_b": (c_m,),
     }
     for k, shape in expected.items():
-        _expect(f"{prefix}/{k}", arrays[k], shape,
+        expect_shape(f"{prefix}/{k}", arrays[k], shape,
                 f"c_m={c_m}, H={heads}, d={d} from query_w, c_z={c_z} from feat_2d_weights")
 
     def flat_heads(name):  # [c_m, H, d] -> Dense kernel [c_m, H*d]
-        return _param(arrays[name].reshape(c_m, heads * d), dtype)
+        return as_param(arrays[name].reshape(c_m, heads * d), dtype)
 
     params = {
-        "layer_norm": {"scale": _param(arrays["query_norm/scale"], dtype),
-                       "bias": _param(arrays["query_norm/offset"], dtype)},
-        "pair_layer_norm": {"scale": _param(arrays["feat_2d_norm/scale"], dtype),
-                            "bias": _param(arrays["feat_2d_norm/offset"], dtype)},
-        "pair_bias": {"kernel": _param(w2d, dtype)},
+        "layer_norm": {"scale": as_param(arrays["query_norm/scale"], dtype),
+                       "bias": as_param(arrays["query_norm/offset"], dtype)},
+        "pair_layer_norm": {"scale": as_param(arrays["feat_2d_norm/scale"], dtype),
+                            "bias": as_param(arrays["feat_2d_norm/offset"], dtype)},
+        "pair_bias": {"kernel": as_param(w2d, dtype)},
         "query": {"kernel": flat_heads("attention/query_w")},
         "key": {"kernel": flat_heads("attention/key_w")},
         "value": {"kernel": flat_heads("attention/value_w")},
         "gate": {"kernel": flat_heads("attention/gating_w"),
-                 "bias": _param(arrays["attention/gating_b"].reshape(heads * d), dtype)},
-        "out_proj": {"kernel": _param(arrays["attention/output_w"].reshape(heads * d, c_m), dtype),
-                     "bias": _param(arrays["attention/output_b"], dtype)},
+                 "bias": as_param(arrays["attention/gating_b"].reshape(heads * d), dtype)},
+        "out_proj": {"kernel": as_param(arrays["attention/output_w"].reshape(heads * d, c_m), dtype),
+                     "bias": as_param(arrays["attention/output_b"], dtype)},
     }
     return {"params": params}
 

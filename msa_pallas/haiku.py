@@ -7,7 +7,8 @@ parameter files load into it unchanged. The attention itself runs through
 `msa_pallas.msa_row_attention` (the Pallas kernels on a GPU), which never
 materialises the `[S, H, N, N]` logits.
 
-dm-haiku is an optional dependency: `pip install msa_pallas[haiku]`. Import
+dm-haiku is an optional dependency: `pip install dm-haiku`, or in a checkout
+`pip install -e ".[haiku]"`. Import
 this module explicitly (`import msa_pallas.haiku`); `import msa_pallas` does
 not import Haiku.
 
@@ -106,19 +107,20 @@ try:
 except ImportError as err:  # dm-haiku is an optional extra
     raise ImportError(
         "msa_pallas.haiku needs dm-haiku, an optional dependency of msa_pallas "
-        f"(importing it failed: {err}). Install it with: pip install msa_pallas[haiku]"
+        f"(importing it failed: {err}). Install it with: pip install dm-haiku "
+        "(or, in a checkout of msa_pallas: pip install -e \".[haiku]\")"
     ) from err
 
 import jax.numpy as jnp
 
 from msa_pallas.attention import msa_row_attention
-from msa_pallas.layers import resolve_precision
+from msa_pallas.layer_core import LAYER_NORM_EPS, resolve_precision
 from msa_pallas.validation import shape_str
 
 __all__ = ["MSARowAttentionWithPairBias", "MASK_MODES", "glorot_uniform"]
 
 MASK_MODES = ("replace", "additive")
-LAYER_NORM_EPS = 1e-5  # AlphaFold2's (common_modules.LAYER_NORM_EPSILON, hk.LayerNorm's default)
+# LAYER_NORM_EPS (1e-5) is also AlphaFold2's (common_modules.LAYER_NORM_EPSILON).
 _MISSING = object()
 
 

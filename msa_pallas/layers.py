@@ -1,7 +1,7 @@
 """Flax (linen) layer: MSA row-wise gated self-attention with pair bias.
 
-`MSARowAttentionWithPairBias` mirrors the PyTorch layer in the project's
-`reference/torch_reference.py` (same sub-module names, same maths, PyTorch's
+`MSARowAttentionWithPairBias` mirrors the PyTorch reference layer
+(`tests/fixtures/torch_reference.py`: same sub-module names, same maths, PyTorch's
 `nn.Linear` initialisation in distribution) and, through options or the
 `MSARowAttentionWithPairBias.alphafold2(...)` preset, AlphaFold2's / OpenFold's
 variant (Algorithm 7 of the AF2 supplement).
@@ -27,188 +27,42 @@ Example::
 
 from __future__ import annotations
 
-import math
-from typing import Any
+from typing import Any, Callable
 
-import jax
 import jax.numpy as jnp
 from flax import linen as nn
 
-from msa_pallas.attention import msa_row_attention
-from msa_pallas.validation import shape_str
+from msa_pallas.layer_core import (
+    DROPOUT_MODES,
+    GATING_INITS,
+    LAYER_NORM_EPS,
+    alphafold2_options,
+    attention_dropout_rate,
+    check_config,
+    check_inputs,
+    gate_initializers,
+    gated_row_attention,
+    needs_dropout_rng,
+    op_implementation,
+    output_dropout,
+    output_initializers,
+    resolve_head_dim,
+    resolve_precision,
+    torch_linear_bias_init,
+    torch_linear_kernel_init,
+)
 
-GATING_INITS = ("default", "af2")
-DROPOUT_MODES = ("attention", "output_shared_rows")
-LAYER_NORM_EPS = 1e-5  # PyTorch's and AlphaFold's; flax's default is 1e-6.
-
+# Names re-exported here for code written against earlier releases, where
+# this module also held the shared maths (now msa_pallas.layer_core).
 __all__ = [
     "MSARowAttentionWithPairBias",
     "torch_linear_kernel_init",
     "torch_linear_bias_init",
+    "resolve_precision",
     "DROPOUT_MODES",
     "GATING_INITS",
+    "LAYER_NORM_EPS",
 ]
-
-
-# --------------------------------------------------------------------------
-# Initialisers equal in distribution to PyTorch's nn.Linear defaults.
-# --------------------------------------------------------------------------
-
-def torch_linear_kernel_init():
-    """`nn.Linear.weight`'s default, kaiming_uniform(a=sqrt(5)), for a Flax kernel.
-
-    PyTorch draws `U(-b, b)` with `b = gain * sqrt(3 / fan_in)`,
-    `gain = sqrt(2 / (1 + 5)) = sqrt(1/3)`, i.e. `b = 1 / sqrt(fan_in)`. A
-    Flax kernel is `[in, out]`, so fan_in is axis -2: `variance_scaling(1/3,
-    "fan_in", "uniform")` draws from exactly that distribution.
-    """
-    return nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
-
-
-def torch_linear_bias_init(fan_in: int):
-    """`nn.Linear.bias`'s default: `U(-1/sqrt(fan_in), 1/sqrt(fan_in))`."""
-    bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
-
-    def init(key, shape, dtype=jnp.float32):
-        return jax.random.uniform(key, shape, dtype, -bound, bound)
-
-    return init
-
-
-def _constant_init(value: float):
-    def init(key, shape, dtype=jnp.float32):
-        del key
-        return jnp.full(shape, value, dtype)
-
-    return init
-
-
-# --------------------------------------------------------------------------
-# Configuration checks and the maths shared with the NNX layer.
-# --------------------------------------------------------------------------
-
-def resolve_head_dim(msa_dim: int, num_heads: int, head_dim: int | None) -> int:
-    """`head_dim`, defaulting to `msa_dim // num_heads` (which must divide)."""
-    if num_heads < 1:
-        raise ValueError(f"num_heads={num_heads}; expected >= 1.")
-    if head_dim is not None:
-        if head_dim < 1:
-            raise ValueError(f"head_dim={head_dim}; expected >= 1.")
-        return head_dim
-    if msa_dim % num_heads:
-        raise ValueError(
-            f"msa_dim={msa_dim} is not divisible by num_heads={num_heads}; "
-            "pass head_dim explicitly or choose a divisor."
-        )
-    return msa_dim // num_heads
-
-
-def check_config(cfg) -> None:
-    """Checks the option fields shared by the linen and NNX layers."""
-    if cfg.gating_init not in GATING_INITS:
-        raise ValueError(f"gating_init={cfg.gating_init!r}; expected one of {GATING_INITS}.")
-    if cfg.dropout_mode not in DROPOUT_MODES:
-        raise ValueError(f"dropout_mode={cfg.dropout_mode!r}; expected one of {DROPOUT_MODES}.")
-    if not 0.0 <= float(cfg.dropout) < 1.0:
-        raise ValueError(f"dropout={cfg.dropout!r}; expected a float in [0, 1).")
-    for name in ("msa_dim", "pair_dim"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"{name}={getattr(cfg, name)}; expected >= 1.")
-    resolve_head_dim(cfg.msa_dim, cfg.num_heads, cfg.head_dim)
-
-
-def check_inputs(msa_repr, pair_repr, msa_mask, msa_dim: int, pair_dim: int) -> None:
-    """ValueError naming the argument when the layer inputs do not fit together."""
-    if msa_repr.ndim < 3 or msa_repr.shape[-1] != msa_dim:
-        raise ValueError(
-            f"msa_repr has shape {shape_str(msa_repr.shape)}; expected [*batch, S, N, msa_dim={msa_dim}]."
-        )
-    *batch, _, n_res, _ = msa_repr.shape
-    expected_pair = (*batch, n_res, n_res, pair_dim)
-    if tuple(pair_repr.shape) != expected_pair:
-        raise ValueError(
-            f"pair_repr has shape {shape_str(pair_repr.shape)}; expected "
-            f"[{', '.join(map(str, expected_pair))}] ([*batch, N, N, pair_dim] for msa_repr "
-            f"of shape {shape_str(msa_repr.shape)})."
-        )
-    if msa_mask is not None and tuple(msa_mask.shape) != tuple(msa_repr.shape[:-1]):
-        raise ValueError(
-            f"msa_mask has shape {shape_str(msa_mask.shape)}; expected "
-            f"[{', '.join(map(str, msa_repr.shape[:-1]))}] ([*batch, S, N] for msa_repr of "
-            f"shape {shape_str(msa_repr.shape)})."
-        )
-
-
-def resolve_precision(precision, dtype, param_dtype):
-    """Matmul precision of the projections.
-
-    None means float32 really is float32 when the layer computes in float32
-    (`HIGHEST`: no silent TF32 on GPUs, as the op's plain path), and the
-    backend default for bf16/fp16 compute. Pass `jax.lax.Precision.DEFAULT`
-    to allow TF32.
-    """
-    if precision is not None:
-        return precision
-    compute = jnp.dtype(dtype if dtype is not None else param_dtype)
-    return jax.lax.Precision.HIGHEST if compute == jnp.float32 else None
-
-
-def attention_dropout_active(dropout: float, dropout_mode: str, deterministic: bool) -> bool:
-    return dropout > 0.0 and not deterministic and dropout_mode == "attention"
-
-
-def op_implementation(implementation: str | None, attention_dropout: bool) -> str | None:
-    """The `implementation` handed to the op.
-
-    The Pallas kernels do not do attention dropout yet (the op raises for
-    `"pallas"` with a rate > 0), so while attention dropout is active a layer
-    configured with `"pallas"` passes `None`, which lets the op pick the path
-    that supports it (today the plain `"xla"` path).
-    """
-    if attention_dropout and implementation == "pallas":
-        return None
-    return implementation
-
-
-def gated_row_attention(
-    q, k, v, gate, pair_proj, msa_mask, *,
-    num_heads: int, head_dim: int,
-    implementation: str | None, block_config=None,
-    dropout_rate: float = 0.0, dropout_rng=None,
-):
-    """The attention core shared by the linen and NNX layers.
-
-    Args:
-      q, k, v, gate: `[*batch, S, N, H * d]` projections (gate as logits).
-      pair_proj: `[*batch, N, N, H]` pair projection.
-      msa_mask: `[*batch, S, N]` or None.
-
-    Returns:
-      `[*batch, S, N, H * d]`, the gated attention output before `out_proj`.
-    """
-    def heads(x):  # a free reshape to the op's [*batch, S, N, H, d] layout
-        return x.reshape(*x.shape[:-1], num_heads, head_dim)
-
-    bias = jnp.moveaxis(pair_proj, -1, -3)  # [*batch, H, N, N]
-    out = msa_row_attention(
-        heads(q), heads(k), heads(v), bias, msa_mask, heads(gate),
-        implementation=implementation, block_config=block_config,
-        dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-    )
-    return out.reshape(*out.shape[:-2], num_heads * head_dim)
-
-
-def alphafold2_options(dropout: float = 0.15) -> dict[str, Any]:
-    """The fields that make the layer AlphaFold2's / OpenFold's (Algorithm 7)."""
-    return dict(
-        dropout=dropout,
-        pair_layer_norm=True,
-        qkv_bias=False,
-        pair_bias_bias=False,
-        gating_init="af2",
-        zero_init_output=True,
-        dropout_mode="output_shared_rows",
-    )
 
 
 # --------------------------------------------------------------------------
@@ -226,7 +80,7 @@ class MSARowAttentionWithPairBias(nn.Module):
         o = msa_row_attention(q, k, v, bias, msa_mask, gate=g)  # softmax(q.k/sqrt(d) + bias) v * sigmoid(g)
         out = out_proj(o)                          # [.., S, N, msa_dim]
 
-    Defaults match the PyTorch reference layer (`reference/torch_reference.py`):
+    Defaults match the PyTorch reference layer (`tests/fixtures/torch_reference.py`):
     biases on every projection, no pair LayerNorm, PyTorch `nn.Linear`
     initialisation (`U(-1/sqrt(fan_in), 1/sqrt(fan_in))` for weights and
     biases), dropout on the attention weights. `MSARowAttentionWithPairBias.alphafold2()`
@@ -264,6 +118,13 @@ class MSARowAttentionWithPairBias(nn.Module):
       precision: matmul precision of the projections; None: `HIGHEST` when
         computing in float32 (no silent TF32 on GPUs), the default otherwise.
       layer_norm_eps: LayerNorm epsilon (1e-5, as PyTorch and AlphaFold).
+      attention_fn: the attention core, a callable with
+        `msa_pallas.msa_row_attention`'s signature (called as
+        `attention_fn(q, k, v, bias, mask, gate, implementation=...,
+        block_config=..., dropout_rate=..., dropout_rng=...)` with q, k, v,
+        gate `[*batch, S, N, H, d]` and bias `[*batch, H, N, N]`, returning
+        `[*batch, S, N, H, d]`); None means `msa_pallas.msa_row_attention`.
+        Lets a benchmark or a test swap the op and keep the layer.
     """
 
     msa_dim: int
@@ -283,6 +144,7 @@ class MSARowAttentionWithPairBias(nn.Module):
     param_dtype: Any = jnp.float32
     precision: Any = None
     layer_norm_eps: float = LAYER_NORM_EPS
+    attention_fn: Callable | None = None
 
     def __post_init__(self):
         check_config(self)
@@ -365,36 +227,24 @@ class MSARowAttentionWithPairBias(nn.Module):
         q = self._dense(inner, self.msa_dim, "query", self.qkv_bias)(x)
         k = self._dense(inner, self.msa_dim, "key", self.qkv_bias)(x)
         v = self._dense(inner, self.msa_dim, "value", self.qkv_bias)(x)
-        if self.gating_init == "af2":
-            gate_inits = dict(kernel_init=nn.initializers.zeros, bias_init=_constant_init(1.0))
-        else:
-            gate_inits = {}
-        g = self._dense(inner, self.msa_dim, "gate", True, **gate_inits)(x)
+        g = self._dense(inner, self.msa_dim, "gate", True, **gate_initializers(self.gating_init))(x)
 
         z = pair_repr
         if self.pair_layer_norm:
             z = self._layer_norm("pair_layer_norm")(z)
         pair_proj = self._dense(heads, self.pair_dim, "pair_bias", self.pair_bias_bias)(z)
 
-        attn_dropout = attention_dropout_active(self.dropout, self.dropout_mode, deterministic)
+        # One key serves whichever dropout the mode applies (only one is active).
+        key = self.make_rng("dropout") if needs_dropout_rng(self.dropout, deterministic) else None
+        rate = attention_dropout_rate(self.dropout, self.dropout_mode, deterministic)
         o = gated_row_attention(
             q, k, v, g, pair_proj, msa_mask,
             num_heads=heads, head_dim=head_dim,
-            implementation=op_implementation(self.implementation, attn_dropout),
+            implementation=op_implementation(self.implementation, rate > 0.0),
             block_config=self.block_config,
-            dropout_rate=float(self.dropout) if attn_dropout else 0.0,
-            dropout_rng=self.make_rng("dropout") if attn_dropout else None,
+            dropout_rate=rate, dropout_rng=key if rate > 0.0 else None,
+            attention_fn=self.attention_fn,
         )
-
-        if self.zero_init_output:
-            out_inits = dict(kernel_init=nn.initializers.zeros, bias_init=nn.initializers.zeros)
-        else:
-            out_inits = {}
-        out = self._dense(self.msa_dim, inner, "out_proj", True, **out_inits)(o)
-
-        if self.dropout_mode == "output_shared_rows" and self.dropout > 0.0:
-            # One mask per [*batch, N, C], shared by the S rows (axis -3).
-            out = nn.Dropout(
-                rate=self.dropout, broadcast_dims=(out.ndim - 3,), name="output_dropout"
-            )(out, deterministic=deterministic)
-        return out
+        out = self._dense(self.msa_dim, inner, "out_proj", True,
+                          **output_initializers(self.zero_init_output))(o)
+        return output_dropout(out, self.dropout, self.dropout_mode, deterministic, key)

@@ -21,28 +21,31 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from msa_pallas.layers import (
+from msa_pallas.layer_core import (
     LAYER_NORM_EPS,
-    MSARowAttentionWithPairBias,
-    _constant_init,
     alphafold2_options,
-    attention_dropout_active,
+    attention_dropout_rate,
     check_config,
     check_inputs,
+    gate_initializers,
     gated_row_attention,
+    needs_dropout_rng,
     op_implementation,
+    output_dropout,
+    output_initializers,
     resolve_head_dim,
     resolve_precision,
     torch_linear_bias_init,
     torch_linear_kernel_init,
 )
+from msa_pallas.layers import MSARowAttentionWithPairBias
 
 __all__ = ["MSARowAttentionWithPairBiasNNX"]
 
@@ -50,7 +53,7 @@ __all__ = ["MSARowAttentionWithPairBiasNNX"]
 _OPTION_FIELDS = (
     "dropout", "head_dim", "pair_layer_norm", "qkv_bias", "pair_bias_bias",
     "gating_init", "zero_init_output", "dropout_mode", "implementation",
-    "block_config", "dtype", "param_dtype", "precision", "layer_norm_eps",
+    "block_config", "dtype", "param_dtype", "precision", "layer_norm_eps", "attention_fn",
 )
 
 
@@ -66,6 +69,10 @@ class MSARowAttentionWithPairBiasNNX(nnx.Module):
     like `nnx.Dropout`) set by `layer.eval()` / `layer.train()` or
     `nnx.view(layer, deterministic=...)`, overridden per call by the
     `deterministic=` argument. With `dropout=0` (the default) it has no effect.
+
+    `attention_fn` (a callable with `msa_pallas.msa_row_attention`'s
+    signature; None means that op) swaps the attention core, as the linen
+    layer's field of that name.
     """
 
     def __init__(
@@ -88,6 +95,7 @@ class MSARowAttentionWithPairBiasNNX(nnx.Module):
         param_dtype: Any = jnp.float32,
         precision: Any = None,
         layer_norm_eps: float = LAYER_NORM_EPS,
+        attention_fn: Callable | None = None,
         deterministic: bool = False,
         rngs: nnx.Rngs,
     ):
@@ -101,6 +109,7 @@ class MSARowAttentionWithPairBiasNNX(nnx.Module):
         self.implementation, self.block_config = implementation, block_config
         self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
         self.layer_norm_eps = layer_norm_eps
+        self.attention_fn = attention_fn
         self.deterministic = deterministic
         check_config(self)
         d = resolve_head_dim(msa_dim, num_heads, head_dim)
@@ -128,17 +137,10 @@ class MSARowAttentionWithPairBiasNNX(nnx.Module):
         self.query = linear(msa_dim, inner, qkv_bias)
         self.key = linear(msa_dim, inner, qkv_bias)
         self.value = linear(msa_dim, inner, qkv_bias)
-        if gating_init == "af2":
-            self.gate = linear(msa_dim, inner, True, nnx.initializers.zeros, _constant_init(1.0))
-        else:
-            self.gate = linear(msa_dim, inner, True)
+        self.gate = linear(msa_dim, inner, True, **gate_initializers(gating_init))
         self.pair_layer_norm = layer_norm(pair_dim) if pair_layer_norm else nnx.data(None)
         self.pair_bias = linear(pair_dim, num_heads, pair_bias_bias)
-        if zero_init_output:
-            self.out_proj = linear(inner, msa_dim, True, nnx.initializers.zeros,
-                                   nnx.initializers.zeros)
-        else:
-            self.out_proj = linear(inner, msa_dim, True)
+        self.out_proj = linear(inner, msa_dim, True, **output_initializers(zero_init_output))
         if dropout > 0.0 and "dropout" in rngs:
             self.dropout_rngs = rngs["dropout"].fork()
         else:
@@ -172,8 +174,8 @@ class MSARowAttentionWithPairBiasNNX(nnx.Module):
         if deterministic is None:
             deterministic = self.deterministic
         heads, d = self.num_heads, self.resolved_head_dim
-        dropping = self.dropout > 0.0 and not deterministic
-        key = self._dropout_key(rngs) if dropping else None
+        # One key serves whichever dropout the mode applies (only one is active).
+        key = self._dropout_key(rngs) if needs_dropout_rng(self.dropout, deterministic) else None
 
         x = self._cast(self.layer_norm(msa_repr))
         q, k, v, g = self.query(x), self.key(x), self.value(x), self.gate(x)
@@ -182,25 +184,17 @@ class MSARowAttentionWithPairBiasNNX(nnx.Module):
             z = self._cast(self.pair_layer_norm(z))
         pair_proj = self.pair_bias(z)
 
-        attn_dropout = attention_dropout_active(self.dropout, self.dropout_mode, deterministic)
-        if attn_dropout:
-            key, attn_key = jax.random.split(key)
+        rate = attention_dropout_rate(self.dropout, self.dropout_mode, deterministic)
         o = gated_row_attention(
             q, k, v, g, pair_proj, msa_mask,
             num_heads=heads, head_dim=d,
-            implementation=op_implementation(self.implementation, attn_dropout),
+            implementation=op_implementation(self.implementation, rate > 0.0),
             block_config=self.block_config,
-            dropout_rate=float(self.dropout) if attn_dropout else 0.0,
-            dropout_rng=attn_key if attn_dropout else None,
+            dropout_rate=rate, dropout_rng=key if rate > 0.0 else None,
+            attention_fn=self.attention_fn,
         )
         out = self.out_proj(o)
-        if dropping and self.dropout_mode == "output_shared_rows":
-            keep = 1.0 - self.dropout
-            shape = list(out.shape)
-            shape[-3] = 1  # one mask for all S rows
-            mask = jax.random.bernoulli(key, keep, shape)
-            out = jnp.where(mask, out / keep, jnp.zeros((), out.dtype)).astype(out.dtype)
-        return out
+        return output_dropout(out, self.dropout, self.dropout_mode, deterministic, key)
 
     def _dropout_key(self, rngs):
         if isinstance(rngs, nnx.Rngs):

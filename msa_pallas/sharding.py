@@ -11,7 +11,11 @@ shard through the kernels. The kernels are `custom_partitioning` ops (see
 - N and d must be whole on each device (a sharding of N or d is undone with an
   all-gather: correct, but it moves data);
 - the bias gradient, a sum over S, is summed inside the dbias kernel over
-  each device's rows and then `psum`-ed over the mesh axes that shard S.
+  each device's rows and then `psum`-ed over the mesh axes that shard S, in
+  float32 whatever the bias dtype: a bfloat16 or float16 bias gradient is
+  rounded once, after the sum over all devices, so it equals the one-device
+  gradient to within that one rounding (the float32 partial sums may add in
+  another order).
 
 With Explicit mesh axes (sharding in types, `jax.make_mesh`'s default), the
 kernels run under a `shard_map` with the same rules. The `"xla"` path is plain
@@ -36,9 +40,10 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from msa_pallas.attention import _resolve_implementation, msa_row_attention
+from msa_pallas.attention import msa_row_attention, resolve_implementation
 from msa_pallas.validation import validate_arguments
 
 _OP_KWARGS = ("scale", "implementation", "block_config")
@@ -96,7 +101,10 @@ def sharded_msa_row_attention(
     Each device runs the op on its own shard (the partitioning of the kernels
     is then inlined: no custom partitioning is involved), and the bias
     gradient is summed over the devices that share a bias shard (shard_map's
-    transpose psums the cotangent of an input not sharded over `row_axis`).
+    transpose psums the cotangent of an input not sharded over `row_axis`),
+    in float32: a 16-bit bias enters the shard_map widened to float32 and is
+    read by the kernels in its own dtype, so its gradient is rounded once,
+    after the sum.
 
     Args:
       mesh: a `jax.sharding.Mesh` (or AbstractMesh).
@@ -130,15 +138,33 @@ def sharded_msa_row_attention(
 
     def attention(q, k, v, bias, mask=None, gate=None):
         # Checked on the global shapes, so errors show what the caller passed.
-        implementation = _resolve_implementation(op_kwargs.get("implementation"), q, 0.0)
+        implementation = resolve_implementation(op_kwargs.get("implementation"), q, 0.0)
         validate_arguments(q, k, v, bias, mask, gate, op_kwargs.get("scale"), implementation)
         if q.ndim != 4 + batch_dims:
             raise ValueError(
                 f"q has shape {list(q.shape)} (rank {q.ndim}); this sharded op was "
                 f"made with batch_dims={batch_dims}, for rank {4 + batch_dims}."
             )
+        # The bias gradient is summed over the devices that shard S by
+        # shard_map's transpose, in the dtype of the bias shard_map takes in.
+        # A 16-bit bias (q's dtype) therefore enters as float32, which is
+        # exact, and the kernels read it rounded back to q's dtype
+        # (`round_bias`, exact again): each device's partial sum and the
+        # psum stay float32, and the sum is rounded to the bias dtype once,
+        # by the transpose of the cast below.
+        widen_bias = (
+            row_axis is not None
+            and bias.dtype == q.dtype
+            and jnp.dtype(bias.dtype).itemsize < 4
+        )
+
         def per_shard(q, k, v, bias, mask, gate):
-            return msa_row_attention(q, k, v, bias, mask, gate, **op_kwargs)
+            return msa_row_attention(
+                q, k, v, bias, mask, gate, round_bias=widen_bias, **op_kwargs
+            )
+
+        if widen_bias:
+            bias = bias.astype(jnp.float32)
 
         in_specs = (
             specs.rows, specs.rows, specs.rows, specs.bias,

@@ -14,7 +14,7 @@ Mask conventions (`mask_mode`):
   releases compute it. The float32 spacing at 1e9 is 64, so `-1e9 + x` is
   exactly `-1e9` for |x| < 32: a fully masked row gets uniform weights.
 - `"replace"`: `where(mask, logits, -1e9)`, AlphaFold2's current `Attention`
-  (`jnp.where(mask, logits, _SOFTMAX_MASK)`) and msa_pallas's op (SPEC §1):
+  (`jnp.where(mask, logits, _SOFTMAX_MASK)`) and msa_pallas's op:
   a fully masked row gets uniform weights.
 All three agree whenever a row keeps at least one key.
 """
@@ -39,7 +39,7 @@ def af2_row_attention(m, z, mask, p, mask_mode="additive"):
       mask_mode: "additive" is AlphaFold2 v2.0-v2.3's / OpenFold's
         `logits + 1e9 * (mask - 1)` in float64; "additive_float32" is that sum
         rounded to float32 (as those releases compute it); "replace" is
-        `where(mask, logits, -1e9)` (AlphaFold2's current `Attention`, SPEC §1,
+        `where(mask, logits, -1e9)` (AlphaFold2's current `Attention`,
         the op). They agree whenever a row keeps at least one key (see the
         module docstring for a fully masked row).
     """

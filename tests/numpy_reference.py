@@ -1,6 +1,6 @@
-"""An independent float64 NumPy implementation of MSA row attention (SPEC §1).
+"""An independent float64 NumPy implementation of MSA row attention.
 
-Written from the specification, not from `msa_pallas/reference.py`, so the
+Written from the op's definition below, not from `msa_pallas/reference.py`, so the
 library's two paths (Pallas kernels and plain `jnp`) are both checked against
 something that shares no code with them.
 
@@ -138,7 +138,7 @@ def vjp(q, k, v, bias, mask, gate, scale, dout):
 def forward_loops(q, k, v, bias, mask=None, gate=None, scale=None):
     """The same forward written with explicit loops (tiny inputs only).
 
-    A second, structurally different transcription of SPEC §1, used to check
+    A second, structurally different transcription of the definition, used to check
     `forward` itself.
     """
     batch_shape, b, s_rows, n, h, d = _split(q)

@@ -69,6 +69,49 @@ def test_tuned_config_is_correct(cache_dir):
     assert err < 1e-5
 
 
+def test_returns_the_fastest_candidate(cache_dir):
+    """With an injected timer (given times, nothing run): each kernel gets its
+    fastest candidate, wherever it stands in the list, and the fused dq+dbias
+    kernel is kept only when it beats dq plus dbias."""
+    tiles = [KernelTiles(16, 16, 4, 2), KernelTiles(32, 16, 4, 2), KernelTiles(16, 32, 2, 1),
+             KernelTiles(32, 32, 8, 3)]
+    fused = [KernelTiles(16, 64, 4, 2), KernelTiles(16, 64, 2, 2), KernelTiles(16, 64, 4, 3)]
+    candidates = {name: tuple(tiles) for name in SEPARATE}
+    candidates["backward_dq_dbias"] = tuple(fused)
+    rng = np.random.default_rng(3)
+    for fused_wins in (True, False):
+        # Distinct random times; the fastest of each kernel at a different place.
+        times = {name: dict(zip(candidates[name], rng.permutation(len(candidates[name])) + 1.0))
+                 for name in candidates}
+        fastest = {name: min(times[name], key=times[name].get) for name in times}
+        separate_ms = times["backward_dq"][fastest["backward_dq"]] + \
+            times["backward_dbias"][fastest["backward_dbias"]]
+        scale = 0.5 if fused_wins else 2.0  # fused best vs dq + dbias best (each >= 1 ms)
+        times["backward_dq_dbias"] = {t: ms * scale * separate_ms for t, ms in
+                                      times["backward_dq_dbias"].items()}
+        timed = []
+
+        def timer(name, tiles, run):
+            assert callable(run)
+            timed.append((name, tiles))
+            return times[name][tiles]
+
+        config = autotune.autotune(SHAPE, jnp.float32, candidates=candidates, timer=timer,
+                                   use_cache=False)
+        assert set(timed) == {(n, t) for n in candidates for t in candidates[n]}
+        assert len(timed) == sum(len(c) for c in candidates.values())  # each timed once
+        for name in SEPARATE:
+            assert getattr(config, name) == fastest[name], (name, times[name])
+        assert config.backward_dq_dbias == (fastest["backward_dq_dbias"] if fused_wins else None)
+    # The fastest anywhere but first and last too: a tuner that keeps the first,
+    # the last or the slowest candidate fails this.
+    times = {name: dict(zip(candidates[name], (3.0, 1.0, 4.0, 2.0)[:len(candidates[name])]))
+             for name in candidates}
+    config = autotune.autotune(SHAPE, jnp.float32, candidates=candidates, use_cache=False,
+                               timer=lambda name, tiles, run: times[name][tiles])
+    assert config.forward == tiles[1] and config.backward_dkdv == tiles[1]
+
+
 def test_rejects_bad_shape(cache_dir):
     with pytest.raises(ValueError, match="expected \\(B, S, N, H, d\\)"):
         autotune.autotune((2, 8, 32), jnp.float32)

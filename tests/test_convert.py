@@ -2,10 +2,13 @@
 
 - PyTorch: stored float64 outputs and input gradients of the reference layer
   (`tests/fixtures/torch_*.npz`, made by `tests/fixtures/make_torch_fixtures.py`
-  with torch on Python 3.11), plus a live test when `import torch` works.
+  with torch), plus a live test when `import torch` works.
+- The reference layer's maths in NumPy float64 (`layer_numpy_reference.py`),
+  checked against those stored outputs, for a state dict with a pair LayerNorm
+  (which the PyTorch layer has not, so no PyTorch output exists to store).
 - AlphaFold2 / OpenFold: an independent NumPy float64 implementation of
-  Algorithm 7 (AF2 supplement) below, fed random AF2-format / OpenFold-format
-  weights.
+  Algorithm 7 (AF2 supplement, `af2_numpy_reference.py`), fed random
+  AF2-format / OpenFold-format weights.
 
 Every comparison is a relative error ||a - b|| / ||b|| against float64.
 """
@@ -21,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import layer_numpy_reference as layer_reference
 from af2_numpy_reference import (
     AF2_PREFIX, af2_row_attention, haiku_nested, random_af2_params, random_msa_inputs,
 )
@@ -143,6 +147,64 @@ def test_torch_live():
     stored = load_torch_case("odd")
     assert rel_err(odd["forward"]["out"], stored["forward"]["out"]) < 1e-6
     assert rel_err(odd["backward"]["grad_msa"], stored["backward"]["grad_msa"]) < 1e-6
+
+
+def test_numpy_layer_reference_matches_torch_fixtures():
+    """tests/layer_numpy_reference.py (the reference layer's maths in NumPy
+    float64, used below and in test_layers.py) gives PyTorch's stored outputs."""
+    for name in ("seed", "odd"):
+        case = load_torch_case(name)
+        inp, meta = case["inputs"], json.loads(str(case["inputs"]["meta"]))
+        sd = {k[3:]: inp[k] for k in inp if k.startswith("sd/")}
+        out = layer_reference.reference_layer(
+            layer_reference.from_torch_state_dict(sd),
+            inp["msa_int8"].astype(np.float64) * meta["msa_scale"],
+            inp["pair_int8"].astype(np.float64) * meta["pair_scale"],
+            inp["mask"], meta["heads"])
+        assert rel_err(out, case["forward"]["out"]) < 1e-6, name
+
+
+def _directional_check(loss64, grad, arg, rng, what):
+    """jax's gradient `grad` of a float32 loss along a random direction against a
+    central difference of the float64 loss `loss64(arg)`."""
+    direction = rng.standard_normal(arg.shape)
+    eps = 1e-4
+    numeric = (loss64(arg + eps * direction) - loss64(arg - eps * direction)) / (2 * eps)
+    analytic = float(np.sum(np.asarray(grad, np.float64) * direction))
+    assert abs(analytic - numeric) <= 1e-4 * abs(numeric), (what, analytic, numeric)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_torch_state_dict_with_pair_layer_norm(implementation):
+    """A reference-layer state dict with a pair LayerNorm (`pair_layer_norm.{weight,bias}`,
+    no q/k/v biases): the converted layer against the NumPy float64 maths of the
+    reference layer with that LayerNorm, output and input gradients.
+
+    The fixture is made here with NumPy (the reference layer itself has no pair
+    LayerNorm, so there is no PyTorch output to store); the NumPy maths are
+    checked against PyTorch's stored outputs above."""
+    rng = np.random.default_rng(7)
+    B, S, N, c_m, c_z, heads = 1, 3, 11, 16, 6, 2
+    sd = layer_reference.random_torch_state_dict(rng, c_m, c_z, heads, pair_layer_norm=True,
+                                                 qkv_bias=False)
+    variables = convert.from_torch_state_dict(sd)
+    layer = convert.module_from_variables(variables, implementation=implementation)
+    assert layer.pair_layer_norm and not layer.qkv_bias
+    m, z, mask = layer_reference.random_layer_inputs(rng, B, S, N, c_m, c_z)
+    weights = layer_reference.from_torch_state_dict(sd)
+    cot = rng.standard_normal(m.shape)
+    out, g_msa, g_pair = flax_forward_backward(layer, variables, m, z, mask, cot.astype(np.float32))
+    expected = layer_reference.reference_layer(weights, m, z, mask, heads)
+    assert rel_err(out, expected) < TOL
+
+    def loss64(msa=m, pair=z):
+        return float(np.sum(layer_reference.reference_layer(weights, msa, pair, mask, heads) * cot))
+
+    _directional_check(lambda a: loss64(msa=a), g_msa, m.astype(np.float64), rng, "msa")
+    _directional_check(lambda a: loss64(pair=a), g_pair, z.astype(np.float64), rng, "pair")
+    # The LayerNorm's scale and offset matter (swapping them would show).
+    swapped = dict(weights, pair_layer_norm=weights["pair_layer_norm"][::-1])
+    assert rel_err(layer_reference.reference_layer(swapped, m, z, mask, heads), expected) > 1e-2
 
 
 # ---------------------------------------------------------------------------

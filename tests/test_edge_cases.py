@@ -1,4 +1,4 @@
-"""Numerical edge cases on CPU (SPEC §1, §7): the Pallas kernels in interpret
+"""Numerical edge cases on CPU (masking, NaN/Inf, large values): the Pallas kernels in interpret
 mode and the plain-jnp path, forward and every gradient.
 
 - a fully masked batch element (every row of it): finite, uniform weights,

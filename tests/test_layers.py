@@ -1,13 +1,17 @@
 """The Flax layers: structure, initialisation, linen/NNX parity, dropout, dtypes, errors.
 
-Numerical parity with PyTorch, AlphaFold2 and OpenFold is in test_convert.py.
-Most tests use implementation="xla" (fast on CPU); the Pallas path is covered
-there at the seed shape.
+The layers against the float64 NumPy maths of the reference layer, the
+projections' precision and `attention_fn` are in test_layer_numerics.py;
+parity with PyTorch, AlphaFold2 and OpenFold through the converters in
+test_convert.py. Most tests use implementation="xla" (fast on CPU); the
+Pallas path is covered there.
 """
 
 from __future__ import annotations
 
 import math
+import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -196,18 +200,29 @@ def test_attention_dropout():
     assert rel_err(mean, ref) < 0.05, rel_err(mean, ref)
 
 
-def test_output_dropout_shares_mask_across_rows():
+@pytest.mark.parametrize("kind", ["linen", "nnx"])
+def test_output_dropout_shares_mask_across_rows(kind):
+    """AlphaFold2's output dropout, in the linen and in the NNX layer: one mask
+    for all S rows, about `rate` of the entries dropped, the kept ones scaled
+    by 1 / (1 - rate) (so the mean over masks is the deterministic output)."""
     m, z, mask = random_inputs(15)
     rate = 0.3
     layer = MSARowAttentionWithPairBias.alphafold2(msa_dim=32, pair_dim=16, num_heads=4,
                                                    dropout=rate, implementation="xla")
     variables = perturbed(layer.init(jax.random.key(16), m, z, mask), 17)
-    det = np.asarray(layer.apply(variables, m, z, mask, deterministic=True))
+    if kind == "linen":
+        def run(key, deterministic=False):
+            rngs = None if key is None else {"dropout": key}
+            return layer.apply(variables, m, z, mask, deterministic=deterministic, rngs=rngs)
+    else:
+        nnx_layer = MSARowAttentionWithPairBiasNNX.from_linen(layer, variables)
+
+        def run(key, deterministic=False):
+            return nnx_layer(m, z, mask, deterministic=deterministic, rngs=key)
+    det = np.asarray(run(None, True))
     assert np.all(det != 0)
 
-    samples = jax.jit(jax.vmap(
-        lambda v, key: layer.apply(v, m, z, mask, deterministic=False, rngs={"dropout": key}),
-        in_axes=(None, 0)))(variables, jax.random.split(jax.random.key(0), 256))
+    samples = jax.jit(jax.vmap(run))(jax.random.split(jax.random.key(0), 256))
     out = np.asarray(samples[0])
     dropped = out == 0
     for s in range(1, out.shape[1]):
@@ -288,7 +303,7 @@ def test_bad_config_and_inputs():
 
 
 def test_public_names():
-    """SPEC §2: the layer and the converters are reachable from the package."""
+    """The public names: the layers and the converters are reachable from the package."""
     import msa_pallas
     from msa_pallas import convert
 
@@ -296,6 +311,19 @@ def test_public_names():
         "add `from msa_pallas.layers import MSARowAttentionWithPairBias` to msa_pallas/__init__.py")
     assert getattr(msa_pallas, "MSARowAttentionWithPairBiasNNX", None) is MSARowAttentionWithPairBiasNNX
     assert getattr(msa_pallas, "convert", None) is convert
+
+
+def test_readme_flax_example_runs():
+    """The README's Flax snippet runs as written and gives [B, S, N, c_m]."""
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = re.search(r"^## Flax layers.*?(?=^## |\Z)", readme, re.S | re.M)
+    assert section is not None, "README.md has no '## Flax layers' section"
+    block = re.findall(r"```python\n(.*?)```", section.group(0), re.S)[0]
+    scope = {"__name__": "readme_flax"}
+    exec(compile(block, "README.md:flax", "exec"), scope)
+    out, msa_repr = scope["out"], scope["msa_repr"]
+    assert out.shape == msa_repr.shape == (2, 8, 32, 64)
+    assert np.all(np.isfinite(np.asarray(out))) and float(jnp.abs(out).max()) > 0
 
 
 @pytest.mark.gpu

@@ -2,7 +2,7 @@
 
 The analytic vjp is checked against central finite differences of the
 forward, and the vectorised forward against an explicit-loop transcription of
-SPEC §1, on a tiny case with a masked key and a fully masked MSA row.
+the op's definition, on a tiny case with a masked key and a fully masked MSA row.
 """
 
 from __future__ import annotations

@@ -17,6 +17,13 @@ and each test here checks one case's record:
 - the output is sharded like q and the bias gradient like the bias;
 - two runs of the compiled program are bitwise equal.
 
+With bfloat16 inputs and a bfloat16 bias (the `bf16_records` cases), the bias
+gradient is summed over the devices in float32 and rounded once: the
+partitioned program's all-reduce is float32, and the sharded gradient lies
+within one bfloat16 rounding of the one-device float32 sum (see
+`test_bf16_bias_gradient_is_rounded_once`). A negative control runs the kernels
+as they were before that fix (the psum in bfloat16) and must fail both checks.
+
 `implementation="pallas"` runs the kernels in interpret mode here, but the
 sharding mechanism is the one the GPU uses: the kernels are
 `custom_partitioning` ops (Auto mesh axes) or run under `shard_map` (Explicit
@@ -33,7 +40,11 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import NamedSharding
 
 import sharding_worker
 
@@ -42,21 +53,30 @@ N_RES = sharding_worker.SHAPE[2]
 GATHERS = {"pallas-residues", "pallas-uneven-rows"}  # expected to move data
 
 
-@pytest.fixture(scope="module")
-def records(tmp_path_factory):
-    path = tmp_path_factory.mktemp("sharding") / "records.json"
+def _run_worker(path, names=()):
     env = dict(os.environ)
     env["XLA_FLAGS"] = (
         env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
     env["JAX_PLATFORMS"] = "cpu"
     proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "sharding_worker.py"), str(path)],
+        [sys.executable, os.path.join(HERE, "sharding_worker.py"), str(path), *names],
         env=env, cwd=HERE, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     with open(path) as f:
         return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    return _run_worker(tmp_path_factory.mktemp("sharding") / "records.json")
+
+
+@pytest.fixture(scope="module")
+def bf16_records(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sharding_bf16") / "records.json"
+    return _run_worker(path, list(sharding_worker.BF16_CASES))
 
 
 def _expected_specs(spec_axes, options):
@@ -134,3 +154,105 @@ def test_export_of_a_sharded_step(records):
     bad = {n: e for n, e in record["errors"].items() if not e <= 1e-6}
     assert not bad and len(record["errors"]) == 6, record["errors"]
     assert record["auto_error"] and "host_callbacks" in record["auto_error"], record["auto_error"]
+
+
+# --- bfloat16 bias gradient: summed in float32, rounded once -----------------------
+
+BF16_REGRESSED = "bf16-rows-8-ways-bf16-psum"
+
+
+def _check_rounded_once(label, reduced, report):
+    """The checks shared by the CPU cases and the GPU test.
+
+    `reduced`: the all-reduces of the partitioned HLO ("f32[...] all-reduce").
+    `report`: `sharding_worker.rounding_report(sharded, single, exact)`.
+
+    Criterion: with `exact` the one-device bias gradient summed in float32
+    and not rounded, |sharded - exact| <= half a bfloat16 spacing at `exact`
+    plus 1e-5 of max |exact| (the float32 partial sums add in another order on
+    each device: 6e-8 relative per addition; this slack matters only for
+    entries near zero). Rounding to nearest once gives
+    exactly that; the one-device bfloat16 gradient meets it too, so the two
+    are equal or adjacent bfloat16 numbers (at most one spacing apart, which
+    is between 2^-8 and 2^-7 of their size: a fixed relative bound of 2^-8
+    would fail on honest roundings just above a power of two). Bitwise
+    equality is not required: it holds only when the float32 sums associate
+    alike on both sides. A psum of bfloat16 partial sums rounds every
+    device's partial sum and then their sum: where the partial sums cancel
+    that lands many spacings off.
+    """
+    assert reduced, f"{label}: S is sharded but the bias gradient is never summed across devices"
+    not_f32 = [e for e in reduced if not e.startswith("f32[")]
+    assert not not_f32, f"{label}: the bias gradient is summed across devices in {not_f32}"
+    assert report["single_steps"] <= 1.0, (label, "one-device gradient not rounded once", report)
+    assert report["sharded_steps"] <= 1.0 and report["sharded_over_one"] == 0, (label, report)
+    assert report["ulps_apart"] <= 1.0, (label, report)
+
+
+@pytest.mark.parametrize("case", [c for c in sharding_worker.BF16_CASES if c != BF16_REGRESSED])
+def test_bf16_bias_gradient_is_rounded_once(case, bf16_records):
+    """bf16 q, k, v and bias on 8 devices: S alone over all 8 (plain jit, and
+    `sharded_msa_row_attention`'s shard_map), and B, S and H over 2 each with
+    the fused dq+dbias kernel: the psum is float32 and the sharded bias
+    gradient is one bfloat16 rounding of the one-device float32 sum."""
+    record = bf16_records[case]
+    assert record["error"] is None, record["error"]
+    assert record["moved"] == [], f"{case}: the partitioned program moves data: {record['moved']}"
+    print(case, record["report"])
+    _check_rounded_once(case, record["reduced"], record["report"])
+
+
+def test_bf16_psum_negative_control(bf16_records):
+    """The kernels patched back to a bias gradient in the bias dtype (the
+    psum in bfloat16): both checks above must see it."""
+    record = bf16_records[BF16_REGRESSED]
+    assert record["error"] is None, record["error"]
+    print(BF16_REGRESSED, record["report"])
+    assert any(e.startswith("bf16[") for e in record["reduced"]), record["reduced"]
+    assert record["report"]["sharded_over_one"] > 0, record["report"]
+    with pytest.raises(AssertionError):
+        _check_rounded_once(BF16_REGRESSED, record["reduced"], record["report"])
+
+
+_GPU_REFERENCES = {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs two or more devices")
+@pytest.mark.parametrize("shape", [(1, 16, 256, 8, 32), (2, 8, 200, 4, 16)])
+@pytest.mark.parametrize("shard_map", [False, True], ids=["jit", "shard_map"])
+def test_bf16_bias_gradient_on_gpus(shape, shard_map):
+    """All visible GPUs, S sharded over them (N = 256, d = 32: the fused
+    dq+dbias kernel; N = 200, d = 16: the separate dbias kernel), plain jit
+    and shard_map: the rounded-once checks above, against one GPU."""
+    devices = jax.devices()
+    B, S, N, H, d = shape
+    S = S * len(devices) // 2
+    mesh = jax.make_mesh((len(devices),), ("rows",))
+    inputs = sharding_worker.helpers.random_inputs(
+        23, B, S, N, H, d, jnp.bfloat16, mask_rate=0.1, bias_dtype=jnp.bfloat16, gate=False
+    )
+    q, k, v, bias, mask, _, dout = inputs.args
+    args = [q, k, v, bias, mask, dout]
+    specs = sharding_worker.msa_partition_specs(row_axis="rows")
+    placement = (specs.rows,) * 3 + (specs.bias, specs.mask, specs.rows)
+    sharded = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, placement)]
+    op = lambda *a: sharding_worker.msa_pallas.msa_row_attention(*a, implementation="pallas")
+    attention = (
+        sharding_worker.sharded_msa_row_attention(mesh, row_axis="rows", implementation="pallas")
+        if shard_map else op
+    )
+    run = jax.jit(sharding_worker.bias_grad(attention))
+    compiled, partitioned = sharding_worker.compile_with_partitioned_hlo(run.lower(*sharded))
+    dbias = compiled(*sharded)
+    if shape not in _GPU_REFERENCES:
+        reference = jax.jit(sharding_worker.bias_grad(op))
+        single = [jax.device_put(x, devices[0]) for x in args]
+        as_f32 = single[:3] + [single[3].astype(jnp.float32)] + single[4:]
+        _GPU_REFERENCES[shape] = (reference(*single), reference(*as_f32))
+    single_dbias, exact = _GPU_REFERENCES[shape]
+    report = sharding_worker.rounding_report(dbias, single_dbias, exact)
+    print(shape, "shard_map" if shard_map else "jit", report)
+    reduced = sharding_worker._result_shapes(partitioned, ("all-reduce", "reduce-scatter"))
+    _check_rounded_once(f"{shape}", reduced, report)
+    assert np.array_equal(np.asarray(dbias), np.asarray(compiled(*sharded)))

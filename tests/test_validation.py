@@ -1,5 +1,6 @@
-"""Bad input raises ValueError / TypeError at trace time (SPEC §7), with a
-message that names the argument, shows what it got and what was expected.
+"""Bad input raises ValueError / TypeError at trace time, with a message
+that names the argument, shows what it got and what was expected; and what
+the op does with dtypes it accepts but that differ from q's.
 
 Every call goes through `jax.eval_shape` on abstract inputs: nothing is
 computed, so the errors are proven to come at trace time.
@@ -8,9 +9,11 @@ computed, so the errors are proven to come at trace time.
 from __future__ import annotations
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import msa_pallas
@@ -236,6 +239,58 @@ def test_gate_float64_with_float32_q_on_kernels():
     with jax.enable_x64(True):
         with expect(TypeError, "gate has dtype float64", "expected one of"):
             trace(good(gate=sds((B, S, N, H, D), jnp.float64)), implementation="pallas")
+
+
+@pytest.mark.parametrize("implementation", ["pallas", "xla"])
+@pytest.mark.parametrize("q_dtype, gate_dtype", [
+    (jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16), (jnp.float16, jnp.bfloat16),
+], ids=["bf16-q-f32-gate", "f32-q-bf16-gate", "f16-q-bf16-gate"])
+def test_gate_dtype_may_differ_from_q(q_dtype, gate_dtype, implementation):
+    """The gate may have any floating dtype the path accepts, q's or another: the
+    output has q's dtype and the gate's gradient the gate's (as the README says).
+    The numbers of a float32 gate with bf16 q: test_attention.py."""
+    rows = (B, S, N, H, D)
+
+    def f(q, k, v, bias, mask, gate):
+        op = lambda q, k, v, bias, gate: msa_pallas.msa_row_attention(
+            q, k, v, bias, mask, gate, implementation=implementation)
+        out, pullback = jax.vjp(op, q, k, v, bias, gate)
+        return out, pullback(out)
+
+    out, (dq, dk, dv, dbias, dgate) = jax.eval_shape(
+        f, sds(rows, q_dtype), sds(rows, q_dtype), sds(rows, q_dtype), sds((B, H, N, N)),
+        sds((B, S, N), jnp.bool_), sds(rows, gate_dtype))
+    assert out.dtype == dq.dtype == dk.dtype == dv.dtype == q_dtype
+    assert dgate.dtype == gate_dtype and dbias.dtype == F32
+
+
+def test_numpy_float64_inputs_without_x64():
+    """NumPy float64 arrays with jax_enable_x64 off (JAX's default), as the
+    README documents: the "xla" path (and `implementation=None` on CPU) converts
+    them to float32, as any jnp function does, and returns float32; the kernels
+    refuse them with a TypeError naming q's dtype. `jnp.asarray(x)` (float32
+    then) works on both paths."""
+    rng = np.random.default_rng(0)
+    q, k, v, gate = (rng.standard_normal((1, 2, 6, 2, 8)) for _ in range(4))
+    bias = rng.standard_normal((1, 2, 6, 6))
+    assert q.dtype == np.float64 and not jax.config.jax_enable_x64
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "float64 is not available"
+        out = msa_pallas.msa_row_attention(q, k, v, bias, None, gate, implementation="xla")
+    assert out.dtype == jnp.float32
+    if jax.default_backend() != "gpu":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            auto = msa_pallas.msa_row_attention(q, k, v, bias, None, gate)
+        np.testing.assert_array_equal(np.asarray(auto), np.asarray(out))
+    with expect(TypeError, "q has dtype float64", "expected one of", "float32"):
+        msa_pallas.msa_row_attention(q, k, v, bias, None, gate, implementation="pallas")
+    as_f32 = [jnp.asarray(x) for x in (q, k, v, bias, gate)]
+    assert as_f32[0].dtype == jnp.float32
+    kernels = jax.eval_shape(
+        lambda *a: msa_pallas.msa_row_attention(*a[:4], None, a[4], implementation="pallas"),
+        *as_f32)
+    assert kernels.dtype == jnp.float32
 
 
 @pytest.mark.parametrize("scale", [float("nan"), float("inf"), -float("inf")])

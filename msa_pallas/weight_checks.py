@@ -1,0 +1,79 @@
+"""Reading weight dictionaries for the converters (`msa_pallas.convert`):
+arrays from torch, JAX or NumPy, and errors that name the key."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "to_numpy", "as_param", "check_keys", "expect_shape", "strip_prefix", "flatten_haiku",
+]
+
+
+def to_numpy(value, key: str) -> np.ndarray:
+    """A torch tensor (any device, bf16 included), JAX or NumPy array -> NumPy."""
+    if hasattr(value, "detach"):  # torch.Tensor, without importing torch
+        value = value.detach().cpu()
+        if str(value.dtype) in ("torch.bfloat16", "torch.float16"):
+            value = value.float()
+        value = value.numpy()
+    try:
+        array = np.asarray(value)
+    except Exception as err:  # pragma: no cover - depends on exotic inputs
+        raise TypeError(f"{key!r}: cannot convert {type(value).__name__} to an array.") from err
+    if not np.issubdtype(array.dtype, np.floating) and array.dtype.name != "bfloat16":
+        raise TypeError(f"{key!r} has dtype {array.dtype}; expected a floating array.")
+    return array
+
+
+def as_param(array: np.ndarray, dtype) -> jnp.ndarray:
+    """A parameter of `dtype` from a NumPy array."""
+    return jnp.asarray(np.asarray(array), dtype=dtype)
+
+
+def check_keys(got, required, optional, what: str) -> None:
+    """ValueError listing the missing and the unexpected keys of `what`."""
+    got = set(got)
+    missing = sorted(set(required) - got)
+    unexpected = sorted(got - set(required) - set(optional))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing keys {missing}")
+        if unexpected:
+            parts.append(f"unexpected keys {unexpected}")
+        raise ValueError(f"{what}: " + "; ".join(parts) + ".")
+
+
+def expect_shape(key: str, array: np.ndarray, shape: tuple, meaning: str) -> None:
+    """ValueError naming `key` when `array` does not have `shape`."""
+    if tuple(array.shape) != tuple(shape):
+        raise ValueError(
+            f"{key!r} has shape {tuple(array.shape)}; expected {tuple(shape)} ({meaning})."
+        )
+
+
+def strip_prefix(state_dict: Mapping, prefix: str, what: str) -> dict:
+    """The entries whose key starts with `prefix` (a dotted module path), prefix removed."""
+    if prefix and not prefix.endswith("."):
+        prefix += "."
+    out = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
+    if not out:
+        raise ValueError(f"{what}: no key starts with prefix {prefix!r}.")
+    return out
+
+
+def flatten_haiku(params: Mapping, parent: str = "") -> dict[str, Any]:
+    """`{"a/b": {"w": x}}`, `{"a": {"b": {"w": x}}}` or `{"a/b//w": x}` -> `{"a/b/w": x}`."""
+    flat = {}
+    for key, value in params.items():
+        key = str(key).replace("//", "/")
+        path = f"{parent}/{key}" if parent else key
+        if isinstance(value, Mapping):
+            flat.update(flatten_haiku(value, path))
+        else:
+            flat[path] = value
+    return flat
