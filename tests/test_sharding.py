@@ -46,6 +46,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
+import sharding_bf16_worker
 import sharding_worker
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -76,7 +77,7 @@ def records(tmp_path_factory):
 @pytest.fixture(scope="module")
 def bf16_records(tmp_path_factory):
     path = tmp_path_factory.mktemp("sharding_bf16") / "records.json"
-    return _run_worker(path, list(sharding_worker.BF16_CASES))
+    return _run_worker(path, list(sharding_bf16_worker.BF16_CASES))
 
 
 def _expected_specs(spec_axes, options):
@@ -165,7 +166,7 @@ def _check_rounded_once(label, reduced, report):
     """The checks shared by the CPU cases and the GPU test.
 
     `reduced`: the all-reduces of the partitioned HLO ("f32[...] all-reduce").
-    `report`: `sharding_worker.rounding_report(sharded, single, exact)`.
+    `report`: `sharding_bf16_worker.rounding_report(sharded, single, exact)`.
 
     Criterion: with `exact` the one-device bias gradient summed in float32
     and not rounded, |sharded - exact| <= half a bfloat16 spacing at `exact`
@@ -189,7 +190,7 @@ def _check_rounded_once(label, reduced, report):
     assert report["ulps_apart"] <= 1.0, (label, report)
 
 
-@pytest.mark.parametrize("case", [c for c in sharding_worker.BF16_CASES if c != BF16_REGRESSED])
+@pytest.mark.parametrize("case", [c for c in sharding_bf16_worker.BF16_CASES if c != BF16_REGRESSED])
 def test_bf16_bias_gradient_is_rounded_once(case, bf16_records):
     """bf16 q, k, v and bias on 8 devices: S alone over all 8 (plain jit, and
     `sharded_msa_row_attention`'s shard_map), and B, S and H over 2 each with
@@ -242,17 +243,17 @@ def test_bf16_bias_gradient_on_gpus(shape, shard_map):
         sharding_worker.sharded_msa_row_attention(mesh, row_axis="rows", implementation="pallas")
         if shard_map else op
     )
-    run = jax.jit(sharding_worker.bias_grad(attention))
-    compiled, partitioned = sharding_worker.compile_with_partitioned_hlo(run.lower(*sharded))
+    run = jax.jit(sharding_bf16_worker.bias_grad(attention))
+    compiled, partitioned = sharding_bf16_worker.compile_with_partitioned_hlo(run.lower(*sharded))
     dbias = compiled(*sharded)
     if shape not in _GPU_REFERENCES:
-        reference = jax.jit(sharding_worker.bias_grad(op))
+        reference = jax.jit(sharding_bf16_worker.bias_grad(op))
         single = [jax.device_put(x, devices[0]) for x in args]
         as_f32 = single[:3] + [single[3].astype(jnp.float32)] + single[4:]
         _GPU_REFERENCES[shape] = (reference(*single), reference(*as_f32))
     single_dbias, exact = _GPU_REFERENCES[shape]
-    report = sharding_worker.rounding_report(dbias, single_dbias, exact)
+    report = sharding_bf16_worker.rounding_report(dbias, single_dbias, exact)
     print(shape, "shard_map" if shard_map else "jit", report)
-    reduced = sharding_worker._result_shapes(partitioned, ("all-reduce", "reduce-scatter"))
+    reduced = sharding_worker.result_shapes(partitioned, ("all-reduce", "reduce-scatter"))
     _check_rounded_once(f"{shape}", reduced, report)
     assert np.array_equal(np.asarray(dbias), np.asarray(compiled(*sharded)))
