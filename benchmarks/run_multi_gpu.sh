@@ -24,18 +24,9 @@
 
 set -uo pipefail
 
-if [[ $# -ne 1 ]]; then
-    echo "usage: bash benchmarks/run_multi_gpu.sh OUT_DIR" >&2
-    exit 2
-fi
-mkdir -p "$1" || exit 2
-OUT_DIR=$(cd "$1" && pwd)
-
-cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONUNBUFFERED=1
+source "$(dirname "${BASH_SOURCE[0]}")/script_prelude.sh" || exit 2
+script_prelude run_multi_gpu.sh "$@"
 export NCCL_NVLS_ENABLE=0
-PYTHON=${PYTHON:-python3}
 read -r -a BENCH_ARGV <<< "${BENCH_ARGS:-}"
 read -r -a TRAIN_ARGV <<< "${TRAIN_ARGS:-}"
 status=0
