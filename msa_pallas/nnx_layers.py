@@ -28,23 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from msa_pallas.layer_core import (
-    LAYER_NORM_EPS,
-    alphafold2_options,
-    attention_dropout_rate,
-    check_config,
-    check_inputs,
-    gate_initializers,
-    gated_row_attention,
-    needs_dropout_rng,
-    op_implementation,
-    output_dropout,
-    output_initializers,
-    resolve_head_dim,
-    resolve_precision,
-    torch_linear_bias_init,
-    torch_linear_kernel_init,
-)
+from msa_pallas import layer_core as core
 from msa_pallas.layers import MSARowAttentionWithPairBias
 
 __all__ = ["MSARowAttentionWithPairBiasNNX"]
@@ -94,7 +78,7 @@ class MSARowAttentionWithPairBiasNNX(nnx.Module):
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
         precision: Any = None,
-        layer_norm_eps: float = LAYER_NORM_EPS,
+        layer_norm_eps: float = core.LAYER_NORM_EPS,
         attention_fn: Callable | None = None,
         deterministic: bool = False,
         rngs: nnx.Rngs,
@@ -111,17 +95,17 @@ class MSARowAttentionWithPairBiasNNX(nnx.Module):
         self.layer_norm_eps = layer_norm_eps
         self.attention_fn = attention_fn
         self.deterministic = deterministic
-        check_config(self)
-        d = resolve_head_dim(msa_dim, num_heads, head_dim)
+        core.check_config(self)
+        d = core.resolve_head_dim(msa_dim, num_heads, head_dim)
         self.resolved_head_dim = d
         inner = num_heads * d
 
         def linear(n_in, n_out, use_bias=True, kernel_init=None, bias_init=None):
             return nnx.Linear(
                 n_in, n_out, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-                precision=resolve_precision(precision, dtype, param_dtype),
-                kernel_init=kernel_init or torch_linear_kernel_init(),
-                bias_init=bias_init or torch_linear_bias_init(n_in),
+                precision=core.resolve_precision(precision, dtype, param_dtype),
+                kernel_init=kernel_init or core.torch_linear_kernel_init(),
+                bias_init=bias_init or core.torch_linear_bias_init(n_in),
                 rngs=rngs,
             )
 
@@ -137,10 +121,10 @@ class MSARowAttentionWithPairBiasNNX(nnx.Module):
         self.query = linear(msa_dim, inner, qkv_bias)
         self.key = linear(msa_dim, inner, qkv_bias)
         self.value = linear(msa_dim, inner, qkv_bias)
-        self.gate = linear(msa_dim, inner, True, **gate_initializers(gating_init))
+        self.gate = linear(msa_dim, inner, True, **core.gate_initializers(gating_init))
         self.pair_layer_norm = layer_norm(pair_dim) if pair_layer_norm else nnx.data(None)
         self.pair_bias = linear(pair_dim, num_heads, pair_bias_bias)
-        self.out_proj = linear(inner, msa_dim, True, **output_initializers(zero_init_output))
+        self.out_proj = linear(inner, msa_dim, True, **core.output_initializers(zero_init_output))
         if dropout > 0.0 and "dropout" in rngs:
             self.dropout_rngs = rngs["dropout"].fork()
         else:
@@ -150,7 +134,7 @@ class MSARowAttentionWithPairBiasNNX(nnx.Module):
     def alphafold2(cls, msa_dim: int = 256, pair_dim: int = 128, num_heads: int = 8,
                    dropout: float = 0.15, *, rngs: nnx.Rngs, **kwargs):
         """AlphaFold2 / OpenFold conventions; see the linen `alphafold2()`."""
-        options = alphafold2_options(dropout)
+        options = core.alphafold2_options(dropout)
         options.update(kwargs)
         dropout = options.pop("dropout")
         return cls(msa_dim, pair_dim, num_heads, dropout, rngs=rngs, **options)
@@ -170,12 +154,13 @@ class MSARowAttentionWithPairBiasNNX(nnx.Module):
         `rngs` (an `nnx.Rngs` with a `"dropout"` stream, or a key) overrides
         the dropout stream given at construction.
         """
-        check_inputs(msa_repr, pair_repr, msa_mask, self.msa_dim, self.pair_dim)
+        core.check_inputs(msa_repr, pair_repr, msa_mask, self.msa_dim, self.pair_dim)
         if deterministic is None:
             deterministic = self.deterministic
         heads, d = self.num_heads, self.resolved_head_dim
         # One key serves whichever dropout the mode applies (only one is active).
-        key = self._dropout_key(rngs) if needs_dropout_rng(self.dropout, deterministic) else None
+        needs_key = core.needs_dropout_rng(self.dropout, deterministic)
+        key = self._dropout_key(rngs) if needs_key else None
 
         x = self._cast(self.layer_norm(msa_repr))
         q, k, v, g = self.query(x), self.key(x), self.value(x), self.gate(x)
@@ -184,17 +169,17 @@ class MSARowAttentionWithPairBiasNNX(nnx.Module):
             z = self._cast(self.pair_layer_norm(z))
         pair_proj = self.pair_bias(z)
 
-        rate = attention_dropout_rate(self.dropout, self.dropout_mode, deterministic)
-        o = gated_row_attention(
+        rate = core.attention_dropout_rate(self.dropout, self.dropout_mode, deterministic)
+        o = core.gated_row_attention(
             q, k, v, g, pair_proj, msa_mask,
             num_heads=heads, head_dim=d,
-            implementation=op_implementation(self.implementation, rate > 0.0),
+            implementation=core.op_implementation(self.implementation, rate > 0.0),
             block_config=self.block_config,
             dropout_rate=rate, dropout_rng=key if rate > 0.0 else None,
             attention_fn=self.attention_fn,
         )
         out = self.out_proj(o)
-        return output_dropout(out, self.dropout, self.dropout_mode, deterministic, key)
+        return core.output_dropout(out, self.dropout, self.dropout_mode, deterministic, key)
 
     def _dropout_key(self, rngs):
         if isinstance(rngs, nnx.Rngs):
