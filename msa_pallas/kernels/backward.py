@@ -38,9 +38,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from msa_pallas.block_sizes import padded_head_dim, row_chunks
 from msa_pallas.kernels import common
-from msa_pallas.kernels.forward import (
-    bias_spec, mask_spec, program_rows_of, qkv_spec, stats_spec,
-)
+from msa_pallas.kernels.forward import bias_spec, mask_spec, qkv_spec, stats_spec
 
 
 def _query_tile_stats(row_max_ref, row_log2_sum_ref, delta_ref, prefix, q_start, block_q, n_res):
@@ -78,7 +76,7 @@ def _dkdv_kernel(
     precision,
 ):
     k_start = pl.program_id(0) * block_k
-    program_rows = program_rows_of(msa_rows)
+    program_rows = common.program_rows_of(msa_rows)
     keys = [
         (
             common.load_residues(k_ref, row, k_start, block_k, n_res, head_dim),
@@ -124,7 +122,7 @@ def _dq_kernel(
     precision,
 ):
     q_start = pl.program_id(0) * block_q
-    program_rows = program_rows_of(msa_rows)
+    program_rows = common.program_rows_of(msa_rows)
     queries = [
         (
             common.load_residues(q_ref, row, q_start, block_q, n_res, head_dim),

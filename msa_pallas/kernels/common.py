@@ -44,6 +44,13 @@ def dot_precision(dtype, interpret: bool, d_pad: int, float32_products: str = "t
     return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
+def program_rows_of(msa_rows: int) -> list[tuple]:
+    """Ref index prefixes of a program's MSA rows: `[()]` for one row (the
+    specs then drop the row axis), `[(0,), (1,), ...]` for several."""
+    # Array indices: a Python int index is not accepted by interpret mode.
+    return [()] if msa_rows == 1 else [(jnp.int32(row),) for row in range(msa_rows)]
+
+
 def residue_ids(start, block: int):
     return start + jnp.arange(block, dtype=jnp.int32)
 

@@ -29,8 +29,11 @@ def _forward_kernel(
     msa_rows: int, precision,
 ):
     q_start = pl.program_id(0) * block_q
-    program_rows = program_rows_of(msa_rows)
-    qs = [common.load_residues(q_ref, row, q_start, block_q, n_res, head_dim) for row in program_rows]
+    program_rows = common.program_rows_of(msa_rows)
+    qs = [
+        common.load_residues(q_ref, row, q_start, block_q, n_res, head_dim)
+        for row in program_rows
+    ]
     d_pad = qs[0].shape[-1]
 
     def visit_key_tile(key_tile, carry):
@@ -74,13 +77,6 @@ def _forward_kernel(
         if row_max_ref is not None:
             common.store_vector(row_max_ref, row, q_start, row_max, n_res)
             common.store_vector(row_log2_sum_ref, row, q_start, jnp.log2(row_sum), n_res)
-
-
-def program_rows_of(msa_rows: int) -> list[tuple]:
-    """Ref index prefixes of a program's MSA rows: `[()]` for one row (the
-    specs then drop the row axis), `[(0,), (1,), ...]` for several."""
-    # Array indices: a Python int index is not accepted by interpret mode.
-    return [()] if msa_rows == 1 else [(jnp.int32(row),) for row in range(msa_rows)]
 
 
 def _rows_block(msa_rows: int):
