@@ -61,18 +61,32 @@ def jitted_pair(op: Callable, info: dict | None = None) -> Callables:
 # --- msa_pallas and JAX's own ------------------------------------------------
 
 
-def build_msa_pallas(case: Case) -> Callables:
-    """msa_pallas' Pallas kernels (interpret mode without a GPU)."""
-    _, _, n, _, d = case.dims
+def _msa_pallas_builder(implementation: str | None) -> Callable[[Case], Callables]:
+    def build(case: Case) -> Callables:
+        _, rows, n, heads, d = case.dims
+        # Without a GPU the kernels run in their interpreters.
+        chosen = implementation or ("pallas" if not on_gpu() else None)
+        q_like = jax.ShapeDtypeStruct((1, rows, n, heads, d), case.dtype)
+        bias_like = jax.ShapeDtypeStruct((1, heads, n, n), case.bias_dtype)
+        resolved = msa_pallas.resolve_implementation(chosen, q_like, 0.0, bias_like)
 
-    def op(q, k, v, bias, mask):
-        return msa_pallas.msa_row_attention(
-            q, k, v, bias, mask, scale=case.scale, implementation="pallas"
-        )
+        def op(q, k, v, bias, mask):
+            return msa_pallas.msa_row_attention(
+                q, k, v, bias, mask, scale=case.scale, implementation=chosen
+            )
 
-    config = msa_pallas.default_block_config(n, d, case.dtype)
-    info = {"interpret": not on_gpu(), "block_config": dataclasses.asdict(config)}
-    return jitted_pair(op, info)
+        config = msa_pallas.default_block_config(n, d, case.dtype, case.bias_dtype)
+        info = {"interpret": not on_gpu(), "implementation": resolved,
+                "block_config": dataclasses.asdict(config)}
+        return jitted_pair(op, info)
+
+    return build
+
+
+# What a user gets: the Mosaic GPU forward where `implementation=None` picks it.
+build_msa_pallas = _msa_pallas_builder(None)
+# The Triton kernels alone, to see what the Mosaic forward adds.
+build_msa_pallas_triton = _msa_pallas_builder("pallas")
 
 
 def build_xla(case: Case) -> Callables:
@@ -255,6 +269,7 @@ def build_tokamax_triton(case: Case) -> Callables:
 
 IMPLEMENTATIONS: dict[str, Callable[[Case], Callables]] = {
     "msa_pallas": build_msa_pallas,
+    "msa_pallas_triton": build_msa_pallas_triton,
     "xla": build_xla,
     "cudnn": build_cudnn,
     "cuequivariance": build_cuequivariance,
@@ -265,6 +280,8 @@ IMPLEMENTATIONS: dict[str, Callable[[Case], Callables]] = {
 # Timed for comparison but computing a different operation (no bias, no mask):
 # never an alternative to beat, and its output is not checked.
 REFERENCE_POINTS = ("jax_mha_nobias",)
+# msa_pallas' own variants: checked, timed, never a yardstick.
+OWN_VARIANTS = ("msa_pallas_triton",)
 
 
 # --- attention cores for msa_pallas' Flax layer --------------------------------

@@ -34,8 +34,8 @@ from msa_pallas.timing import batched_times_ms  # noqa: E402
 
 from msa_pallas.attention import msa_row_attention  # noqa: E402
 from msa_pallas.block_sizes import KernelTiles, default_block_config, next_power_of_2  # noqa: E402
-from msa_pallas.kernels import backward  # noqa: E402
-from msa_pallas.kernels.forward import attention_forward  # noqa: E402
+from msa_pallas.kernels.triton import backward  # noqa: E402
+from msa_pallas.kernels.triton.forward import attention_forward  # noqa: E402
 
 # Without a GPU the kernels run in interpret mode: only a check that the script works.
 INTERPRET = jax.default_backend() != "gpu"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from alternatives import REFERENCE_POINTS
+from alternatives import OWN_VARIANTS, REFERENCE_POINTS
 from measure import CHECK_REFERENCE, CHECK_TOLERANCE, EXP_PER_S, MODE_LABELS, MODES, ok
 from shapes import HALF_DTYPES
 
@@ -200,12 +200,13 @@ def fastest_alternative(case: dict, mode: str) -> tuple[str, float] | None:
     """(name, median ms) of the fastest yardstick that ran and computed the
     op (its forward passed the check), or None.
 
-    16-bit: every implementation but the subject and the reference points;
+    16-bit: every implementation but the subject, its own variants and the
+    reference points;
     float32: FLOAT32_YARDSTICKS only. A fast wrong answer is no yardstick."""
     half = case["dtype"] in HALF_DTYPES
     times = [
         (name, ms) for name in case["impls"]
-        if name != SUBJECT and name not in REFERENCE_POINTS
+        if name != SUBJECT and name not in REFERENCE_POINTS and name not in OWN_VARIANTS
         and (half or name in FLOAT32_YARDSTICKS)
         and not wrong_output(case, name)
         and (ms := _median(case, name, mode)) is not None

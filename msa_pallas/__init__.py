@@ -19,16 +19,18 @@ Modules:
   sharding, exporting  several devices; jax.export for a GPU target
 """
 
-from msa_pallas.attention import msa_row_attention
-from msa_pallas.block_sizes import BlockConfig, KernelTiles, default_block_config
+from msa_pallas.attention import msa_row_attention, resolve_implementation
+from msa_pallas.block_sizes import BlockConfig, KernelTiles, MosaicTiles, default_block_config
 from msa_pallas.layers import MSARowAttentionWithPairBias
 from msa_pallas.nnx_layers import MSARowAttentionWithPairBiasNNX
 from msa_pallas import autotune, convert
 
 __all__ = [
     "msa_row_attention",
+    "resolve_implementation",
     "BlockConfig",
     "KernelTiles",
+    "MosaicTiles",
     "default_block_config",
     "MSARowAttentionWithPairBias",
     "MSARowAttentionWithPairBiasNNX",

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 
 from msa_pallas.block_sizes import BlockConfig, default_block_config
+from msa_pallas.kernels.mosaic import forward as mosaic_forward
 from msa_pallas.kernels.vjp import fused_attention
 from msa_pallas.reference import msa_row_attention_xla
 from msa_pallas.validation import (
@@ -20,6 +22,9 @@ from msa_pallas.validation import (
 
 
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+# Up to this N the Triton forward, whose residuals cost less to write, is as
+# fast as the Mosaic one in a training step (benchmarks/RESULTS.md).
+MOSAIC_MIN_RESIDUES = 256
 
 
 def target_platform() -> str:
@@ -42,10 +47,24 @@ def on_gpu() -> bool:
     return target_platform() == "gpu"
 
 
-def resolve_implementation(implementation, q, dropout_rate: float) -> str:
-    """The implementation `msa_row_attention` runs: `implementation` when given,
-    else `"pallas"` on a GPU when q's dtype and head dim fit the kernels and
-    no attention dropout is asked for, else `"xla"`."""
+def on_hopper() -> bool:
+    """True when the op is traced for a GPU of compute capability 9.x (H100,
+    H200), where the Mosaic GPU kernel compiles."""
+    if not on_gpu() or getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None):
+        return False
+    capability = getattr(jax.devices()[0], "compute_capability", "")
+    return str(capability).startswith("9")
+
+
+def resolve_implementation(implementation, q, dropout_rate: float, bias=None) -> str:
+    """The implementation `msa_row_attention` runs.
+
+    `implementation` when given; else, when q's dtype and head dim fit the
+    kernels and no attention dropout is asked for: `"mosaic"` on a Hopper GPU
+    for N > 256 where the Mosaic forward takes the inputs
+    (`mosaic.forward.supports`), `"pallas"` (the Triton kernels) otherwise on
+    a GPU; `"xla"` elsewhere.
+    """
     if implementation is not None:
         return implementation
     # Runs before validation: a malformed q must reach the checks that name it.
@@ -57,7 +76,18 @@ def resolve_implementation(implementation, q, dropout_rate: float) -> str:
         and jnp.dtype(dtype) in KERNEL_DTYPES
         and shape[-1] <= MAX_KERNEL_HEAD_DIM
     )
-    return "pallas" if on_gpu() and kernel_fits else "xla"
+    if not (on_gpu() and kernel_fits):
+        return "xla"
+    bias_dtype = getattr(bias, "dtype", None)
+    if (
+        on_hopper()
+        and len(shape) >= 5
+        and shape[-3] > MOSAIC_MIN_RESIDUES
+        and bias_dtype is not None
+        and mosaic_forward.supports(shape[-5:], dtype, bias_dtype) is None
+    ):
+        return "mosaic"
+    return "pallas"
 
 
 def kernel_bias_dtype(q_dtype, bias_dtype, round_bias: bool) -> str | None:
@@ -102,9 +132,13 @@ def msa_row_attention(
       mask: `[*batch, S, N]`, bool or numeric (nonzero keeps a key), or None.
       gate: `[*batch, S, N, H, d]` gate logits, or None for no gate.
       scale: multiplies `q . k`; default `1 / sqrt(d)`.
-      implementation: None picks `"pallas"` on a GPU and `"xla"` elsewhere;
-        `"pallas"` on a machine without a GPU runs the same kernels in Pallas
-        interpret mode (slow; for tests); `"xla"` is the plain-`jnp` path.
+      implementation: `"pallas"`: the Triton kernels (any CUDA GPU; float32
+        too). `"mosaic"`: the Mosaic GPU forward (Hopper, bfloat16 / float16,
+        d in 16..128, N a multiple of 16) with the Triton backward. `"xla"`:
+        the plain-`jnp` path. None picks `"mosaic"` on a Hopper GPU where it
+        takes the inputs and N > 256, `"pallas"` on other GPUs and `"xla"` elsewhere.
+        `"pallas"` and `"mosaic"` on a machine without a GPU run the same
+        kernels in their interpreters (slow; for tests).
       block_config: tiles for the Pallas kernels; default chosen by
         `msa_pallas.block_sizes.default_block_config(N, d, dtype, bias_dtype)`.
       dropout_rate: dropout on the attention weights (the reference layer's
@@ -130,7 +164,7 @@ def msa_row_attention(
         bias = jnp.zeros((2, 4, 32, 32), jnp.float32)
         out = msa_pallas.msa_row_attention(q, k, v, bias)   # [2, 8, 32, 4, 16]
     """
-    implementation = resolve_implementation(implementation, q, dropout_rate)
+    implementation = resolve_implementation(implementation, q, dropout_rate, bias)
     validate_arguments(q, k, v, bias, mask, gate, scale, implementation)
     validate_dropout(dropout_rate, dropout_rng, implementation)
     validate_block_config(block_config)
@@ -155,9 +189,17 @@ def msa_row_attention(
         )
     else:
         bias_dtype = kernel_bias_dtype(q.dtype, bias.dtype, round_bias)
+        read_bias_dtype = bias.dtype if bias_dtype is None else bias_dtype
         if block_config is None:
-            block_config = default_block_config(
-                n_res, head_dim, q.dtype, bias.dtype if bias_dtype is None else bias_dtype
+            block_config = default_block_config(n_res, head_dim, q.dtype, read_bias_dtype)
+        if implementation == "pallas":
+            block_config = dataclasses.replace(block_config, mosaic_forward=None)
+        elif block_config.mosaic_forward is None:
+            block_config = dataclasses.replace(
+                block_config,
+                mosaic_forward=mosaic_forward.default_tiles(
+                    q.shape, q.dtype, read_bias_dtype, save_stats=True, has_gate=gate is not None
+                ),
             )
         out = fused_attention(
             q, k, v, bias,

@@ -34,8 +34,8 @@ from msa_pallas.attention import on_gpu
 from msa_pallas.block_sizes import (
     MAX_FUSED_KEYS, BlockConfig, KernelTiles, default_block_config,
 )
-from msa_pallas.kernels import backward
-from msa_pallas.kernels.forward import attention_forward
+from msa_pallas.kernels.triton import backward
+from msa_pallas.kernels.triton.forward import attention_forward
 from msa_pallas.timing import batched_times_ms
 
 CACHE_FILE = "autotune.json"

@@ -88,6 +88,56 @@ class KernelTiles:
 
 
 @dataclasses.dataclass(frozen=True)
+class MosaicTiles:
+    """Tiles of the Mosaic GPU forward kernel (`msa_pallas.kernels.mosaic`).
+
+    Attributes:
+      block_q: query residues per consumer warpgroup (64 or 128).
+      block_k: keys per pipeline stage (a multiple of 64).
+      num_stages: depth of the shared-memory ring of K, V and bias tiles.
+      msa_rows: consumer warpgroups per CTA, one MSA row each, sharing every
+        bias tile (1 or 2; used as the largest divisor of S not above it).
+    """
+
+    block_q: int = 64
+    block_k: int = 128
+    num_stages: int = 2
+    msa_rows: int = 2
+
+    def __post_init__(self):
+        if self.block_q not in (64, 128):
+            raise ValueError(f"block_q={self.block_q}; expected 64 or 128.")
+        if self.block_k % 64 or not 64 <= self.block_k <= 256:
+            raise ValueError(f"block_k={self.block_k}; expected 64, 128, 192 or 256.")
+        if self.num_stages < 2:
+            raise ValueError(f"num_stages={self.num_stages}; expected >= 2.")
+        if self.msa_rows not in (1, 2):
+            raise ValueError(f"msa_rows={self.msa_rows}; expected 1 or 2.")
+
+    def msa_rows_for(self, rows: int) -> int:
+        """MSA rows per CTA for S = `rows`: the largest divisor of S <= msa_rows."""
+        return max(r for r in range(1, min(self.msa_rows, rows) + 1) if rows % r == 0)
+
+
+def mosaic_shared_memory_bytes(
+    tiles: MosaicTiles, head_dim: int, dtype, bias_dtype, *, has_mask: bool, has_gate: bool,
+    save_stats: bool,
+) -> int:
+    """Shared memory the Mosaic forward kernel allocates with `tiles`."""
+    rows, stages = tiles.msa_rows, tiles.num_stages
+    item, bias_item = jnp.dtype(dtype).itemsize, jnp.dtype(bias_dtype).itemsize
+    query_tile = rows * tiles.block_q * head_dim
+    used = query_tile * item  # q, then the output
+    used += 2 * stages * rows * tiles.block_k * head_dim * item  # K and V
+    used += stages * tiles.block_q * tiles.block_k * bias_item
+    used += stages * rows * max(tiles.block_k, 128) if has_mask else 0
+    used += query_tile * item if has_gate else 0
+    used += query_tile * 4 + 2 * rows * tiles.block_q * 4 if save_stats else 0
+    return used + 2048  # barriers and alignment
+
+
+
+@dataclasses.dataclass(frozen=True)
 class BlockConfig:
     """Tiles for the forward kernel and the three backward kernels.
 
@@ -103,6 +153,9 @@ class BlockConfig:
         over query tiles, loop over the S MSA rows) whose key tile spans all
         N keys; when set and `block_k >= N` it replaces `backward_dq` and
         `backward_dbias`, sharing one recomputation of the probabilities.
+      mosaic_forward: when set, the forward runs the Mosaic GPU kernel with
+        these tiles instead of the Triton forward (`forward` is then unused);
+        the backward kernels are the Triton ones either way.
     """
 
     forward: KernelTiles
@@ -110,13 +163,19 @@ class BlockConfig:
     backward_dq: KernelTiles
     backward_dbias: KernelTiles
     backward_dq_dbias: KernelTiles | None = None
+    mosaic_forward: MosaicTiles | None = None
 
     def clipped(self, n_res: int) -> "BlockConfig":
-        return BlockConfig(
-            *(
-                None if (tiles := getattr(self, f.name)) is None else tiles.clipped(n_res)
-                for f in dataclasses.fields(self)
-            )
+        """Triton tiles no larger than N rounded up to a power of two (the
+        Mosaic kernel handles any N with its own tiles)."""
+        return dataclasses.replace(
+            self,
+            **{
+                name: tiles.clipped(n_res)
+                for name in ("forward", "backward_dkdv", "backward_dq", "backward_dbias",
+                             "backward_dq_dbias")
+                if (tiles := getattr(self, name)) is not None
+            },
         )
 
     def fuses_dq_dbias(self, n_res: int) -> bool:

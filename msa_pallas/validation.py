@@ -12,11 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from msa_pallas.block_sizes import BlockConfig
+from msa_pallas.kernels.mosaic import forward as mosaic_forward
 
 KERNEL_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 XLA_DTYPES = KERNEL_DTYPES + (jnp.dtype(jnp.float64),)
 MAX_KERNEL_HEAD_DIM = 128
-IMPLEMENTATIONS = (None, "pallas", "xla")
+IMPLEMENTATIONS = (None, "pallas", "mosaic", "xla")
 
 
 def shape_str(shape) -> str:
@@ -38,7 +39,7 @@ def validate_arguments(q, k, v, bias, mask, gate, scale, implementation) -> None
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
-            f"implementation={implementation!r}; expected None, 'pallas' or 'xla'."
+            f"implementation={implementation!r}; expected None, 'pallas', 'mosaic' or 'xla'."
         )
     for name, x in (("q", q), ("k", k), ("v", v), ("bias", bias)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
@@ -105,6 +106,13 @@ def validate_arguments(q, k, v, bias, mask, gate, scale, implementation) -> None
         raise ValueError(
             f"q has shape {shape_str(q.shape)}; every dimension must be >= 1."
         )
+    if implementation == "mosaic":
+        reason = mosaic_forward.supports(q.shape, q.dtype, bias.dtype)
+        if reason is not None:
+            raise ValueError(
+                f"implementation='mosaic' with q of shape {shape_str(q.shape)}: {reason}. "
+                "Use implementation=None or 'pallas'."
+            )
     if implementation == "pallas" and head_dim > MAX_KERNEL_HEAD_DIM:
         raise ValueError(
             f"q has head dim d={head_dim} (shape {shape_str(q.shape)}); the Pallas "
@@ -128,7 +136,7 @@ def validate_dropout(dropout_rate, dropout_rng, implementation) -> None:
     if dropout_rate > 0.0:
         if dropout_rng is None:
             raise ValueError(f"dropout_rate={dropout_rate} needs dropout_rng, a PRNG key; got None.")
-        if implementation == "pallas":
+        if implementation in ("pallas", "mosaic"):
             raise ValueError(
                 f"dropout_rate={dropout_rate}: attention dropout is not in the Pallas "
                 "kernels yet; use implementation=None or 'xla'."

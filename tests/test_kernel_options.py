@@ -15,8 +15,8 @@ import pytest
 import msa_pallas
 from helpers import compare, numpy_results, random_inputs, rel_err, tolerance
 from msa_pallas.block_sizes import BlockConfig, KernelTiles
-from msa_pallas.kernels import backward
-from msa_pallas.kernels.forward import attention_forward
+from msa_pallas.kernels.triton import backward
+from msa_pallas.kernels.triton.forward import attention_forward
 
 
 def _config(msa_rows: int) -> BlockConfig:

@@ -17,7 +17,7 @@ import pytest
 import helpers
 import msa_pallas
 import msa_pallas.exporting
-import msa_pallas.kernels.common
+import msa_pallas.kernels.triton.common
 
 PALLAS = "pallas"
 
@@ -60,7 +60,7 @@ def test_kernel_products_never_plain_tf32(dtype, head_dim, expected):
     assert all(dt == jnp.dtype(dtype) for _, dt in in_kernels), in_kernels
     assert {precision for precision, _ in in_kernels} == {expected}, in_kernels
     # The same rule as the kernels' helper states it (no TF32 without the x3 split).
-    dot_precision = msa_pallas.kernels.common.dot_precision
+    dot_precision = msa_pallas.kernels.triton.common.dot_precision
     for d_pad in (16, 32, 64, 128):
         got = dot_precision(jnp.float32, interpret=False, d_pad=d_pad)
         assert got in (jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3, jax.lax.Precision.HIGHEST)

@@ -1,7 +1,10 @@
-"""Pallas (Triton lowering) kernels for MSA row attention.
+"""The kernels of MSA row attention, one folder per Pallas backend.
 
-- `common`: tile loads and the logits tile shared by every kernel.
-- `forward`: the forward kernel.
-- `backward`: the dk/dv, dq and bias-gradient kernels.
-- `vjp`: `fused_attention`, the kernels wrapped in `jax.custom_vjp`.
+- `triton/`: the Triton kernels (any CUDA GPU; float32 with 3xTF32 products):
+  forward, backward (dk/dv, dq, bias gradient) and their tile helpers.
+- `mosaic/`: the Mosaic GPU kernels (Hopper, 16-bit): the forward.
+- `constants`: what every backend shares (base-2 logits, the masked logit).
+- `vjp`: `fused_attention`, the kernels wrapped in `jax.custom_vjp`; either
+  backend's forward saves the same residuals, so the backward follows either.
+- `partitioning`: SPMD partitioning of every kernel call.
 """

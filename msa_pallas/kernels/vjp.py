@@ -7,6 +7,9 @@ input dtype for the matrix units, and `delta = sum_d do * o`;
 `dgate = dout * o * sigmoid(g) * (1 - sigmoid(g))`. XLA fuses these
 elementwise steps into one pass over the rows.
 
+Either backend's forward (Triton, or Mosaic GPU when `config.mosaic_forward`
+is set) saves the same residuals, so the Triton backward follows either.
+
 The forward saves o in float32. delta must be computed from the same `do`
 the kernels multiply with v, and from an o that rounding has not moved away
 from `p @ v`: `ds = p * (do.v - delta)` is a difference of nearly equal
@@ -28,10 +31,11 @@ import jax
 import jax.numpy as jnp
 
 from msa_pallas.block_sizes import BlockConfig
-from msa_pallas.kernels.backward import (
+from msa_pallas.kernels.mosaic import forward as mosaic_forward
+from msa_pallas.kernels.triton import forward as triton_forward
+from msa_pallas.kernels.triton.backward import (
     backward_dbias, backward_dkdv, backward_dq, backward_dq_dbias,
 )
-from msa_pallas.kernels.forward import attention_forward
 from msa_pallas.kernels.partitioning import (
     BIAS, KEY_ROWS, MASK, QUERY_ROWS, STATS, partitioned_call,
 )
@@ -42,10 +46,18 @@ _BACKWARD_IN = (QUERY_ROWS, KEY_ROWS, KEY_ROWS, BIAS, MASK, QUERY_ROWS, STATS, S
 
 
 def _forward(q, k, v, bias, mask, gate, *, scale, config, interpret, save_stats):
+    if config.mosaic_forward is not None:
+        forward, tiles = mosaic_forward.attention_forward, config.mosaic_forward
+    else:
+        forward, tiles = triton_forward.attention_forward, config.forward
     kernel = functools.partial(
-        attention_forward,
-        scale=scale, tiles=config.forward, interpret=interpret, save_stats=save_stats,
+        forward, scale=scale, tiles=tiles, interpret=interpret, save_stats=save_stats,
     )
+    if config.mosaic_forward is not None and interpret:
+        # The Mosaic GPU interpreter's ordered callbacks cannot sit inside a
+        # custom_partitioning op; interpreted kernels are never sharded.
+        results = kernel(q, k, v, bias, mask, gate)
+        return results if save_stats else (results,)
     outs = (QUERY_ROWS, QUERY_ROWS, STATS, STATS) if save_stats else (QUERY_ROWS,)
     return partitioned_call(kernel, (q, k, v, bias, mask, gate), _FORWARD_IN, outs)
 

@@ -12,17 +12,12 @@ Logits are computed in base 2 (`exp2` is the hardware's native exponential):
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from msa_pallas.reference import MASKED_LOGIT
-
-LOG2E = math.log2(math.e)
-MASKED_LOGIT_LOG2 = MASKED_LOGIT * LOG2E
+from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2  # noqa: F401 (re-exported)
 
 
 def dot_precision(dtype, interpret: bool, d_pad: int, float32_products: str = "tf32x3"):

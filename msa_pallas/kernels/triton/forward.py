@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from msa_pallas.block_sizes import KernelTiles, padded_head_dim
-from msa_pallas.kernels import common
+from msa_pallas.kernels.triton import common
 
 
 def _forward_kernel(

@@ -37,8 +37,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from msa_pallas.block_sizes import padded_head_dim, row_chunks
-from msa_pallas.kernels import common
-from msa_pallas.kernels.forward import bias_spec, mask_spec, qkv_spec, stats_spec
+from msa_pallas.kernels.triton import common
+from msa_pallas.kernels.triton.forward import bias_spec, mask_spec, qkv_spec, stats_spec
 
 
 def _query_tile_stats(row_max_ref, row_log2_sum_ref, delta_ref, prefix, q_start, block_q, n_res):

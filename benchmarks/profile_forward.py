@@ -1,0 +1,131 @@
+"""Forward kernels side by side: the Triton forward and Mosaic GPU candidates.
+
+For each shape, q dtype and bias dtype: the time of the Triton forward (its
+default tiles) and of the Mosaic GPU forward for each `--mosaic` candidate,
+with and without the residuals the backward needs, the relative error of each
+against a float32 XLA forward, and the time against the exponential floor
+(B*S*H*N^2 exponentials at `EXP2_PER_S`):
+
+    python benchmarks/profile_forward.py --shapes train,finetune,long --dtypes bf16
+    python benchmarks/profile_forward.py --shapes long --mosaic 64x128x2x2,64x64x3x2
+
+A candidate is BQxBKxSTAGESxROWS (`MosaicTiles`). Without a GPU both kernels
+run in their interpreters at the `seed` shape: only a check that it works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from shapes import DIMS as SHAPES, DTYPES  # noqa: E402
+from msa_pallas.block_sizes import MosaicTiles, default_block_config  # noqa: E402
+from msa_pallas.kernels.mosaic import forward as mosaic_forward  # noqa: E402
+from msa_pallas.kernels.triton import forward as triton_forward  # noqa: E402
+from msa_pallas.reference import msa_row_attention_xla  # noqa: E402
+from msa_pallas.timing import batched_times_ms  # noqa: E402
+
+INTERPRET = jax.default_backend() != "gpu"
+# exp2 per second of an H200, measured (benchmarks/RESULTS.md).
+EXP2_PER_S = 4.2e12
+
+
+def parse_mosaic(text: str) -> list[MosaicTiles]:
+    tiles = []
+    for item in filter(None, text.split(",")):
+        block_q, block_k, stages, rows = (int(x) for x in item.split("x"))
+        tiles.append(MosaicTiles(block_q, block_k, stages, rows))
+    return tiles
+
+
+def make_inputs(shape, dtype, bias_dtype, seed=0):
+    batch, rows, n_res, heads, _ = shape
+    keys = jax.random.split(jax.random.PRNGKey(seed), 6)
+    q, k, v, gate = (jax.random.normal(key, shape, jnp.float32).astype(dtype) for key in keys[:4])
+    bias = jax.random.normal(keys[4], (batch, heads, n_res, n_res), jnp.float32).astype(bias_dtype)
+    mask = jax.random.bernoulli(keys[5], 0.9, (batch, rows, n_res)).astype(jnp.int8)
+    return q, k, v, bias, mask, gate
+
+
+def relative_error(out, reference) -> float:
+    out, reference = out.astype(jnp.float32), reference.astype(jnp.float32)
+    return float(jnp.linalg.norm(out - reference) / jnp.linalg.norm(reference))
+
+
+def time_ms(call, reps: int, samples: int) -> float:
+    jax.block_until_ready(call())
+    return statistics.median(batched_times_ms(lambda i: call(), samples=samples, reps=reps))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="seed" if INTERPRET else "train,finetune,extra,long,longer")
+    parser.add_argument("--dtypes", default="bf16")
+    parser.add_argument("--bias-dtypes", default="f32,input", help="f32 and/or input (q's dtype)")
+    parser.add_argument("--mosaic", default="", help="candidates BQxBKxSTAGESxROWS, comma-separated")
+    parser.add_argument("--reps", type=int, default=1 if INTERPRET else 20)
+    parser.add_argument("--samples", type=int, default=1 if INTERPRET else 7)
+    args = parser.parse_args(argv)
+
+    print("| shape | dtype | bias | kernel | tiles | fwd ms | fwd+stats ms | floor % | rel err "
+          "| residuals vs Triton |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for shape_name in args.shapes.split(","):
+        shape = SHAPES[shape_name]
+        batch, rows, n_res, heads, head_dim = shape
+        floor_ms = batch * rows * heads * n_res**2 / EXP2_PER_S * 1e3
+        for dtype_name in args.dtypes.split(","):
+            dtype = DTYPES[dtype_name]
+            for bias_name in args.bias_dtypes.split(","):
+                bias_dtype = jnp.float32 if bias_name == "f32" else dtype
+                q, k, v, bias, mask, gate = make_inputs(shape, dtype, bias_dtype)
+                scale = head_dim**-0.5
+                reference = msa_row_attention_xla(
+                    *(x.astype(jnp.float32) for x in (q, k, v, bias)), mask != 0,
+                    gate.astype(jnp.float32), scale=scale,
+                )
+                config = default_block_config(n_res, head_dim, dtype, bias_dtype)
+                kernels = [("triton", str(config.forward), triton_forward.attention_forward,
+                            config.forward)]
+                candidates = parse_mosaic(args.mosaic) or [
+                    mosaic_forward.default_tiles(shape, dtype, bias_dtype, save_stats=True)
+                ]
+                if mosaic_forward.supports(shape, dtype, bias_dtype) is None:
+                    kernels += [("mosaic", str(t), mosaic_forward.attention_forward, t)
+                                for t in candidates]
+                triton_stats = None
+                for kernel_name, label, forward, tiles in kernels:
+                    run = lambda save_stats: forward(
+                        q, k, v, bias, mask, gate, scale=scale, tiles=tiles,
+                        interpret=INTERPRET, save_stats=save_stats,
+                    )
+                    try:
+                        out = run(False)
+                        error = relative_error(out, reference)
+                        fwd = time_ms(lambda: run(False), args.reps, args.samples)
+                        with_stats = time_ms(lambda: run(True), args.reps, args.samples)
+                        stats = run(True)[1:]
+                        triton_stats = stats if triton_stats is None else triton_stats
+                        residuals = max(
+                            float(jnp.max(jnp.abs(a - b))) for a, b in zip(stats, triton_stats)
+                        )
+                    except Exception as exc:  # a candidate that does not compile
+                        print(f"| {shape_name} | {dtype_name} | {bias_name} | {kernel_name} "
+                              f"| {label} | failed: {type(exc).__name__}: {str(exc)[:200]} |")
+                        continue
+                    print(f"| {shape_name} | {dtype_name} | {bias_name} | {kernel_name} | {label} "
+                          f"| {fwd:.3f} | {with_stats:.3f} | {100 * floor_ms / fwd:.0f} "
+                          f"| {error:.1e} | {residuals:.1e} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,396 @@
+"""The Mosaic GPU forward kernel: Hopper (sm90), 16-bit inputs.
+
+One CTA serves one query tile of one head for `msa_rows` MSA rows of one
+batch element. The MSA rows share the pair bias, and that is what the CTA is
+built around:
+
+- a producer warpgroup streams, per key tile, the K and V tiles of every row
+  and ONE bias tile (and the rows' key-mask vectors) by TMA into a
+  `num_stages`-deep shared-memory ring;
+- each of the `msa_rows` consumer warpgroups owns one MSA row: it computes
+  `q k^T` with `wgmma` from shared memory, adds the shared bias tile, runs the
+  online softmax in float32 (base 2), and multiplies the 16-bit
+  probabilities, straight from registers, with V by `wgmma`;
+- with two consumers, a schedule barrier makes them alternate, so one's
+  softmax (the exponential unit) overlaps the other's matrix products.
+
+The grid is (S / msa_rows, query tiles, B * H) with the MSA rows fastest, so
+the CTAs that run at the same time read the same bias tiles and find them in
+L2. Tails are handled in the kernel: TMA reads past N as zeros, keys past N
+get a -inf logit, and TMA stores past N are dropped; nothing is padded in
+memory. Results and residuals are those of the Triton forward
+(`msa_pallas.kernels.triton.forward.attention_forward`), so either backward follows.
+
+The key loop visits every key tile; it is the place where tiles that the key
+mask removes entirely, and attention dropout, will go.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from msa_pallas.block_sizes import MosaicTiles, mosaic_shared_memory_bytes
+from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2
+
+HEAD_DIMS = (16, 32, 64, 128)
+# Shorter rows than one 128-query tile run the Triton kernels.
+MIN_RESIDUES = 128
+# Shared memory an sm90 CTA may use (227 KiB).
+MAX_SHARED_MEMORY = 227 * 1024
+_WGMMA = plgpu.Layout.WGMMA
+_WGMMA_ROW = plgpu.Layout.WGMMA.reduce(1)
+_WGMMA_COL = plgpu.Layout.WGMMA.reduce(0)
+
+
+def supports(q_shape, q_dtype, bias_dtype) -> str | None:
+    """None when the kernel runs these inputs, else the reason it does not.
+
+    Args:
+      q_shape: `[B, S, N, H, d]`.
+      q_dtype, bias_dtype: dtypes of q (and k, v, gate) and of the bias.
+    """
+    *_, n_res, _, head_dim = q_shape
+    if jnp.dtype(q_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"q dtype {jnp.dtype(q_dtype).name}: the Mosaic kernel takes bfloat16 / float16"
+    if head_dim not in HEAD_DIMS:
+        return f"head dim {head_dim}: the Mosaic kernel takes {HEAD_DIMS}"
+    bias_itemsize = jnp.dtype(bias_dtype).itemsize
+    if bias_itemsize not in (2, 4):
+        return f"bias dtype {jnp.dtype(bias_dtype).name}: the Mosaic kernel takes 16- or 32-bit"
+    # The bias rows are read by TMA into 128-byte swizzled tiles: N must be a
+    # whole number of swizzle rows (64 16-bit or 32 float32 elements).
+    multiple = 128 // bias_itemsize
+    if n_res < MIN_RESIDUES or n_res % multiple:
+        return (
+            f"N={n_res}: the Mosaic kernel needs N >= {MIN_RESIDUES} and a multiple of "
+            f"{multiple} with a {jnp.dtype(bias_dtype).name} bias"
+        )
+    return None
+
+
+def default_tiles(q_shape, q_dtype, bias_dtype, save_stats: bool, has_gate: bool = True):
+    """The fastest configuration measured on an H200 that fits in shared memory.
+
+    128-query tiles per warpgroup and 2 MSA rows per CTA win at every N
+    (benchmarks/RESULTS.md); 128-key stages where they fit (a 16-bit bias),
+    else 64-key stages; one MSA row per CTA only for head dims too large for two.
+    """
+    *_, head_dim = q_shape
+    preferred = (
+        MosaicTiles(128, 128, 2, 2), MosaicTiles(128, 64, 2, 2), MosaicTiles(64, 64, 2, 2),
+        MosaicTiles(64, 64, 2, 1),
+    )
+    for tiles in preferred:
+        used = mosaic_shared_memory_bytes(
+            tiles, head_dim, q_dtype, bias_dtype, has_mask=True, has_gate=has_gate,
+            save_stats=save_stats,
+        )
+        if used <= MAX_SHARED_MEMORY:
+            return tiles
+    raise ValueError(f"no Mosaic configuration fits head dim {head_dim} in shared memory")
+
+
+def _smem(shape, dtype):
+    """Shared memory tiled and swizzled as TMA and wgmma want it."""
+    bits = jnp.dtype(dtype).itemsize * 8
+    swizzle = plgpu.find_swizzle(shape[-1] * bits)
+    tiling = plgpu.TilingTransform((8, 8 * swizzle // bits))
+    return plgpu.SMEM(shape, dtype, transforms=(tiling, plgpu.SwizzleTransform(swizzle)))
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + jnp.exp2(x * -LOG2E))
+
+
+def _accumulate_product(acc, lhs, rhs_smem, while_it_runs, interpret: bool):
+    """`acc + lhs @ rhs` with `lhs` in registers, running `while_it_runs()`
+    while the matrix units work.
+
+    On the GPU a wgmma accumulates into `acc` in place. The interpreter's
+    wgmma takes both operands from shared memory, so there the product is a
+    float32-accumulated `jnp.dot` of the same 16-bit operands.
+    """
+    if interpret:
+        product = jnp.dot(lhs, rhs_smem[...], preferred_element_type=jnp.float32)
+        while_it_runs()
+        return acc + product
+
+    def accumulate(acc_ref):
+        plgpu.wgmma(acc_ref, lhs, rhs_smem)
+        while_it_runs()
+
+    return pl.run_state(accumulate)(plgpu.ACC.init(acc))
+
+
+def _kernel(
+    *refs, names: tuple[str, ...], scale_log2: float, n_res: int, tiles: MosaicTiles,
+    msa_rows: int, heads: int, dtype, interpret: bool,
+):
+    gmem = dict(zip(names, refs[: len(names)]))
+    smem, produced, consumed, schedule = refs[len(names):]
+    block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
+    key_tiles = pl.cdiv(n_res, block_k)
+    has_mask, has_gate = "mask" in gmem, "gate" in gmem
+    save_stats = "attention" in gmem
+    ping_pong = msa_rows == 2
+
+    row_group = lax.axis_index("row_groups")
+    q_start = lax.axis_index("query_tiles") * block_q
+    batch_head = lax.axis_index("batch_heads")
+    batch, head = lax.div(batch_head, heads), lax.rem(batch_head, heads)
+    wg = lax.axis_index("wg")
+    queries = pl.ds(q_start, block_q)
+
+    def schedule_sync():
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(schedule)
+
+    @pl.when(wg < msa_rows)
+    def _consumer():
+        plgpu.set_max_registers(232 if ping_pong else 240, action="increase")
+        row = row_group * msa_rows + wg
+        q_smem = smem["q"].at[wg]
+        plgpu.copy_gmem_to_smem(
+            gmem["q"].at[batch, row, queries, head], q_smem, produced["q"].at[wg]
+        )
+        if has_gate:
+            plgpu.copy_gmem_to_smem(
+                gmem["gate"].at[batch, row, queries, head], smem["gate"].at[wg],
+                produced["q"].at[wg],
+            )
+        plgpu.barrier_wait(produced["q"].at[wg])
+
+        head_dim = q_smem.shape[-1]
+        row_max = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), _WGMMA_ROW)
+        row_sum = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), _WGMMA_ROW)
+        acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), _WGMMA)
+
+        plgpu.barrier_wait(produced["k"].at[0])
+        if ping_pong:
+            pl.when(wg == 1)(schedule_sync)
+
+        def visit_key_tile(key_tile, carry):
+            acc, row_max, row_sum = carry
+            slot = lax.rem(key_tile, stages)
+
+            def qk_product(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, smem["k"].at[slot, wg].T)
+                if ping_pong:
+                    schedule_sync()
+                return acc_ref[...]
+
+            logits = pl.run_scoped(qk_product, plgpu.ACC((block_q, block_k), jnp.float32))
+            bias = smem["bias"][slot].astype(jnp.float32)
+            if has_mask:
+                keep = plgpu.load(
+                    smem["mask"].at[slot, wg, 0, pl.ds(0, block_k)], layout=_WGMMA_COL
+                )
+                keep = lax.broadcast_in_dim(keep != 0, logits.shape, [1])
+            plgpu.barrier_arrive(consumed["k"].at[slot])
+
+            t = logits * scale_log2 + bias * LOG2E
+            if has_mask:
+                t = jnp.where(keep, t, MASKED_LOGIT_LOG2)
+            if n_res % block_k:
+                key_ids = key_tile * block_k + plgpu.broadcasted_iota(
+                    jnp.int32, logits.shape, 1, layout=_WGMMA
+                )
+                t = jnp.where(key_ids < n_res, t, -jnp.inf)
+
+            new_max = jnp.maximum(row_max, t.max(axis=1))
+            rescale = jnp.exp2(row_max - new_max)
+            p = jnp.exp2(t - lax.broadcast_in_dim(new_max, t.shape, [0]))
+            acc = acc * lax.broadcast_in_dim(rescale, acc.shape, [0])
+            row_sum = row_sum * rescale + p.sum(axis=1)
+            p16 = p.astype(dtype)
+            acc, row_sum, new_max, p16 = lax.optimization_barrier((acc, row_sum, new_max, p16))
+
+            if ping_pong:
+                plgpu.barrier_arrive(schedule)
+            plgpu.barrier_wait(produced["v"].at[slot])
+            if ping_pong:
+                plgpu.barrier_wait(schedule)
+
+            def wait_for_next_keys():
+                next_tile = key_tile + 1
+
+                @pl.when(next_tile < key_tiles)
+                def _():
+                    plgpu.barrier_wait(produced["k"].at[lax.rem(next_tile, stages)])
+
+            acc = _accumulate_product(acc, p16, smem["v"].at[slot, wg], wait_for_next_keys, interpret)
+            plgpu.barrier_arrive(consumed["v"].at[slot])
+            return acc, new_max, row_sum
+
+        acc, row_max, row_sum = lax.fori_loop(
+            0, key_tiles, visit_key_tile, (acc, row_max, row_sum)
+        )
+        if ping_pong:
+            pl.when(wg == 0)(schedule_sync)
+
+        out = acc * lax.broadcast_in_dim(1.0 / row_sum, acc.shape, [0])
+        if save_stats:
+            smem["attention"][wg] = out
+            smem["row_max"][wg, 0] = row_max
+            smem["row_log2_sum"][wg, 0] = jnp.log2(row_sum)
+        if has_gate:
+            out = out * _sigmoid(smem["gate"][wg].astype(jnp.float32))
+        # q's tile is free again: it holds the output on its way out.
+        q_smem[...] = out.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, gmem["out"].at[batch, row, queries, head])
+        if save_stats:
+            plgpu.copy_smem_to_gmem(
+                smem["attention"].at[wg], gmem["attention"].at[batch, row, queries, head]
+            )
+            # Two-dimensional windows: a TMA tensor copy, which drops the
+            # entries past N (a one-dimensional bulk copy would not).
+            for name in ("row_max", "row_log2_sum"):
+                plgpu.copy_smem_to_gmem(
+                    smem[name].at[wg], gmem[name].at[batch, row, pl.ds(head, 1), queries]
+                )
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == msa_rows)
+    def _producer():
+        plgpu.set_max_registers(40, action="decrease")
+        first_row = row_group * msa_rows
+
+        def load(key_tile, slot, wait_for_slot: bool):
+            keys = pl.ds(key_tile * block_k, block_k)
+            if wait_for_slot:
+                plgpu.barrier_wait(consumed["k"].at[slot])
+            for r in range(msa_rows):
+                plgpu.copy_gmem_to_smem(
+                    gmem["k"].at[batch, first_row + r, keys, head], smem["k"].at[slot, r],
+                    produced["k"].at[slot],
+                )
+                if has_mask:
+                    plgpu.copy_gmem_to_smem(
+                        gmem["mask"].at[batch, pl.ds(first_row + r, 1), keys],
+                        smem["mask"].at[slot, r, :, pl.ds(0, block_k)],
+                        produced["k"].at[slot],
+                    )
+            plgpu.copy_gmem_to_smem(
+                gmem["bias"].at[batch, head, queries, keys], smem["bias"].at[slot],
+                produced["k"].at[slot],
+            )
+            if wait_for_slot:
+                plgpu.barrier_wait(consumed["v"].at[slot])
+            for r in range(msa_rows):
+                plgpu.copy_gmem_to_smem(
+                    gmem["v"].at[batch, first_row + r, keys, head], smem["v"].at[slot, r],
+                    produced["v"].at[slot],
+                )
+
+        for key_tile in range(min(stages, key_tiles)):
+            load(jnp.int32(key_tile), key_tile, wait_for_slot=False)
+
+        @pl.loop(stages, max(stages, key_tiles))
+        def _(key_tile):
+            load(key_tile, lax.rem(key_tile, stages), wait_for_slot=True)
+
+        # Observe the consumers' last releases of every slot, so that no
+        # barrier phase is left unobserved when the CTA ends.
+        for key_tile in range(max(0, key_tiles - stages), key_tiles):
+            plgpu.barrier_wait(consumed["k"].at[key_tile % stages])
+            plgpu.barrier_wait(consumed["v"].at[key_tile % stages])
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret", "save_stats"))
+def attention_forward(
+    q, k, v, bias, mask, gate, *, scale: float, tiles: MosaicTiles, interpret: bool,
+    save_stats: bool,
+):
+    """Runs the Mosaic GPU forward kernel; the contract of the Triton forward.
+
+    Args:
+      q, k, v: `[B, S, N, H, d]`, bfloat16 / float16, d in `HEAD_DIMS`.
+      bias: `[B, H, N, N]`, 16- or 32-bit float.
+      mask: `[B, S, N]` int8 (nonzero keeps) or None.
+      gate: `[B, S, N, H, d]` gate logits or None.
+      scale: multiplies q . k.
+      tiles: the kernel's configuration.
+      interpret: run in the Mosaic GPU interpreter (CPU).
+      save_stats: also return what the backward needs.
+
+    Returns:
+      out `[B, S, N, H, d]` in q's dtype, and, if `save_stats`, the ungated
+      attention output `[B, S, N, H, d]` in float32 and the float32 row max
+      and log2 row sum, each `[B, S, H, N]`, in base-2 units.
+    """
+    reason = supports(q.shape, q.dtype, bias.dtype)
+    if reason is not None:
+        raise ValueError(reason)
+    batch, rows, n_res, heads, head_dim = q.shape
+    msa_rows = tiles.msa_rows_for(rows)
+    block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
+
+    inputs = {"q": q, "k": k, "v": v, "bias": bias, "mask": mask, "gate": gate}
+    inputs = {name: x for name, x in inputs.items() if x is not None}
+    out_types = {"out": jax.ShapeDtypeStruct(q.shape, q.dtype)}
+    if save_stats:
+        stats = jax.ShapeDtypeStruct((batch, rows, heads, n_res), jnp.float32)
+        out_types |= {
+            "attention": jax.ShapeDtypeStruct(q.shape, jnp.float32),
+            "row_max": stats, "row_log2_sum": stats,
+        }
+    names = (*inputs, *out_types)
+
+    smem = {
+        "q": _smem((msa_rows, block_q, head_dim), q.dtype),
+        "k": _smem((stages, msa_rows, block_k, head_dim), k.dtype),
+        "v": _smem((stages, msa_rows, block_k, head_dim), v.dtype),
+        "bias": _smem((stages, block_q, block_k), bias.dtype),
+    }
+    k_copies = msa_rows + 1
+    if mask is not None:
+        # Each row's vector starts 128-byte aligned, as TMA wants.
+        mask_row = max(block_k, 128 // mask.dtype.itemsize)
+        smem["mask"] = plgpu.SMEM((stages, msa_rows, 1, mask_row), mask.dtype)
+        k_copies += msa_rows
+    if gate is not None:
+        smem["gate"] = _smem((msa_rows, block_q, head_dim), gate.dtype)
+    if save_stats:
+        smem["attention"] = _smem((msa_rows, block_q, head_dim), jnp.float32)
+        smem["row_max"] = plgpu.SMEM((msa_rows, 1, block_q), jnp.float32)
+        smem["row_log2_sum"] = plgpu.SMEM((msa_rows, 1, block_q), jnp.float32)
+    produced = {
+        "q": plgpu.Barrier(num_arrivals=2 if gate is not None else 1, num_barriers=msa_rows),
+        "k": plgpu.Barrier(num_arrivals=k_copies, num_barriers=stages),
+        "v": plgpu.Barrier(num_arrivals=msa_rows, num_barriers=stages),
+    }
+    consumed = {
+        name: plgpu.Barrier(num_arrivals=msa_rows, num_barriers=stages) for name in ("k", "v")
+    }
+    schedule = plgpu.Barrier(num_arrivals=msa_rows)
+
+    body = functools.partial(
+        _kernel, names=names, scale_log2=scale * LOG2E, n_res=n_res, tiles=tiles,
+        msa_rows=msa_rows, heads=heads, dtype=q.dtype, interpret=interpret,
+    )
+
+    def entry(*refs):
+        pl.run_scoped(
+            lambda *scratch: body(*refs, *scratch),
+            smem, produced, consumed, schedule, collective_axes="wg",
+        )
+
+    outs = plgpu.kernel(
+        entry,
+        out_type=tuple(out_types.values()),
+        grid=(rows // msa_rows, pl.cdiv(n_res, block_q), batch * heads),
+        grid_names=("row_groups", "query_tiles", "batch_heads"),
+        num_threads=msa_rows + 1,
+        thread_name="wg",
+        # The row reductions stay inside warps: no shared scratch for them.
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(*inputs.values())
+    return tuple(outs) if save_stats else outs[0]

@@ -1,0 +1,186 @@
+"""The Mosaic GPU forward kernel (`msa_pallas.kernels.mosaic.forward`) on the
+CPU, in the Mosaic GPU interpreter.
+
+Against the float64 NumPy reference and against the Triton forward's
+residuals (the Triton backward follows either forward, so their residuals
+must agree). The interpreter simulates shared memory, TMA, barriers and the
+warpgroups of each CTA; its wgmma takes operands from shared memory only, so
+the probabilities-times-V product there is a float32-accumulated `jnp.dot`
+of the same 16-bit operands (`_accumulate_product`).
+
+The interpreter of jax 0.11.2 deadlocks on this kernel with more than one
+head when the residuals are saved (the compiled kernel runs H = 8 in
+tests/test_mosaic_gpu.py), so the interpreted cases here have H = 1 and
+cover the other axes: several batch elements and MSA-row pairs, an odd S
+(one MSA row per CTA), N past the last full tile, every head dim.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import helpers
+import msa_pallas
+import numpy_reference
+from msa_pallas.attention import resolve_implementation
+from msa_pallas.block_sizes import MosaicTiles, mosaic_shared_memory_bytes
+from msa_pallas.kernels.mosaic import forward as mosaic_forward
+from msa_pallas.kernels.triton import forward as triton_forward
+from msa_pallas.block_sizes import default_block_config
+
+# Forward-only tolerances of the output against float64 (the issue's bar).
+OUT_TOLERANCE = {jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float16): 2e-3}
+SMALL_TILES = MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=2)
+
+
+def run_forward(inputs, tiles=SMALL_TILES, save_stats=True, kernel=mosaic_forward):
+    q, k, v, bias, mask, gate, _ = inputs.args
+    mask = None if mask is None else mask.astype(jnp.int8)
+    if kernel is triton_forward:
+        tiles = default_block_config(q.shape[2], q.shape[-1], q.dtype, bias.dtype).forward
+    return kernel.attention_forward(
+        q, k, v, bias, mask, gate, scale=q.shape[-1] ** -0.5, tiles=tiles, interpret=True,
+        save_stats=save_stats,
+    )
+
+
+# (B, S, N, d, q dtype, bias dtype, tiles): pairs of MSA rows per CTA, an odd
+# S (one row per CTA), N past the last full query and key tiles, every head dim.
+CASES = {
+    "pairs-bf16": (2, 4, 128, 32, jnp.bfloat16, jnp.float32, SMALL_TILES),
+    "odd-S-tails-fp16": (1, 3, 192, 16, jnp.float16, jnp.float16, MosaicTiles(128, 128, 2, 2)),
+    "tail-d64": (1, 2, 160, 64, jnp.bfloat16, jnp.float32, SMALL_TILES),
+    "d128": (1, 2, 128, 128, jnp.float16, jnp.float32, MosaicTiles(64, 64, 2, 1)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_forward_against_float64_and_triton_residuals(case, seed):
+    batch, rows, n_res, head_dim, dtype, bias_dtype, tiles = CASES[case]
+    inputs = helpers.random_inputs(
+        seed, batch, rows, n_res, 1, head_dim, dtype, bias_dtype=bias_dtype,
+        fully_masked_row=(0, rows - 1),
+    )
+    out, attention, row_max, row_log2_sum = run_forward(inputs, tiles)
+    expected = numpy_reference.forward(*inputs.args[:6], scale=head_dim**-0.5)
+    helpers.assert_finite(out, "out")
+    error = helpers.rel_err(out, expected)
+    print(f"[rel err] mosaic forward {case}: {error:.2e}")
+    assert error <= OUT_TOLERANCE[jnp.dtype(dtype)], error
+
+    # The fully masked row: uniform weights, the mean of v, times the gate.
+    v_mean = helpers.to_f64(inputs.v[0, rows - 1]).mean(axis=0, keepdims=True)
+    gate = helpers.to_f64(inputs.gate[0, rows - 1])
+    np.testing.assert_allclose(
+        helpers.to_f64(out[0, rows - 1]), v_mean / (1 + np.exp(-gate)),
+        rtol=2 * OUT_TOLERANCE[jnp.dtype(dtype)], atol=1e-2,
+    )
+
+    _, t_attention, t_row_max, t_row_log2_sum = run_forward(inputs, kernel=triton_forward)
+    np.testing.assert_allclose(row_max, t_row_max, rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(row_log2_sum, t_row_log2_sum, rtol=1e-5, atol=1e-5)
+    assert helpers.rel_err(attention, t_attention) < 1e-2
+
+
+def test_without_residuals_equals_with(seed):
+    inputs = helpers.random_inputs(seed, 1, 2, 128, 1, 32, jnp.bfloat16)
+    alone = run_forward(inputs, save_stats=False)
+    with_stats = run_forward(inputs, save_stats=True)[0]
+    np.testing.assert_array_equal(np.asarray(alone), np.asarray(with_stats))
+
+
+def test_no_mask_no_gate(seed):
+    inputs = helpers.random_inputs(seed, 1, 2, 128, 1, 16, jnp.bfloat16, mask_rate=None, gate=False)
+    out = run_forward(inputs, save_stats=False)
+    expected = numpy_reference.forward(*inputs.args[:6], scale=16**-0.5)
+    assert helpers.rel_err(out, expected) <= OUT_TOLERANCE[jnp.dtype(jnp.bfloat16)]
+
+
+def test_nan_stays_in_its_row(seed):
+    """A NaN in one MSA row's q reaches that row's queries only."""
+    inputs = helpers.random_inputs(seed, 1, 4, 128, 1, 32, jnp.bfloat16)
+    inputs = inputs._replace(q=inputs.q.at[0, 1, 5].set(jnp.nan))
+    out = np.asarray(run_forward(inputs, save_stats=False).astype(jnp.float32))
+    assert np.isnan(out[0, 1, 5]).all()
+    bad = np.isnan(out)
+    bad[0, 1, 5] = False
+    assert not bad.any()
+
+
+def test_op_gradients_through_the_mosaic_forward(seed):
+    """`implementation="mosaic"`: the Mosaic forward's residuals feed the
+    Triton backward; the gradients match float64."""
+    inputs = helpers.random_inputs(seed, 1, 2, 128, 1, 32, jnp.bfloat16, fully_masked_row=True)
+    result = helpers.fwd_bwd("mosaic")(*inputs.args)
+    helpers.assert_shapes_dtypes_finite(result, inputs)
+    helpers.compare(result, helpers.numpy_results(inputs), helpers.tolerance(jnp.bfloat16), "mosaic")
+    # The fully masked row passes no gradient to its q and k.
+    _, (dq, dk, *_) = result
+    assert not np.asarray(dq[0, 0]).any() and not np.asarray(dk[0, 0]).any()
+
+
+def test_lowers_for_the_gpu_on_a_cpu():
+    """The kernel lowers for CUDA on a machine without one (Mosaic GPU's own
+    lowering, layouts included, runs at trace time): a shape error or an
+    unsupported layout fails here, not first on the GPU."""
+    shape = (1, 4, 256, 8, 32)
+    q = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((1, 8, 256, 256), jnp.float32)
+    mask = jax.ShapeDtypeStruct((1, 4, 256), jnp.int8)
+    tiles = mosaic_forward.default_tiles(shape, jnp.bfloat16, jnp.float32, save_stats=True)
+    forward = lambda *args: mosaic_forward.attention_forward(  # noqa: E731
+        *args, scale=0.2, tiles=tiles, interpret=False, save_stats=True
+    )
+    lowered = jax.jit(forward).trace(q, q, q, bias, mask, q).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.parametrize("head_dim", mosaic_forward.HEAD_DIMS)
+@pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("save_stats", [False, True])
+def test_default_tiles_fit_shared_memory(head_dim, bias_dtype, save_stats):
+    tiles = mosaic_forward.default_tiles((1, 4, 256, 8, head_dim), jnp.bfloat16, bias_dtype, save_stats)
+    used = mosaic_shared_memory_bytes(
+        tiles, head_dim, jnp.bfloat16, bias_dtype, has_mask=True, has_gate=True,
+        save_stats=save_stats,
+    )
+    assert used <= mosaic_forward.MAX_SHARED_MEMORY
+    # The preferred (largest) tiles are taken where they fit.
+    if head_dim <= 32 and jnp.dtype(bias_dtype).itemsize == 2:
+        assert tiles == MosaicTiles(128, 128, 2, 2)
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, bias_dtype, fragment",
+    [
+        ((1, 2, 64, 4, 32), jnp.float32, jnp.float32, "q dtype float32"),
+        ((1, 2, 64, 4, 8), jnp.bfloat16, jnp.float32, "head dim 8"),
+        ((1, 2, 64, 4, 32), jnp.bfloat16, jnp.float32, "N=64"),
+        ((1, 2, 272, 4, 32), jnp.bfloat16, jnp.bfloat16, "N=272"),
+    ],
+)
+def test_unsupported_inputs_raise_naming_the_reason(shape, dtype, bias_dtype, fragment):
+    q = jnp.ones(shape, dtype)
+    bias = jnp.ones((shape[0], shape[3], shape[2], shape[2]), bias_dtype)
+    with pytest.raises(ValueError, match=fragment):
+        msa_pallas.msa_row_attention(q, q, q, bias, implementation="mosaic")
+
+
+def test_tiles_validate_their_fields():
+    with pytest.raises(ValueError, match="block_q"):
+        MosaicTiles(block_q=32)
+    with pytest.raises(ValueError, match="block_k"):
+        MosaicTiles(block_k=96)
+    with pytest.raises(ValueError, match="msa_rows"):
+        MosaicTiles(msa_rows=3)
+    assert MosaicTiles(msa_rows=2).msa_rows_for(5) == 1
+
+
+def test_cpu_default_is_xla_and_pallas_means_triton():
+    q = jnp.ones((1, 2, 512, 4, 32), jnp.bfloat16)
+    bias = jnp.ones((1, 4, 512, 512), jnp.float32)
+    assert resolve_implementation(None, q, 0.0, bias) == "xla"
+    assert resolve_implementation("pallas", q, 0.0, bias) == "pallas"

@@ -1,0 +1,101 @@
+"""The compiled Mosaic GPU forward on a Hopper GPU (marked `gpu`; skipped
+elsewhere, and on GPUs other than sm90).
+
+`implementation="mosaic"`: the Mosaic forward and the Triton backward that
+follows it through the shared residuals, against the float64 reference of
+test_gpu.py (chunked over MSA rows), at the shapes that matter and at the
+edges: head dims 16-128, N past the last full query tile,
+an odd S, fully masked rows, NaN locality, bitwise-repeatable results.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import helpers
+import msa_pallas
+from helpers import compare, fwd_bwd
+from msa_pallas.attention import on_hopper
+from test_gpu import SHAPES, chunk_rows, device_inputs
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        jax.default_backend() == "gpu" and not on_hopper(), reason="needs an sm90 GPU"
+    ),
+]
+
+MOSAIC = "mosaic"
+# The forward's output against float64 (the Mosaic forward issue's bar).
+OUT_TOLERANCE = {jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float16): 2e-3}
+DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
+BIAS_DTYPES = {"bias-f32": jnp.float32, "bias-input": None}
+
+
+def check(inputs, label):
+    start = time.perf_counter()
+    result = jax.block_until_ready(fwd_bwd(MOSAIC)(*inputs.args))
+    elapsed = time.perf_counter() - start
+    helpers.assert_shapes_dtypes_finite(result, inputs)
+    reference = helpers.jnp_reference_fwd_bwd(inputs, chunk_rows=chunk_rows(inputs.q.shape))
+    dtype = jnp.dtype(inputs.q.dtype)
+    errors = compare(result, reference, helpers.tolerance(dtype), label, out=OUT_TOLERANCE[dtype])
+    print(f"[gpu] {label}: first call (compile + run) {elapsed:.2f} s")
+    return result, errors
+
+
+@pytest.mark.parametrize("bias_id", list(BIAS_DTYPES))
+@pytest.mark.parametrize("dtype_id", list(DTYPES))
+@pytest.mark.parametrize("shape_id", ["train", "finetune", "long-S16", "longer-S16"])
+def test_shapes_against_float64(shape_id, dtype_id, bias_id, seed):
+    dtype = DTYPES[dtype_id]
+    bias_dtype = BIAS_DTYPES[bias_id] or dtype
+    inputs = device_inputs(seed, SHAPES[shape_id], dtype, bias_dtype=bias_dtype)
+    check(inputs, f"mosaic {shape_id} {dtype_id} {bias_id}")
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        (1, 3, 320, 4, 32),  # odd S (one MSA row per CTA), N past the last query tile
+        (2, 4, 256, 2, 16),
+        (1, 4, 192, 4, 64),
+        (1, 2, 128, 2, 128),
+    ],
+    ids=lambda s: "x".join(map(str, s)),
+)
+def test_edges(shape, seed):
+    check(device_inputs(seed, shape, jnp.bfloat16), f"mosaic edges {shape}")
+
+
+def test_nan_stays_local(seed):
+    inputs = device_inputs(seed, (1, 4, 256, 4, 32), jnp.bfloat16)
+    q = inputs.q.at[0, 2, 7, 1].set(jnp.nan)
+    out = msa_pallas.msa_row_attention(
+        q, inputs.k, inputs.v, inputs.bias, inputs.mask, inputs.gate, implementation=MOSAIC
+    )
+    bad = np.isnan(np.asarray(out.astype(jnp.float32)))
+    assert bad[0, 2, 7, 1].all()
+    bad[0, 2, 7, 1] = False
+    assert not bad.any()
+
+
+def test_repeatable_bitwise(seed):
+    inputs = device_inputs(seed, (1, 8, 384, 8, 32), jnp.bfloat16)
+    first = jax.block_until_ready(fwd_bwd(MOSAIC)(*inputs.args))
+    second = jax.block_until_ready(fwd_bwd(MOSAIC)(*inputs.args))
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_default_picks_mosaic_above_256_residues():
+    q = jnp.ones((1, 2, 384, 4, 32), jnp.bfloat16)
+    bias = jnp.ones((1, 4, 384, 384), jnp.float32)
+    assert msa_pallas.resolve_implementation(None, q, 0.0, bias) == MOSAIC
+    short = jnp.ones((1, 2, 256, 4, 32), jnp.bfloat16)
+    assert msa_pallas.resolve_implementation(None, short, 0.0, bias) == "pallas"
