@@ -137,6 +137,10 @@ def mosaic_shared_memory_bytes(
 
 
 
+# The fields of `BlockConfig` that hold Triton tiles.
+TRITON_KERNELS = ("forward", "backward_dkdv", "backward_dq", "backward_dbias", "backward_dq_dbias")
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockConfig:
     """Tiles for the forward kernel and the three backward kernels.
@@ -172,8 +176,7 @@ class BlockConfig:
             self,
             **{
                 name: tiles.clipped(n_res)
-                for name in ("forward", "backward_dkdv", "backward_dq", "backward_dbias",
-                             "backward_dq_dbias")
+                for name in TRITON_KERNELS
                 if (tiles := getattr(self, name)) is not None
             },
         )

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
 import pytest
 
 from msa_pallas.block_sizes import (
     MAX_FUSED_KEYS,
     MAX_ROW_CHUNKS,
+    TRITON_KERNELS,
     BlockConfig,
     KernelTiles,
     default_block_config,
@@ -56,9 +55,9 @@ def test_clipped_caps_at_next_power_of_two(n_res):
 def test_block_config_clipped_clips_every_kernel():
     big = KernelTiles(128, 128)
     config = BlockConfig(big, big, big, KernelTiles(16, 128), KernelTiles(16, 512)).clipped(37)
-    for f in dataclasses.fields(config):
-        tiles = getattr(config, f.name)
-        assert tiles.block_q <= 64 and tiles.block_k <= 64, f.name
+    for name in TRITON_KERNELS:
+        tiles = getattr(config, name)
+        assert tiles.block_q <= 64 and tiles.block_k <= 64, name
     assert config.backward_dbias.block_q == 16
     assert config.fuses_dq_dbias(37)
     hash(config)  # a static argument of jit / custom_vjp
@@ -115,9 +114,10 @@ def test_default_block_config_is_valid(n_res, head_dim, dtype, bias_dtype):
     config = default_block_config(n_res, head_dim, dtype, bias_dtype)
     assert isinstance(config, BlockConfig)
     cap = max(16, next_power_of_2(n_res))
-    for f in dataclasses.fields(config):
-        tiles = getattr(config, f.name)
-        if f.name == "backward_dq_dbias":
+    assert config.mosaic_forward is None  # the op sets it for implementation="mosaic"
+    for name in TRITON_KERNELS:
+        tiles = getattr(config, name)
+        if name == "backward_dq_dbias":
             # 16-bit inputs with 16 < d <= 64 (padded 32 or 64) and N <= 512
             # only: one key tile of all N. With d <= 16 the fused kernel is
             # many times slower than dq + dbias (the extra-MSA stack).
@@ -129,10 +129,10 @@ def test_default_block_config_is_valid(n_res, head_dim, dtype, bias_dtype):
                 continue
             assert tiles.block_k == cap, tiles
         else:
-            assert isinstance(tiles, KernelTiles), f.name
-            assert max(tiles.block_q, tiles.block_k) <= min(cap, 128), (f.name, tiles)
+            assert isinstance(tiles, KernelTiles), name
+            assert max(tiles.block_q, tiles.block_k) <= min(cap, 128), (name, tiles)
         for side in (tiles.block_q, tiles.block_k):
-            assert side >= 16 and side == next_power_of_2(side), (f.name, tiles)
+            assert side >= 16 and side == next_power_of_2(side), (name, tiles)
         assert tiles.num_warps in (1, 2, 4, 8, 16) and tiles.num_stages >= 1
         assert tiles.msa_rows >= 1
     assert config.clipped(n_res) == config  # already clipped

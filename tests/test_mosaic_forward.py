@@ -11,8 +11,8 @@ of the same 16-bit operands (`_accumulate_product`).
 The interpreter of jax 0.11.2 deadlocks on this kernel with more than one
 head when the residuals are saved (the compiled kernel runs H = 8 in
 tests/test_mosaic_gpu.py), so the interpreted cases here have H = 1 and
-cover the other axes: several batch elements and MSA-row pairs, an odd S
-(one MSA row per CTA), N past the last full tile, every head dim.
+cover the other axes: several batch elements, MSA-row pairs and query and
+key tiles, an odd S (one MSA row per CTA), every head dim.
 """
 
 from __future__ import annotations
@@ -47,12 +47,12 @@ def run_forward(inputs, tiles=SMALL_TILES, save_stats=True, kernel=mosaic_forwar
     )
 
 
-# (B, S, N, d, q dtype, bias dtype, tiles): pairs of MSA rows per CTA, an odd
-# S (one row per CTA), N past the last full query and key tiles, every head dim.
+# (B, S, N, d, q dtype, bias dtype, tiles): pairs of MSA rows per CTA over
+# several query and key tiles, an odd S (one row per CTA), every head dim.
 CASES = {
     "pairs-bf16": (2, 4, 128, 32, jnp.bfloat16, jnp.float32, SMALL_TILES),
-    "odd-S-tails-fp16": (1, 3, 192, 16, jnp.float16, jnp.float16, MosaicTiles(128, 128, 2, 2)),
-    "tail-d64": (1, 2, 160, 64, jnp.bfloat16, jnp.float32, SMALL_TILES),
+    "odd-S-fp16": (1, 3, 128, 16, jnp.float16, jnp.float16, MosaicTiles(128, 128, 2, 2)),
+    "d64": (1, 2, 128, 64, jnp.bfloat16, jnp.float32, SMALL_TILES),
     "d128": (1, 2, 128, 128, jnp.float16, jnp.float32, MosaicTiles(64, 64, 2, 1)),
 }
 
@@ -159,7 +159,7 @@ def test_default_tiles_fit_shared_memory(head_dim, bias_dtype, save_stats):
         ((1, 2, 64, 4, 32), jnp.float32, jnp.float32, "q dtype float32"),
         ((1, 2, 64, 4, 8), jnp.bfloat16, jnp.float32, "head dim 8"),
         ((1, 2, 64, 4, 32), jnp.bfloat16, jnp.float32, "N=64"),
-        ((1, 2, 272, 4, 32), jnp.bfloat16, jnp.bfloat16, "N=272"),
+        ((1, 2, 320, 4, 32), jnp.bfloat16, jnp.bfloat16, "N=320"),
     ],
 )
 def test_unsupported_inputs_raise_naming_the_reason(shape, dtype, bias_dtype, fragment):

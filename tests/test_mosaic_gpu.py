@@ -4,7 +4,7 @@ elsewhere, and on GPUs other than sm90).
 `implementation="mosaic"`: the Mosaic forward and the Triton backward that
 follows it through the shared residuals, against the float64 reference of
 test_gpu.py (chunked over MSA rows), at the shapes that matter and at the
-edges: head dims 16-128, N past the last full query tile,
+edges: head dims 16-128, an odd S,
 an odd S, fully masked rows, NaN locality, bitwise-repeatable results.
 """
 
@@ -62,9 +62,9 @@ def test_shapes_against_float64(shape_id, dtype_id, bias_id, seed):
 @pytest.mark.parametrize(
     "shape",
     [
-        (1, 3, 320, 4, 32),  # odd S (one MSA row per CTA), N past the last query tile
+        (1, 3, 256, 4, 32),  # odd S: one MSA row per CTA
         (2, 4, 256, 2, 16),
-        (1, 4, 192, 4, 64),
+        (1, 4, 256, 4, 64),
         (1, 2, 128, 2, 128),
     ],
     ids=lambda s: "x".join(map(str, s)),
@@ -99,3 +99,6 @@ def test_default_picks_mosaic_above_256_residues():
     assert msa_pallas.resolve_implementation(None, q, 0.0, bias) == MOSAIC
     short = jnp.ones((1, 2, 256, 4, 32), jnp.bfloat16)
     assert msa_pallas.resolve_implementation(None, short, 0.0, bias) == "pallas"
+    # N not a multiple of 128: the Triton kernels.
+    odd = jnp.ones((1, 2, 320, 4, 32), jnp.bfloat16)
+    assert msa_pallas.resolve_implementation(None, odd, 0.0, bias) == "pallas"

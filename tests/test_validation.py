@@ -130,7 +130,7 @@ def test_head_dim_256_with_pallas():
 
 @pytest.mark.parametrize("name", ["triton", "Pallas", "cudnn", ""])
 def test_unknown_implementation(name):
-    with expect(ValueError, f"implementation={name!r}", "expected None, 'pallas' or 'xla'"):
+    with expect(ValueError, f"implementation={name!r}", "expected None, 'pallas', 'mosaic' or 'xla'"):
         trace(good(), implementation=name)
 
 
