@@ -115,7 +115,7 @@ def metadata(args) -> dict:
         "packages": {name: package_version(name) for name in ALTERNATIVE_PACKAGES},
         "python": platform.python_version(),
         "commit": commit_id(args.commit),
-        "argv": sys.argv[1:],
+        "argv": portable_argv(sys.argv[1:]),
         "impls": args.impls,
         "dtypes": args.dtypes,
         "bias_dtypes": args.bias_dtypes,
@@ -139,6 +139,21 @@ def metadata(args) -> dict:
 
 def split_list(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
+
+
+def portable_argv(argv: list[str]) -> list[str]:
+    """The command line as recorded in the results: the output folder, a
+    path of the machine that ran it, reads OUT_DIR."""
+    recorded, after_out = [], False
+    for arg in argv:
+        if after_out:
+            arg, after_out = "OUT_DIR", False
+        elif arg == "--out":
+            after_out = True
+        elif arg.startswith("--out="):
+            arg = "--out=OUT_DIR"
+        recorded.append(arg)
+    return recorded
 
 
 def parse_args(argv=None):

@@ -263,32 +263,31 @@ def _kernel(
         plgpu.set_max_registers(40, action="decrease")
         first_row = row_group * msa_rows
 
+        def copy_rows(name, keys, slot):
+            for r in range(msa_rows):
+                plgpu.copy_gmem_to_smem(
+                    gmem[name].at[batch, first_row + r, keys, head], smem[name].at[slot, r],
+                    produced[name].at[slot],
+                )
+
         def load(key_tile, slot, wait_for_slot: bool):
             keys = pl.ds(key_tile * block_k, block_k)
             if wait_for_slot:
                 plgpu.barrier_wait(consumed["k"].at[slot])
-            for r in range(msa_rows):
+            copy_rows("k", keys, slot)
+            # The mask vectors and the bias tile complete the "k" barrier too.
+            for r in range(msa_rows if has_mask else 0):
                 plgpu.copy_gmem_to_smem(
-                    gmem["k"].at[batch, first_row + r, keys, head], smem["k"].at[slot, r],
-                    produced["k"].at[slot],
+                    gmem["mask"].at[batch, pl.ds(first_row + r, 1), keys],
+                    smem["mask"].at[slot, r, :, pl.ds(0, block_k)], produced["k"].at[slot],
                 )
-                if has_mask:
-                    plgpu.copy_gmem_to_smem(
-                        gmem["mask"].at[batch, pl.ds(first_row + r, 1), keys],
-                        smem["mask"].at[slot, r, :, pl.ds(0, block_k)],
-                        produced["k"].at[slot],
-                    )
             plgpu.copy_gmem_to_smem(
                 gmem["bias"].at[batch, head, queries, keys], smem["bias"].at[slot],
                 produced["k"].at[slot],
             )
             if wait_for_slot:
                 plgpu.barrier_wait(consumed["v"].at[slot])
-            for r in range(msa_rows):
-                plgpu.copy_gmem_to_smem(
-                    gmem["v"].at[batch, first_row + r, keys, head], smem["v"].at[slot, r],
-                    produced["v"].at[slot],
-                )
+            copy_rows("v", keys, slot)
 
         for key_tile in range(min(stages, key_tiles)):
             load(jnp.int32(key_tile), key_tile, wait_for_slot=False)
