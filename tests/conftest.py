@@ -4,14 +4,80 @@ The `gpu` and `slow` markers are registered in pyproject.toml. Tests marked
 `gpu` are skipped unless JAX's default backend is a GPU. The `seed` fixture
 gives every test its own PRNG seed, derived from the test's id, so no two
 tests draw the same inputs while every run of one test draws the same ones.
+
+Compile time. On CPU the suite's time is almost all XLA compiling the
+interpret-mode kernels (the programs run in milliseconds), so a CPU-only run
+(no JAX GPU plugin installed, or JAX_PLATFORMS=cpu), serial or parallel:
+
+- uses one JAX persistent compilation cache: a temporary folder made for the
+  run and removed after it, shared by the pytest-xdist workers and by the
+  subprocesses that tests start. A program that two tests compile alike
+  through different `jax.jit` objects, in one process or in two workers, is
+  compiled once. With JAX_COMPILATION_CACHE_DIR set, that cache is used
+  instead and left in place (a warm cache makes a rerun several times faster);
+- compiles with LLVM's optimisations off (`--xla_backend_optimization_level=0
+  --xla_llvm_disable_expensive_passes=true` added to XLA_FLAGS, inherited by
+  the workers and subprocesses): about a quarter less compile time. The
+  floating-point semantics are the same (XLA's CPU fast-math is off either
+  way). An XLA_FLAGS that sets `--xla_backend_optimization_level` itself is
+  left as it is.
+
+With a GPU plugin installed, nothing of this applies: GPU runs compile as they
+always did.
+
+Parallel runs (scripts/test.sh: `-n auto --dist loadfile`) keep each test
+module in one worker, so a module's tests share its compiles and its
+module-scoped fixtures (test_sharding.py's subprocesses run once per run).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import shutil
+import tempfile
 import zlib
 
 import jax
 import pytest
+
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def _cpu_only() -> bool:
+    """No JAX PJRT plugin (CUDA, ROCm) is installed, or JAX is told to use the CPU."""
+    return (
+        os.environ.get("JAX_PLATFORMS") == "cpu" or importlib.util.find_spec("jax_plugins") is None
+    )
+
+
+def pytest_configure(config):
+    # An xdist worker inherits what the controller set up (its environment).
+    if hasattr(config, "workerinput") or not _cpu_only():
+        return
+    # Read by XLA when JAX first makes its CPU client (after this hook) and by
+    # the workers and subprocesses, which start after it.
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_backend_optimization_level" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {FAST_COMPILE_FLAGS}".strip()
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        path = tempfile.mkdtemp(prefix="msa_pallas_jax_cache_")
+        config._msa_pallas_jax_cache = path
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+        # This process imported JAX above and has compiled nothing yet.
+        jax.config.update("jax_compilation_cache_dir", path)
+    # Interpret-mode compiles of the kernels take 0.1-3 s each: cache them all.
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    jax.config.update(
+        "jax_persistent_cache_min_compile_time_secs",
+        float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]),
+    )
+
+
+def pytest_unconfigure(config):
+    path = getattr(config, "_msa_pallas_jax_cache", None)
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
