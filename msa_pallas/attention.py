@@ -134,7 +134,7 @@ def msa_row_attention(
       scale: multiplies `q . k`; default `1 / sqrt(d)`.
       implementation: `"pallas"`: the Triton kernels (any CUDA GPU; float32
         too). `"mosaic"`: the Mosaic GPU forward (Hopper, bfloat16 / float16,
-        d in 16..128, N a multiple of 16) with the Triton backward. `"xla"`:
+        d in 16..128, N a multiple of 128) with the Triton backward. `"xla"`:
         the plain-`jnp` path. None picks `"mosaic"` on a Hopper GPU where it
         takes the inputs and N > 256, `"pallas"` on other GPUs and `"xla"` elsewhere.
         `"pallas"` and `"mosaic"` on a machine without a GPU run the same
