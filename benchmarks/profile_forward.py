@@ -16,7 +16,6 @@ run in their interpreters at the `seed` shape: only a check that it works.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -26,12 +25,13 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from measure import relative_error  # noqa: E402
+from profile_kernels import batched_ms, make_inputs  # noqa: E402
 from shapes import DIMS as SHAPES, DTYPES  # noqa: E402
 from msa_pallas.block_sizes import MosaicTiles, default_block_config  # noqa: E402
 from msa_pallas.kernels.mosaic import forward as mosaic_forward  # noqa: E402
 from msa_pallas.kernels.triton import forward as triton_forward  # noqa: E402
 from msa_pallas.reference import msa_row_attention_xla  # noqa: E402
-from msa_pallas.timing import batched_times_ms  # noqa: E402
 
 INTERPRET = jax.default_backend() != "gpu"
 # exp2 per second of an H200, measured (benchmarks/RESULTS.md).
@@ -44,25 +44,6 @@ def parse_mosaic(text: str) -> list[MosaicTiles]:
         block_q, block_k, stages, rows = (int(x) for x in item.split("x"))
         tiles.append(MosaicTiles(block_q, block_k, stages, rows))
     return tiles
-
-
-def make_inputs(shape, dtype, bias_dtype, seed=0):
-    batch, rows, n_res, heads, _ = shape
-    keys = jax.random.split(jax.random.PRNGKey(seed), 6)
-    q, k, v, gate = (jax.random.normal(key, shape, jnp.float32).astype(dtype) for key in keys[:4])
-    bias = jax.random.normal(keys[4], (batch, heads, n_res, n_res), jnp.float32).astype(bias_dtype)
-    mask = jax.random.bernoulli(keys[5], 0.9, (batch, rows, n_res)).astype(jnp.int8)
-    return q, k, v, bias, mask, gate
-
-
-def relative_error(out, reference) -> float:
-    out, reference = out.astype(jnp.float32), reference.astype(jnp.float32)
-    return float(jnp.linalg.norm(out - reference) / jnp.linalg.norm(reference))
-
-
-def time_ms(call, reps: int, samples: int) -> float:
-    jax.block_until_ready(call())
-    return statistics.median(batched_times_ms(lambda i: call(), samples=samples, reps=reps))
 
 
 def main(argv=None) -> int:
@@ -86,7 +67,7 @@ def main(argv=None) -> int:
             dtype = DTYPES[dtype_name]
             for bias_name in args.bias_dtypes.split(","):
                 bias_dtype = jnp.float32 if bias_name == "f32" else dtype
-                q, k, v, bias, mask, gate = make_inputs(shape, dtype, bias_dtype)
+                q, k, v, _, gate, bias, mask = make_inputs(shape, dtype, bias_dtype=bias_dtype)
                 scale = head_dim**-0.5
                 reference = msa_row_attention_xla(
                     *(x.astype(jnp.float32) for x in (q, k, v, bias)), mask != 0,
@@ -110,8 +91,8 @@ def main(argv=None) -> int:
                     try:
                         out = run(False)
                         error = relative_error(out, reference)
-                        fwd = time_ms(lambda: run(False), args.reps, args.samples)
-                        with_stats = time_ms(lambda: run(True), args.reps, args.samples)
+                        fwd = batched_ms(lambda: run(False), args.reps, args.samples)
+                        with_stats = batched_ms(lambda: run(True), args.reps, args.samples)
                         stats = run(True)[1:]
                         triton_stats = stats if triton_stats is None else triton_stats
                         residuals = max(

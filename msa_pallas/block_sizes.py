@@ -25,6 +25,11 @@ def next_power_of_2(x: int) -> int:
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
 
+def largest_divisor_at_most(rows: int, limit: int) -> int:
+    """The largest divisor of `rows` that is <= `limit` (at least 1)."""
+    return max(r for r in range(1, min(limit, rows) + 1) if rows % r == 0)
+
+
 def padded_head_dim(head_dim: int) -> int:
     """The head dim the kernels compute with: a power of two, at least 16."""
     return max(MIN_TILE, next_power_of_2(head_dim))
@@ -77,7 +82,7 @@ class KernelTiles:
 
     def msa_rows_for(self, rows: int) -> int:
         """MSA rows per program for S = `rows`: the largest divisor of S <= msa_rows."""
-        return max(r for r in range(1, min(self.msa_rows, rows) + 1) if rows % r == 0)
+        return largest_divisor_at_most(rows, self.msa_rows)
 
     def clipped(self, n_res: int) -> "KernelTiles":
         """The same tiles, no larger than N rounded up to a power of two."""
@@ -116,7 +121,7 @@ class MosaicTiles:
 
     def msa_rows_for(self, rows: int) -> int:
         """MSA rows per CTA for S = `rows`: the largest divisor of S <= msa_rows."""
-        return max(r for r in range(1, min(self.msa_rows, rows) + 1) if rows % r == 0)
+        return largest_divisor_at_most(rows, self.msa_rows)
 
 
 def mosaic_shared_memory_bytes(

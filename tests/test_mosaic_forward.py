@@ -26,10 +26,9 @@ import helpers
 import msa_pallas
 import numpy_reference
 from msa_pallas.attention import resolve_implementation
-from msa_pallas.block_sizes import MosaicTiles, mosaic_shared_memory_bytes
+from msa_pallas.block_sizes import MosaicTiles, default_block_config, mosaic_shared_memory_bytes
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
 from msa_pallas.kernels.triton import forward as triton_forward
-from msa_pallas.block_sizes import default_block_config
 
 # Forward-only tolerances of the output against float64 (the bar).
 OUT_TOLERANCE = {jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float16): 2e-3}
