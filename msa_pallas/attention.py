@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from msa_pallas.block_sizes import BlockConfig, default_block_config
+from msa_pallas.kernels.mosaic import backward as mosaic_backward
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
 from msa_pallas.kernels.vjp import fused_attention
 from msa_pallas.reference import msa_row_attention_xla
@@ -62,7 +63,7 @@ def resolve_implementation(implementation, q, dropout_rate: float, bias=None) ->
     `implementation` when given; else, when q's dtype and head dim fit the
     kernels and no attention dropout is asked for: `"mosaic"` on a Hopper GPU
     for N > 256 where the Mosaic forward takes the inputs
-    (`mosaic.forward.supports`), `"pallas"` (the Triton kernels) otherwise on
+    (`mosaic.common.supports`), `"pallas"` (the Triton kernels) otherwise on
     a GPU; `"xla"` elsewhere.
     """
     if implementation is not None:
@@ -133,8 +134,8 @@ def msa_row_attention(
       gate: `[*batch, S, N, H, d]` gate logits, or None for no gate.
       scale: multiplies `q . k`; default `1 / sqrt(d)`.
       implementation: `"pallas"`: the Triton kernels (any CUDA GPU; float32
-        too). `"mosaic"`: the Mosaic GPU forward (Hopper, bfloat16 / float16,
-        d in 16..128, N a multiple of 128) with the Triton backward. `"xla"`:
+        too). `"mosaic"`: the Mosaic GPU kernels, forward and backward (Hopper,
+        bfloat16 / float16, d in 16..128, N a multiple of 128). `"xla"`:
         the plain-`jnp` path. None picks `"mosaic"` on a Hopper GPU where it
         takes the inputs and N > 256, `"pallas"` on other GPUs and `"xla"` elsewhere.
         `"pallas"` and `"mosaic"` on a machine without a GPU run the same
@@ -193,12 +194,17 @@ def msa_row_attention(
         if block_config is None:
             block_config = default_block_config(n_res, head_dim, q.dtype, read_bias_dtype)
         if implementation == "pallas":
-            block_config = dataclasses.replace(block_config, mosaic_forward=None)
-        elif block_config.mosaic_forward is None:
+            block_config = dataclasses.replace(
+                block_config, mosaic_forward=None, mosaic_backward=None
+            )
+        else:
             block_config = dataclasses.replace(
                 block_config,
-                mosaic_forward=mosaic_forward.default_tiles(
+                mosaic_forward=block_config.mosaic_forward or mosaic_forward.default_tiles(
                     q.shape, q.dtype, read_bias_dtype, save_stats=True, has_gate=gate is not None
+                ),
+                mosaic_backward=block_config.mosaic_backward or mosaic_backward.default_tiles(
+                    q.shape, q.dtype, read_bias_dtype
                 ),
             )
         out = fused_attention(

@@ -142,6 +142,56 @@ def mosaic_shared_memory_bytes(
 
 
 
+@dataclasses.dataclass(frozen=True)
+class MosaicBackwardTiles:
+    """Tiles of the three Mosaic GPU backward kernels (`msa_pallas.kernels.mosaic.backward`).
+
+    Attributes:
+      dkdv: `block_k` keys per consumer warpgroup (the wgmma rows), `block_q`
+        queries per loop step, `msa_rows` rows per CTA (one per consumer).
+      dq: `block_q` queries per consumer, `block_k` keys per loop step,
+        `msa_rows` rows per CTA.
+      dbias: `block_q` queries per consumer, `block_k` keys; `msa_rows`
+        consumer warpgroups split the CTA's query tile (the CTA loops over
+        the MSA rows).
+      ping_pong: the two consumers of the dk/dv and dq kernels take turns
+        (`kernels.mosaic.common.PingPong`).
+    """
+
+    dkdv: MosaicTiles = MosaicTiles(block_q=64, block_k=128, num_stages=2, msa_rows=2)
+    dq: MosaicTiles = MosaicTiles(block_q=128, block_k=64, num_stages=2, msa_rows=2)
+    dbias: MosaicTiles = MosaicTiles(block_q=64, block_k=128, num_stages=2, msa_rows=2)
+    ping_pong: bool = True
+
+
+def mosaic_backward_shared_memory_bytes(
+    kernel: str, tiles: MosaicTiles, head_dim: int, dtype, bias_dtype
+) -> int:
+    """Shared memory the backward kernel `kernel` ("dkdv", "dq" or
+    "dbias") allocates with `tiles`."""
+    rows, stages = tiles.msa_rows, tiles.num_stages
+    item, bias_item = jnp.dtype(dtype).itemsize, jnp.dtype(bias_dtype).itemsize
+    bias_tile = tiles.block_q * tiles.block_k * bias_item
+    stats = 3 * max(tiles.block_q, 32) * 4
+    mask = max(tiles.block_k, 128)
+    if kernel == "dkdv":
+        used = 2 * rows * tiles.block_k * head_dim * item + rows * mask  # K, V, mask
+        used += stages * (2 * rows * tiles.block_q * head_dim * item + rows * stats + bias_tile)
+    elif kernel == "dq":
+        used = 2 * rows * tiles.block_q * head_dim * item + rows * stats  # q, do
+        used += stages * (2 * rows * tiles.block_k * head_dim * item + rows * mask + bias_tile)
+    elif kernel == "dbias":
+        # The bias tiles, then the float32 result tiles.
+        used = rows * bias_tile + rows * tiles.block_q * tiles.block_k * 4
+        used += stages * (
+            2 * rows * tiles.block_q * head_dim * item + rows * stats
+            + 2 * tiles.block_k * head_dim * item + mask
+        )
+    else:
+        raise ValueError(f"kernel={kernel!r}; expected 'dkdv', 'dq' or 'dbias'.")
+    return used + 2048  # barriers and alignment
+
+
 # The fields of `BlockConfig` that hold Triton tiles.
 TRITON_KERNELS = ("forward", "backward_dkdv", "backward_dq", "backward_dbias", "backward_dq_dbias")
 
@@ -163,8 +213,10 @@ class BlockConfig:
         N keys; when set and `block_k >= N` it replaces `backward_dq` and
         `backward_dbias`, sharing one recomputation of the probabilities.
       mosaic_forward: when set, the forward runs the Mosaic GPU kernel with
-        these tiles instead of the Triton forward (`forward` is then unused);
-        the backward kernels are the Triton ones either way.
+        these tiles instead of the Triton forward (`forward` is then unused).
+      mosaic_backward: when set, the backward runs the Mosaic GPU kernels
+        with these tiles instead of the Triton ones (the `backward_*` fields
+        are then unused). Either backward follows either forward.
     """
 
     forward: KernelTiles
@@ -173,6 +225,7 @@ class BlockConfig:
     backward_dbias: KernelTiles
     backward_dq_dbias: KernelTiles | None = None
     mosaic_forward: MosaicTiles | None = None
+    mosaic_backward: MosaicBackwardTiles | None = None
 
     def clipped(self, n_res: int) -> "BlockConfig":
         """Triton tiles no larger than N rounded up to a power of two (the

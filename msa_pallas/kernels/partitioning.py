@@ -29,7 +29,7 @@ is also a `jax.custom_batching.custom_vmap` whose rule folds the mapped axis
 into B (every operand and result of the kernels leads with B).
 
 Layouts are named by Shardy factors: b, s, h (shardable), i (query residue),
-j (key residue), d (head dim).
+j (key residue), d (head dim), t (the three stacked row statistics).
 """
 
 from __future__ import annotations
@@ -46,9 +46,10 @@ KEY_ROWS = "b s j h d"  # k, v: [B, S, N, H, d]
 BIAS = "b h i j"  # [B, H, N, N]
 MASK = "b s j"  # [B, S, N]
 STATS = "b s h i"  # row max, log2 row sum, delta: [B, S, H, N]
+STACKED_STATS = "b s h t i"  # the three stacked: [B, S, H, 3, N]
 
 SHARDABLE = ("b", "s", "h")
-WHOLE = ("i", "j", "d")  # must not be split across devices
+WHOLE = ("i", "j", "d", "t")  # must not be split across devices
 
 
 def _lead_axes(sharding, shape, mesh_shape, allowed=None) -> dict:
@@ -148,7 +149,9 @@ def _partitioned_op(body: Callable, in_layouts: tuple, out_layouts: tuple) -> Ca
         partition,
         infer_sharding_from_operands=infer_sharding_from_operands,
         sharding_rule=rule,
-        need_replication_factors=tuple(sorted(WHOLE, key=order.index)),
+        need_replication_factors=tuple(
+            sorted((f for f in WHOLE if f in order), key=order.index)
+        ),
         reduction_factors=("s",) if all(_sums_over_rows(out_layouts)) else (),
     )
 

@@ -8,7 +8,8 @@ input dtype for the matrix units, and `delta = sum_d do * o`;
 elementwise steps into one pass over the rows.
 
 Either backend's forward (Triton, or Mosaic GPU when `config.mosaic_forward`
-is set) saves the same residuals, so the Triton backward follows either.
+is set) saves the same residuals, and either backend's backward (Mosaic GPU
+when `config.mosaic_backward` is set) follows either forward.
 
 The forward saves o in float32. delta must be computed from the same `do`
 the kernels multiply with v, and from an o that rounding has not moved away
@@ -31,18 +32,20 @@ import jax
 import jax.numpy as jnp
 
 from msa_pallas.block_sizes import BlockConfig
+from msa_pallas.kernels.mosaic import backward as mosaic_backward
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
 from msa_pallas.kernels.triton import forward as triton_forward
 from msa_pallas.kernels.triton.backward import (
     backward_dbias, backward_dkdv, backward_dq, backward_dq_dbias,
 )
 from msa_pallas.kernels.partitioning import (
-    BIAS, KEY_ROWS, MASK, QUERY_ROWS, STATS, partitioned_call,
+    BIAS, KEY_ROWS, MASK, QUERY_ROWS, STACKED_STATS, STATS, partitioned_call,
 )
 
 # Operand layouts of the kernels (partitioning.py): B, S and H may be sharded.
 _FORWARD_IN = (QUERY_ROWS, KEY_ROWS, KEY_ROWS, BIAS, MASK, QUERY_ROWS)
 _BACKWARD_IN = (QUERY_ROWS, KEY_ROWS, KEY_ROWS, BIAS, MASK, QUERY_ROWS, STATS, STATS, STATS)
+_MOSAIC_BACKWARD_IN = (QUERY_ROWS, KEY_ROWS, KEY_ROWS, BIAS, MASK, QUERY_ROWS, STACKED_STATS)
 
 
 def _forward(q, k, v, bias, mask, gate, *, scale, config, interpret, save_stats):
@@ -70,6 +73,11 @@ def _backward(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, c
     so that the sum over the devices that shard S (a psum) is a float32 sum,
     rounded once by the caller.
     """
+    if config.mosaic_backward is not None:
+        return _mosaic_backward(
+            q, k, v, bias, mask, do, row_max, row_log2_sum, delta,
+            scale=scale, tiles=config.mosaic_backward, interpret=interpret,
+        )
     operands = (q, k, v, bias, mask, do, row_max, row_log2_sum, delta)
     bind = lambda kernel, tiles, **extra: functools.partial(
         kernel, scale=scale, tiles=tiles, interpret=interpret, **extra
@@ -90,6 +98,33 @@ def _backward(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, c
         bind(backward_dbias, config.backward_dbias, dbias_dtype=jnp.float32),
         operands, _BACKWARD_IN, (BIAS,),
     )
+    return dq, dk, dv, dbias
+
+
+def _mosaic_backward(
+    q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, tiles, interpret
+):
+    """`_backward` on the Mosaic GPU kernels (`kernels/mosaic/backward.py`),
+    which read the three row statistics stacked into one `[B, S, H, 3, N]`
+    array: one TMA copy per tile instead of three."""
+    stats = jnp.stack([row_max, row_log2_sum, delta], axis=3)
+    operands = (q, k, v, bias, mask, do, stats)
+
+    def call(kernel, kernel_tiles, out_layouts, **extra):
+        bound = functools.partial(
+            kernel, scale=scale, tiles=kernel_tiles, interpret=interpret, **extra
+        )
+        if interpret:
+            # As in `_forward`: interpreted Mosaic kernels are never sharded.
+            return tuple(jax.tree.leaves(bound(*operands)))
+        return partitioned_call(bound, operands, _MOSAIC_BACKWARD_IN, out_layouts)
+
+    dk, dv = call(
+        mosaic_backward.backward_dkdv, tiles.dkdv, (KEY_ROWS, KEY_ROWS),
+        ping_pong=tiles.ping_pong,
+    )
+    (dq,) = call(mosaic_backward.backward_dq, tiles.dq, (QUERY_ROWS,), ping_pong=tiles.ping_pong)
+    (dbias,) = call(mosaic_backward.backward_dbias, tiles.dbias, (BIAS,))
     return dq, dk, dv, dbias
 
 

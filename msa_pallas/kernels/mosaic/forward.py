@@ -38,40 +38,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from msa_pallas.block_sizes import MosaicTiles, mosaic_shared_memory_bytes
 from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2
-
-HEAD_DIMS = (16, 32, 64, 128)
-# N must be a multiple of this (`supports`); other N run the Triton kernels.
-RESIDUE_MULTIPLE = 128
-# Shared memory an sm90 CTA may use (227 KiB).
-MAX_SHARED_MEMORY = 227 * 1024
-_WGMMA = plgpu.Layout.WGMMA
-_WGMMA_ROW = plgpu.Layout.WGMMA.reduce(1)
-_WGMMA_COL = plgpu.Layout.WGMMA.reduce(0)
-
-
-def supports(q_shape, q_dtype, bias_dtype) -> str | None:
-    """None when the kernel runs these inputs, else the reason it does not.
-
-    Args:
-      q_shape: `[B, S, N, H, d]`.
-      q_dtype, bias_dtype: dtypes of q (and k, v, gate) and of the bias.
-    """
-    *_, n_res, _, head_dim = q_shape
-    if jnp.dtype(q_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return f"q dtype {jnp.dtype(q_dtype).name}: the Mosaic kernel takes bfloat16 / float16"
-    if head_dim not in HEAD_DIMS:
-        return f"head dim {head_dim}: the Mosaic kernel takes {HEAD_DIMS}"
-    bias_itemsize = jnp.dtype(bias_dtype).itemsize
-    if bias_itemsize not in (2, 4):
-        return f"bias dtype {jnp.dtype(bias_dtype).name}: the Mosaic kernel takes 16- or 32-bit"
-    # The bias rows are read by TMA into 128-byte swizzled tiles, so N must be
-    # a whole number of swizzle rows (64 16-bit or 32 float32 elements); and
-    # on the H200 the row statistics of a query tile that runs past N come out
-    # wrong (the interpreter gets them right): until that is understood, N is
-    # a whole number of 128-residue tiles.
-    if n_res % RESIDUE_MULTIPLE:
-        return f"N={n_res}: the Mosaic kernel needs N to be a multiple of {RESIDUE_MULTIPLE}"
-    return None
+from msa_pallas.kernels.mosaic.common import (  # noqa: F401 (HEAD_DIMS, supports: re-exported)
+    HEAD_DIMS, MAX_SHARED_MEMORY, PRODUCER_REGISTERS, WGMMA, WGMMA_COL, WGMMA_ROW, PingPong,
+    accumulate_products, launch, sigmoid, smem_products, smem_tile, smem_vectors, supports,
+)
 
 
 def default_tiles(q_shape, q_dtype, bias_dtype, save_stats: bool, has_gate: bool = True):
@@ -96,38 +66,6 @@ def default_tiles(q_shape, q_dtype, bias_dtype, save_stats: bool, has_gate: bool
     raise ValueError(f"no Mosaic configuration fits head dim {head_dim} in shared memory")
 
 
-def _smem(shape, dtype):
-    """Shared memory tiled and swizzled as TMA and wgmma want it."""
-    bits = jnp.dtype(dtype).itemsize * 8
-    swizzle = plgpu.find_swizzle(shape[-1] * bits)
-    tiling = plgpu.TilingTransform((8, 8 * swizzle // bits))
-    return plgpu.SMEM(shape, dtype, transforms=(tiling, plgpu.SwizzleTransform(swizzle)))
-
-
-def _sigmoid(x):
-    return 1.0 / (1.0 + jnp.exp2(x * -LOG2E))
-
-
-def _accumulate_product(acc, lhs, rhs_smem, while_it_runs, interpret: bool):
-    """`acc + lhs @ rhs` with `lhs` in registers, running `while_it_runs()`
-    while the matrix units work.
-
-    On the GPU a wgmma accumulates into `acc` in place. The interpreter's
-    wgmma takes both operands from shared memory, so there the product is a
-    float32-accumulated `jnp.dot` of the same 16-bit operands.
-    """
-    if interpret:
-        product = jnp.dot(lhs, rhs_smem[...], preferred_element_type=jnp.float32)
-        while_it_runs()
-        return acc + product
-
-    def accumulate(acc_ref):
-        plgpu.wgmma(acc_ref, lhs, rhs_smem)
-        while_it_runs()
-
-    return pl.run_state(accumulate)(plgpu.ACC.init(acc))
-
-
 def _kernel(
     *refs, names: tuple[str, ...], scale_log2: float, n_res: int, tiles: MosaicTiles,
     msa_rows: int, heads: int, dtype, interpret: bool,
@@ -147,10 +85,6 @@ def _kernel(
     wg = lax.axis_index("wg")
     queries = pl.ds(q_start, block_q)
 
-    def schedule_sync():
-        plgpu.barrier_arrive(schedule)
-        plgpu.barrier_wait(schedule)
-
     @pl.when(wg < msa_rows)
     def _consumer():
         plgpu.set_max_registers(232 if ping_pong else 240, action="increase")
@@ -167,29 +101,25 @@ def _kernel(
         plgpu.barrier_wait(produced["q"].at[wg])
 
         head_dim = q_smem.shape[-1]
-        row_max = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), _WGMMA_ROW)
-        row_sum = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), _WGMMA_ROW)
-        acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), _WGMMA)
+        row_max = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), WGMMA_ROW)
+        row_sum = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), WGMMA_ROW)
+        acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), WGMMA)
 
         plgpu.barrier_wait(produced["k"].at[0])
-        if ping_pong:
-            pl.when(wg == 1)(schedule_sync)
+        turns = PingPong(schedule, wg, enabled=ping_pong)
+        turns.start()
 
         def visit_key_tile(key_tile, carry):
             acc, row_max, row_sum = carry
             slot = lax.rem(key_tile, stages)
 
-            def qk_product(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, smem["k"].at[slot, wg].T)
-                if ping_pong:
-                    schedule_sync()
-                return acc_ref[...]
-
-            logits = pl.run_scoped(qk_product, plgpu.ACC((block_q, block_k), jnp.float32))
+            (logits,) = smem_products(
+                ((q_smem, smem["k"].at[slot, wg].T),), interpret, turns.hand_over
+            )
             bias = smem["bias"][slot].astype(jnp.float32)
             if has_mask:
                 keep = plgpu.load(
-                    smem["mask"].at[slot, wg, 0, pl.ds(0, block_k)], layout=_WGMMA_COL
+                    smem["mask"].at[slot, wg, 0, pl.ds(0, block_k)], layout=WGMMA_COL
                 )
                 keep = lax.broadcast_in_dim(keep != 0, logits.shape, [1])
             plgpu.barrier_arrive(consumed["k"].at[slot])
@@ -199,7 +129,7 @@ def _kernel(
                 t = jnp.where(keep, t, MASKED_LOGIT_LOG2)
             if n_res % block_k:
                 key_ids = key_tile * block_k + plgpu.broadcasted_iota(
-                    jnp.int32, logits.shape, 1, layout=_WGMMA
+                    jnp.int32, logits.shape, 1, layout=WGMMA
                 )
                 t = jnp.where(key_ids < n_res, t, -jnp.inf)
 
@@ -211,11 +141,9 @@ def _kernel(
             p16 = p.astype(dtype)
             acc, row_sum, new_max, p16 = lax.optimization_barrier((acc, row_sum, new_max, p16))
 
-            if ping_pong:
-                plgpu.barrier_arrive(schedule)
+            turns.release()
             plgpu.barrier_wait(produced["v"].at[slot])
-            if ping_pong:
-                plgpu.barrier_wait(schedule)
+            turns.take_turn()
 
             def wait_for_next_keys():
                 next_tile = key_tile + 1
@@ -224,8 +152,8 @@ def _kernel(
                 def _():
                     plgpu.barrier_wait(produced["k"].at[lax.rem(next_tile, stages)])
 
-            acc = _accumulate_product(
-                acc, p16, smem["v"].at[slot, wg], wait_for_next_keys, interpret
+            (acc,) = accumulate_products(
+                (acc,), (p16,), (smem["v"].at[slot, wg],), interpret, wait_for_next_keys
             )
             plgpu.barrier_arrive(consumed["v"].at[slot])
             return acc, new_max, row_sum
@@ -233,8 +161,7 @@ def _kernel(
         acc, row_max, row_sum = lax.fori_loop(
             0, key_tiles, visit_key_tile, (acc, row_max, row_sum)
         )
-        if ping_pong:
-            pl.when(wg == 0)(schedule_sync)
+        turns.finish()
 
         out = acc * lax.broadcast_in_dim(1.0 / row_sum, acc.shape, [0])
         if save_stats:
@@ -242,7 +169,7 @@ def _kernel(
             smem["row_max"][wg, 0] = row_max
             smem["row_log2_sum"][wg, 0] = jnp.log2(row_sum)
         if has_gate:
-            out = out * _sigmoid(smem["gate"][wg].astype(jnp.float32))
+            out = out * sigmoid(smem["gate"][wg].astype(jnp.float32))
         # q's tile is free again: it holds the output on its way out.
         q_smem[...] = out.astype(dtype)
         plgpu.commit_smem()
@@ -260,7 +187,7 @@ def _kernel(
 
     @pl.when(wg == msa_rows)
     def _producer():
-        plgpu.set_max_registers(40, action="decrease")
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
         first_row = row_group * msa_rows
 
         def copy_rows(name, keys, slot):
@@ -344,21 +271,19 @@ def attention_forward(
     names = (*inputs, *out_types)
 
     smem = {
-        "q": _smem((msa_rows, block_q, head_dim), q.dtype),
-        "k": _smem((stages, msa_rows, block_k, head_dim), k.dtype),
-        "v": _smem((stages, msa_rows, block_k, head_dim), v.dtype),
-        "bias": _smem((stages, block_q, block_k), bias.dtype),
+        "q": smem_tile((msa_rows, block_q, head_dim), q.dtype),
+        "k": smem_tile((stages, msa_rows, block_k, head_dim), k.dtype),
+        "v": smem_tile((stages, msa_rows, block_k, head_dim), v.dtype),
+        "bias": smem_tile((stages, block_q, block_k), bias.dtype),
     }
     k_copies = msa_rows + 1
     if mask is not None:
-        # Each row's vector starts 128-byte aligned, as TMA wants.
-        mask_row = max(block_k, 128 // mask.dtype.itemsize)
-        smem["mask"] = plgpu.SMEM((stages, msa_rows, 1, mask_row), mask.dtype)
+        smem["mask"] = smem_vectors((stages, msa_rows, 1, block_k), mask.dtype)
         k_copies += msa_rows
     if gate is not None:
-        smem["gate"] = _smem((msa_rows, block_q, head_dim), gate.dtype)
+        smem["gate"] = smem_tile((msa_rows, block_q, head_dim), gate.dtype)
     if save_stats:
-        smem["attention"] = _smem((msa_rows, block_q, head_dim), jnp.float32)
+        smem["attention"] = smem_tile((msa_rows, block_q, head_dim), jnp.float32)
         smem["row_max"] = plgpu.SMEM((msa_rows, 1, block_q), jnp.float32)
         smem["row_log2_sum"] = plgpu.SMEM((msa_rows, 1, block_q), jnp.float32)
     produced = {
@@ -376,21 +301,11 @@ def attention_forward(
         msa_rows=msa_rows, heads=heads, dtype=q.dtype, interpret=interpret,
     )
 
-    def entry(*refs):
-        pl.run_scoped(
-            lambda *scratch: body(*refs, *scratch),
-            smem, produced, consumed, schedule, collective_axes="wg",
-        )
-
-    outs = plgpu.kernel(
-        entry,
-        out_type=tuple(out_types.values()),
+    outs = launch(
+        body, scratch=(smem, produced, consumed, schedule), inputs=inputs.values(),
+        out_types=out_types.values(),
         grid=(rows // msa_rows, pl.cdiv(n_res, block_q), batch * heads),
         grid_names=("row_groups", "query_tiles", "batch_heads"),
-        num_threads=msa_rows + 1,
-        thread_name="wg",
-        # The row reductions stay inside warps: no shared scratch for them.
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(*inputs.values())
+        consumers=msa_rows, interpret=interpret,
+    )
     return tuple(outs) if save_stats else outs[0]

@@ -1,0 +1,557 @@
+"""The Mosaic GPU backward kernels: Hopper (sm90), 16-bit inputs.
+
+Each kernel recomputes the probabilities of its tiles from q, k, the bias and
+the forward's row statistics, so no `[S, H, N, N]` array exists; the kernels
+own disjoint outputs, so no atomics are used and two runs give bitwise
+identical gradients. All three are warp-specialised as the forward is
+(`common.produce`: a producer warpgroup streams each loop step's tiles by TMA
+into a shared-memory ring; consumer warpgroups compute with `wgmma`).
+
+- dk/dv (`backward_dkdv`): one CTA per key tile of one head for `msa_rows`
+  MSA rows, looping over query tiles. Each consumer warpgroup owns one row's
+  K and V tile and works in the transposed orientation, keys along the wgmma
+  rows: `s^T = k q^T` and `dp^T = v do^T` from shared memory, then
+  `dv += p^T do` and `dk += ds^T q` with `p^T` and `ds^T` straight from
+  registers. Per query tile the producer loads the rows' q and do tiles and
+  row statistics and ONE tile of the transposed bias, shared by the rows
+  (`bias^T` is made once per call: B·H·N² elements against the kernel's
+  B·S·H·N² logits).
+- dq (`backward_dq`): one CTA per query tile of one head for `msa_rows`
+  rows, looping over key tiles, the forward's loop with `dp = do v^T`,
+  `ds = p (dp - delta)` and `dq += ds k` in place of the online softmax.
+- dbias (`backward_dbias`): one CTA per (query tile, key tile) of one head,
+  looping over the S MSA rows (or a chunk of them); its two consumer
+  warpgroups split the query tile, and the sum over S stays in registers.
+
+Inputs shared by all: q, k, v and `do` (the cotangent of the ungated
+output, in q's dtype) `[B, S, N, H, d]`; bias `[B, H, N, N]` 16- or 32-bit;
+mask `[B, S, N]` int8 or None; `stats` `[B, S, H, 3, N]` float32: the
+forward's row max and log2 row sum (base 2) and `delta = sum_d do * o`.
+
+The loops visit every tile; they are where tiles that the key mask removes
+entirely, and attention dropout, will go.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from msa_pallas.block_sizes import (
+    MosaicBackwardTiles, MosaicTiles, mosaic_backward_shared_memory_bytes, row_chunks,
+)
+from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2
+from msa_pallas.kernels.mosaic.common import (
+    MAX_SHARED_MEMORY, PRODUCER_REGISTERS, WGMMA_COL, WGMMA_ROW, PingPong, accumulate_products,
+    launch, produce, smem_products, smem_tile, smem_vectors, supports, zeros,
+)
+
+# Rows of the `stats` operand.
+ROW_MAX, ROW_LOG2_SUM, DELTA = range(3)
+
+
+def default_tiles(q_shape, q_dtype, bias_dtype) -> MosaicBackwardTiles:
+    """The backward kernels' tiles for these inputs: per kernel the first
+    candidate that fits in shared memory, in the order measured fastest on
+    an H200 at d = 32 (benchmarks/RESULTS.md), smaller tiles first where a
+    larger head dim needs the registers. The consumers take turns (ping-pong)
+    with a 16-bit bias; with a float32 bias it measured slower."""
+    *_, head_dim = q_shape
+    preferred = {
+        "dkdv": {32: [(64, 128)], 64: [(128, 64)], 128: [(64, 64)]},
+        "dq": {32: [(128, 64)], 64: [(128, 64)], 128: [(64, 64)]},
+        "dbias": {32: [(64, 128)], 64: [(64, 128), (64, 64)], 128: [(64, 128), (64, 64)]},
+    }
+    chosen = {}
+    for kernel, by_head_dim in preferred.items():
+        blocks = by_head_dim[min(d for d in by_head_dim if d >= head_dim)]
+        candidates = [
+            MosaicTiles(block_q, block_k, num_stages=2, msa_rows=rows)
+            for rows in (2, 1) for block_q, block_k in blocks
+        ]
+        fits = [
+            tiles for tiles in candidates
+            if mosaic_backward_shared_memory_bytes(kernel, tiles, head_dim, q_dtype, bias_dtype)
+            <= MAX_SHARED_MEMORY
+        ]
+        if not fits:
+            raise ValueError(f"no Mosaic {kernel} configuration fits head dim {head_dim}")
+        chosen[kernel] = fits[0]
+    return MosaicBackwardTiles(**chosen, ping_pong=jnp.dtype(bias_dtype).itemsize == 2)
+
+
+def _check_blocks(n_res: int, **blocks):
+    for name, block in blocks.items():
+        if n_res % block:
+            raise ValueError(f"N={n_res} is not a multiple of {name}={block}")
+
+
+def _recompute(s, dp, bias, keep, stats, *, scale_log2: float, query_axis: int, with_p: bool):
+    """The probabilities `p` (if `with_p`, else None) and the logit gradient
+    `ds` of one tile, float32, as the forward computed them.
+
+    Args:
+      s: `q . k` of the tile; dp: `do . v`; bias: the bias tile, all in the
+        same orientation, queries along `query_axis`.
+      keep: `[keys]` bool (nonzero keeps) or None.
+      stats: row max, log2 row sum and delta, `[queries]` float32 each.
+    """
+    row_max, row_log2_sum, delta = stats
+    per_query = lambda x: lax.broadcast_in_dim(x, s.shape, [query_axis])  # noqa: E731
+    # For a row with a kept key the row max is an ordinary logit, so one
+    # subtraction of m + log2(l) is exact enough; masked keys take their own
+    # value below (m is -1.44e9 for a fully masked row).
+    x = s * scale_log2 + (bias * LOG2E - per_query(row_max + row_log2_sum))
+    if keep is not None:
+        keep = lax.broadcast_in_dim(keep, s.shape, [1 - query_axis])
+        if with_p:
+            masked = per_query((MASKED_LOGIT_LOG2 - row_max) - row_log2_sum)
+            x = jnp.where(keep, x, masked)
+    p = jnp.exp2(x)
+    ds = p * (dp - per_query(delta))
+    if keep is not None:
+        # A masked key's logit is a constant: no gradient flows through it.
+        ds = jnp.where(keep, ds, 0.0)
+    return (p if with_p else None), ds
+
+
+def _load_stats(stats_ref, layout):
+    return tuple(plgpu.load(stats_ref.at[i], layout=layout) for i in range(3))
+
+
+def _grid_position(heads: int):
+    batch_head = lax.axis_index("batch_heads")
+    return lax.div(batch_head, heads), lax.rem(batch_head, heads), lax.axis_index("wg")
+
+
+def _dkdv_kernel(
+    *refs, names, scale: float, n_res: int, tiles: MosaicTiles, msa_rows: int, heads: int,
+    dtype, ping_pong: bool, interpret: bool,
+):
+    gmem = dict(zip(names, refs[: len(names)]))
+    smem, produced, consumed, schedule = refs[len(names):]
+    block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
+    query_tiles = n_res // block_q
+    has_mask = "mask" in gmem
+    batch, head, wg = _grid_position(heads)
+    row_group = lax.axis_index("row_groups")
+    keys = pl.ds(lax.axis_index("key_tiles") * block_k, block_k)
+
+    @pl.when(wg < msa_rows)
+    def _consumer():
+        plgpu.set_max_registers(232 if msa_rows == 2 else 240, action="increase")
+        row = row_group * msa_rows + wg
+        k_smem, v_smem = smem["k"].at[wg], smem["v"].at[wg]
+        for name in ("k", "v"):
+            plgpu.copy_gmem_to_smem(
+                gmem[name].at[batch, row, keys, head], smem[name].at[wg], produced["kv"].at[wg]
+            )
+        keep = None
+        if has_mask:
+            plgpu.copy_gmem_to_smem(
+                gmem["mask"].at[batch, pl.ds(row, 1), keys],
+                smem["mask"].at[wg, :, pl.ds(0, block_k)], produced["kv"].at[wg],
+            )
+        plgpu.barrier_wait(produced["kv"].at[wg])
+        if has_mask:
+            keep = plgpu.load(smem["mask"].at[wg, 0, pl.ds(0, block_k)], layout=WGMMA_ROW) != 0
+        turns = PingPong(schedule, wg, enabled=ping_pong and msa_rows == 2)
+        turns.start()
+
+        def visit_query_tile(query_tile, carry):
+            dk, dv = carry
+            slot = lax.rem(query_tile, stages)
+            plgpu.barrier_wait(produced["step"].at[slot])
+            q_smem, do_smem = smem["q"].at[slot, wg], smem["do"].at[slot, wg]
+            s_t, dp_t = smem_products(
+                ((k_smem, q_smem.T), (v_smem, do_smem.T)), interpret, turns.hand_over
+            )
+            stats = _load_stats(smem["stats"].at[slot, wg], WGMMA_COL)
+            bias_t = smem["bias"][slot].astype(jnp.float32)
+            p_t, ds_t = _recompute(
+                s_t, dp_t, bias_t, keep, stats, scale_log2=scale * LOG2E, query_axis=1,
+                with_p=True,
+            )
+            # Finish the elementwise work before handing the turn over.
+            p_t, ds_t = lax.optimization_barrier((p_t.astype(dtype), ds_t.astype(dtype)))
+            turns.release()
+            turns.take_turn()
+            dv, dk = accumulate_products(
+                (dv, dk), (p_t, ds_t), (do_smem, q_smem), interpret
+            )
+            plgpu.barrier_arrive(consumed.at[slot])
+            return dk, dv
+
+        head_dim = k_smem.shape[-1]
+        dk, dv = lax.fori_loop(
+            0, query_tiles, visit_query_tile,
+            (zeros((block_k, head_dim)), zeros((block_k, head_dim))),
+        )
+        turns.finish()
+        # K's and V's tiles are free again: they hold the gradients on their way out.
+        k_smem[...] = (dk * scale).astype(dtype)
+        v_smem[...] = dv.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_smem, gmem["dk"].at[batch, row, keys, head])
+        plgpu.copy_smem_to_gmem(v_smem, gmem["dv"].at[batch, row, keys, head])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == msa_rows)
+    def _producer():
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        first_row = row_group * msa_rows
+
+        def issue_copies(query_tile, slot):
+            queries = pl.ds(query_tile * block_q, block_q)
+            barrier = produced["step"].at[slot]
+            for r in range(msa_rows):
+                row = first_row + r
+                for name in ("q", "do"):
+                    plgpu.copy_gmem_to_smem(
+                        gmem[name].at[batch, row, queries, head], smem[name].at[slot, r], barrier
+                    )
+                plgpu.copy_gmem_to_smem(
+                    gmem["stats"].at[batch, row, head, :, queries], smem["stats"].at[slot, r],
+                    barrier,
+                )
+            plgpu.copy_gmem_to_smem(
+                gmem["bias_t"].at[batch, head, keys, queries], smem["bias"].at[slot], barrier
+            )
+
+        produce(query_tiles, stages, issue_copies, consumed)
+
+
+def _dq_kernel(
+    *refs, names, scale: float, n_res: int, tiles: MosaicTiles, msa_rows: int, heads: int,
+    dtype, ping_pong: bool, interpret: bool,
+):
+    gmem = dict(zip(names, refs[: len(names)]))
+    smem, produced, consumed, schedule = refs[len(names):]
+    block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
+    key_tiles = n_res // block_k
+    has_mask = "mask" in gmem
+    batch, head, wg = _grid_position(heads)
+    row_group = lax.axis_index("row_groups")
+    queries = pl.ds(lax.axis_index("query_tiles") * block_q, block_q)
+
+    @pl.when(wg < msa_rows)
+    def _consumer():
+        plgpu.set_max_registers(232 if msa_rows == 2 else 240, action="increase")
+        row = row_group * msa_rows + wg
+        q_smem, do_smem = smem["q"].at[wg], smem["do"].at[wg]
+        for name in ("q", "do"):
+            plgpu.copy_gmem_to_smem(
+                gmem[name].at[batch, row, queries, head], smem[name].at[wg],
+                produced["q"].at[wg],
+            )
+        plgpu.copy_gmem_to_smem(
+            gmem["stats"].at[batch, row, head, :, queries], smem["stats"].at[wg],
+            produced["q"].at[wg],
+        )
+        plgpu.barrier_wait(produced["q"].at[wg])
+        stats = _load_stats(smem["stats"].at[wg], WGMMA_ROW)
+        turns = PingPong(schedule, wg, enabled=ping_pong and msa_rows == 2)
+        turns.start()
+
+        def visit_key_tile(key_tile, dq):
+            slot = lax.rem(key_tile, stages)
+            plgpu.barrier_wait(produced["step"].at[slot])
+            k_smem, v_smem = smem["k"].at[slot, wg], smem["v"].at[slot, wg]
+            s, dp = smem_products(
+                ((q_smem, k_smem.T), (do_smem, v_smem.T)), interpret, turns.hand_over
+            )
+            keep = None
+            if has_mask:
+                keep = plgpu.load(
+                    smem["mask"].at[slot, wg, 0, pl.ds(0, block_k)], layout=WGMMA_COL
+                ) != 0
+            bias = smem["bias"][slot].astype(jnp.float32)
+            _, ds = _recompute(
+                s, dp, bias, keep, stats, scale_log2=scale * LOG2E, query_axis=0, with_p=False
+            )
+            ds = lax.optimization_barrier(ds.astype(dtype))
+            turns.release()
+            turns.take_turn()
+            (dq,) = accumulate_products((dq,), (ds,), (k_smem,), interpret)
+            plgpu.barrier_arrive(consumed.at[slot])
+            return dq
+
+        dq = lax.fori_loop(0, key_tiles, visit_key_tile, zeros((block_q, q_smem.shape[-1])))
+        turns.finish()
+        # q's tile is free again: it holds dq on its way out.
+        q_smem[...] = (dq * scale).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, gmem["dq"].at[batch, row, queries, head])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == msa_rows)
+    def _producer():
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        first_row = row_group * msa_rows
+
+        def issue_copies(key_tile, slot):
+            keys = pl.ds(key_tile * block_k, block_k)
+            barrier = produced["step"].at[slot]
+            for r in range(msa_rows):
+                row = first_row + r
+                for name in ("k", "v"):
+                    plgpu.copy_gmem_to_smem(
+                        gmem[name].at[batch, row, keys, head], smem[name].at[slot, r], barrier
+                    )
+                if has_mask:
+                    plgpu.copy_gmem_to_smem(
+                        gmem["mask"].at[batch, pl.ds(row, 1), keys],
+                        smem["mask"].at[slot, r, :, pl.ds(0, block_k)], barrier,
+                    )
+            plgpu.copy_gmem_to_smem(
+                gmem["bias"].at[batch, head, queries, keys], smem["bias"].at[slot], barrier
+            )
+
+        produce(key_tiles, stages, issue_copies, consumed)
+
+
+def _dbias_kernel(
+    *refs, names, scale: float, tiles: MosaicTiles, consumers: int, rows_per_chunk: int,
+    batch_heads: int, heads: int, interpret: bool,
+):
+    gmem = dict(zip(names, refs[: len(names)]))
+    smem, produced, consumed = refs[len(names):]
+    block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
+    has_mask = "mask" in gmem
+    chunk_batch_head = lax.axis_index("chunk_batch_heads")
+    chunk, batch_head = lax.div(chunk_batch_head, batch_heads), lax.rem(chunk_batch_head, batch_heads)
+    batch, head = lax.div(batch_head, heads), lax.rem(batch_head, heads)
+    wg = lax.axis_index("wg")
+    cta_queries = lax.axis_index("query_tiles") * block_q * consumers
+    keys = pl.ds(lax.axis_index("key_tiles") * block_k, block_k)
+    first_row = chunk * rows_per_chunk
+
+    @pl.when(wg < consumers)
+    def _consumer():
+        plgpu.set_max_registers(232 if consumers == 2 else 240, action="increase")
+        queries = pl.ds(cta_queries + wg * block_q, block_q)
+        plgpu.copy_gmem_to_smem(
+            gmem["bias"].at[batch, head, queries, keys], smem["bias"].at[wg],
+            produced["bias"].at[wg],
+        )
+        plgpu.barrier_wait(produced["bias"].at[wg])
+
+        def visit_msa_row(step, dbias):
+            slot = lax.rem(step, stages)
+            plgpu.barrier_wait(produced["step"].at[slot])
+            q_smem, do_smem = smem["q"].at[slot, wg], smem["do"].at[slot, wg]
+            k_smem, v_smem = smem["k"].at[slot], smem["v"].at[slot]
+            s, dp = smem_products(((q_smem, k_smem.T), (do_smem, v_smem.T)), interpret)
+            stats = _load_stats(smem["stats"].at[slot, wg], WGMMA_ROW)
+            keep = None
+            if has_mask:
+                keep = plgpu.load(smem["mask"].at[slot, 0, pl.ds(0, block_k)], layout=WGMMA_COL) != 0
+            plgpu.barrier_arrive(consumed.at[slot])
+            # Read from shared memory at every step: held in registers across
+            # the loop, a float32 tile would crowd out s and dp.
+            bias = smem["bias"][wg].astype(jnp.float32)
+            _, ds = _recompute(
+                s, dp, bias, keep, stats, scale_log2=scale * LOG2E, query_axis=0, with_p=False
+            )
+            return dbias + ds
+
+        dbias = lax.fori_loop(0, rows_per_chunk, visit_msa_row, zeros((block_q, block_k)))
+        smem["dbias"][wg] = dbias
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(
+            smem["dbias"].at[wg], gmem["dbias"].at[chunk, batch, head, queries, keys]
+        )
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == consumers)
+    def _producer():
+        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+        def issue_copies(step, slot):
+            row = first_row + step
+            barrier = produced["step"].at[slot]
+            for w in range(consumers):
+                queries = pl.ds(cta_queries + w * block_q, block_q)
+                for name in ("q", "do"):
+                    plgpu.copy_gmem_to_smem(
+                        gmem[name].at[batch, row, queries, head], smem[name].at[slot, w], barrier
+                    )
+                plgpu.copy_gmem_to_smem(
+                    gmem["stats"].at[batch, row, head, :, queries], smem["stats"].at[slot, w],
+                    barrier,
+                )
+            for name in ("k", "v"):
+                plgpu.copy_gmem_to_smem(
+                    gmem[name].at[batch, row, keys, head], smem[name].at[slot], barrier
+                )
+            if has_mask:
+                plgpu.copy_gmem_to_smem(
+                    gmem["mask"].at[batch, pl.ds(row, 1), keys],
+                    smem["mask"].at[slot, :, pl.ds(0, block_k)], barrier,
+                )
+
+        produce(rows_per_chunk, stages, issue_copies, consumed)
+
+
+def _check(q, bias):
+    reason = supports(q.shape, q.dtype, bias.dtype)
+    if reason is not None:
+        raise ValueError(reason)
+
+
+def _operands(**named):
+    return {name: x for name, x in named.items() if x is not None}
+
+
+def _step_scratch(copies: int, stages: int, consumers: int):
+    produced = plgpu.Barrier(num_arrivals=copies, num_barriers=stages)
+    consumed = plgpu.Barrier(num_arrivals=consumers, num_barriers=stages)
+    return produced, consumed
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret", "ping_pong"))
+def backward_dkdv(
+    q, k, v, bias, mask, do, stats, *, scale: float, tiles: MosaicTiles, interpret: bool,
+    ping_pong: bool = True,
+):
+    """dk, dv `[B, S, N, H, d]` in q's dtype (arguments as in the module docstring)."""
+    _check(q, bias)
+    batch, rows, n_res, heads, head_dim = q.shape
+    msa_rows = tiles.msa_rows_for(rows)
+    block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
+    _check_blocks(n_res, block_q=block_q, block_k=block_k)
+    inputs = _operands(
+        q=q, k=k, v=v, bias_t=jnp.swapaxes(bias, -1, -2), mask=mask, do=do, stats=stats
+    )
+    out_types = {"dk": jax.ShapeDtypeStruct(q.shape, q.dtype),
+                 "dv": jax.ShapeDtypeStruct(q.shape, q.dtype)}
+    smem = {
+        "k": smem_tile((msa_rows, block_k, head_dim), q.dtype),
+        "v": smem_tile((msa_rows, block_k, head_dim), q.dtype),
+        "q": smem_tile((stages, msa_rows, block_q, head_dim), q.dtype),
+        "do": smem_tile((stages, msa_rows, block_q, head_dim), q.dtype),
+        "stats": smem_vectors((stages, msa_rows, 3, block_q), jnp.float32),
+        "bias": smem_tile((stages, block_k, block_q), bias.dtype),
+    }
+    if mask is not None:
+        smem["mask"] = smem_vectors((msa_rows, 1, block_k), mask.dtype)
+    produced_step, consumed = _step_scratch(3 * msa_rows + 1, stages, msa_rows)
+    produced = {
+        "kv": plgpu.Barrier(num_arrivals=3 if mask is not None else 2, num_barriers=msa_rows),
+        "step": produced_step,
+    }
+    body = functools.partial(
+        _dkdv_kernel, names=(*inputs, *out_types), scale=scale, n_res=n_res, tiles=tiles,
+        msa_rows=msa_rows, heads=heads, dtype=q.dtype, ping_pong=ping_pong,
+        interpret=interpret,
+    )
+    return launch(
+        body, scratch=(smem, produced, consumed, plgpu.Barrier(num_arrivals=msa_rows)),
+        inputs=inputs.values(), out_types=out_types.values(),
+        grid=(rows // msa_rows, pl.cdiv(n_res, block_k), batch * heads),
+        grid_names=("row_groups", "key_tiles", "batch_heads"),
+        consumers=msa_rows, interpret=interpret,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret", "ping_pong"))
+def backward_dq(
+    q, k, v, bias, mask, do, stats, *, scale: float, tiles: MosaicTiles, interpret: bool,
+    ping_pong: bool = True,
+):
+    """dq `[B, S, N, H, d]` in q's dtype (arguments as in the module docstring)."""
+    _check(q, bias)
+    batch, rows, n_res, heads, head_dim = q.shape
+    msa_rows = tiles.msa_rows_for(rows)
+    block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
+    _check_blocks(n_res, block_q=block_q, block_k=block_k)
+    inputs = _operands(q=q, k=k, v=v, bias=bias, mask=mask, do=do, stats=stats)
+    out_types = {"dq": jax.ShapeDtypeStruct(q.shape, q.dtype)}
+    smem = {
+        "q": smem_tile((msa_rows, block_q, head_dim), q.dtype),
+        "do": smem_tile((msa_rows, block_q, head_dim), q.dtype),
+        "stats": smem_vectors((msa_rows, 3, block_q), jnp.float32),
+        "k": smem_tile((stages, msa_rows, block_k, head_dim), q.dtype),
+        "v": smem_tile((stages, msa_rows, block_k, head_dim), q.dtype),
+        "bias": smem_tile((stages, block_q, block_k), bias.dtype),
+    }
+    copies = 2 * msa_rows + 1
+    if mask is not None:
+        smem["mask"] = smem_vectors((stages, msa_rows, 1, block_k), mask.dtype)
+        copies += msa_rows
+    produced_step, consumed = _step_scratch(copies, stages, msa_rows)
+    produced = {
+        "q": plgpu.Barrier(num_arrivals=3, num_barriers=msa_rows),
+        "step": produced_step,
+    }
+    body = functools.partial(
+        _dq_kernel, names=(*inputs, *out_types), scale=scale, n_res=n_res, tiles=tiles,
+        msa_rows=msa_rows, heads=heads, dtype=q.dtype, ping_pong=ping_pong,
+        interpret=interpret,
+    )
+    (dq,) = launch(
+        body, scratch=(smem, produced, consumed, plgpu.Barrier(num_arrivals=msa_rows)),
+        inputs=inputs.values(), out_types=out_types.values(),
+        grid=(rows // msa_rows, pl.cdiv(n_res, block_q), batch * heads),
+        grid_names=("row_groups", "query_tiles", "batch_heads"),
+        consumers=msa_rows, interpret=interpret,
+    )
+    return dq
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
+def backward_dbias(q, k, v, bias, mask, do, stats, *, scale: float, tiles: MosaicTiles, interpret: bool):
+    """dbias `[B, H, N, N]` float32, summed over the S MSA rows (arguments as
+    in the module docstring).
+
+    When (tiles x heads x batch) gives too few CTAs to fill the GPU, the rows
+    are split into chunks (`block_sizes.row_chunks`), one CTA each, and the
+    chunks' float32 partial sums are added in a fixed order.
+    """
+    _check(q, bias)
+    batch, rows, n_res, heads, head_dim = q.shape
+    consumers = tiles.msa_rows
+    block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
+    _check_blocks(n_res, **{"block_q * msa_rows": block_q * consumers, "block_k": block_k})
+    query_tiles, key_tiles = n_res // (block_q * consumers), n_res // block_k
+    chunks = row_chunks(query_tiles * key_tiles * batch * heads, rows)
+    inputs = _operands(q=q, k=k, v=v, bias=bias, mask=mask, do=do, stats=stats)
+    out_types = {
+        "dbias": jax.ShapeDtypeStruct((chunks, batch, heads, n_res, n_res), jnp.float32)
+    }
+    smem = {
+        "bias": smem_tile((consumers, block_q, block_k), bias.dtype),
+        "dbias": smem_tile((consumers, block_q, block_k), jnp.float32),
+        "q": smem_tile((stages, consumers, block_q, head_dim), q.dtype),
+        "do": smem_tile((stages, consumers, block_q, head_dim), q.dtype),
+        "stats": smem_vectors((stages, consumers, 3, block_q), jnp.float32),
+        "k": smem_tile((stages, block_k, head_dim), q.dtype),
+        "v": smem_tile((stages, block_k, head_dim), q.dtype),
+    }
+    copies = 3 * consumers + 2
+    if mask is not None:
+        smem["mask"] = smem_vectors((stages, 1, block_k), mask.dtype)
+        copies += 1
+    produced_step, consumed = _step_scratch(copies, stages, consumers)
+    produced = {
+        "bias": plgpu.Barrier(num_arrivals=1, num_barriers=consumers),
+        "step": produced_step,
+    }
+    body = functools.partial(
+        _dbias_kernel, names=(*inputs, *out_types), scale=scale, tiles=tiles,
+        consumers=consumers, rows_per_chunk=rows // chunks, batch_heads=batch * heads,
+        heads=heads, interpret=interpret,
+    )
+    (partial_sums,) = launch(
+        body, scratch=(smem, produced, consumed), inputs=inputs.values(),
+        out_types=out_types.values(),
+        grid=(query_tiles, key_tiles, chunks * batch * heads),
+        grid_names=("query_tiles", "key_tiles", "chunk_batch_heads"),
+        consumers=consumers, interpret=interpret,
+    )
+    return partial_sums[0] if chunks == 1 else partial_sums.sum(axis=0)

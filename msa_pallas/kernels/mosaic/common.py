@@ -1,0 +1,215 @@
+"""What the Mosaic GPU kernels share: which inputs they take, shared-memory
+tiles, the producer's copy ring, and the two kinds of `wgmma` product.
+
+Every Mosaic kernel here is warp-specialised the same way: consumer
+warpgroups compute, one producer warpgroup streams the tiles of each loop
+step by TMA into a `num_stages`-deep ring of shared-memory slots (`produce`).
+A slot's `produced` barrier completes when its copies have landed; each
+consumer arrives on the slot's `consumed` barrier when it is done with it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from msa_pallas.kernels.constants import LOG2E
+
+HEAD_DIMS = (16, 32, 64, 128)
+# N must be a multiple of this (`supports`); other N run the Triton kernels.
+RESIDUE_MULTIPLE = 128
+# Shared memory an sm90 CTA may use (227 KiB).
+MAX_SHARED_MEMORY = 227 * 1024
+# Registers of the producer warpgroup: it only issues copies.
+PRODUCER_REGISTERS = 40
+WGMMA = plgpu.Layout.WGMMA
+# Vectors along a wgmma tile's rows (one value per row) and columns.
+WGMMA_ROW = plgpu.Layout.WGMMA.reduce(1)
+WGMMA_COL = plgpu.Layout.WGMMA.reduce(0)
+# The row reductions stay inside warps: no shared scratch for them.
+COMPILER_PARAMS = plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0)
+
+
+def supports(q_shape, q_dtype, bias_dtype) -> str | None:
+    """None when the Mosaic kernels run these inputs, else the reason they do not.
+
+    Args:
+      q_shape: `[B, S, N, H, d]`.
+      q_dtype, bias_dtype: dtypes of q (and k, v, gate) and of the bias.
+    """
+    *_, n_res, _, head_dim = q_shape
+    if jnp.dtype(q_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"q dtype {jnp.dtype(q_dtype).name}: the Mosaic kernels take bfloat16 / float16"
+    if head_dim not in HEAD_DIMS:
+        return f"head dim {head_dim}: the Mosaic kernels take {HEAD_DIMS}"
+    bias_itemsize = jnp.dtype(bias_dtype).itemsize
+    if bias_itemsize not in (2, 4):
+        return f"bias dtype {jnp.dtype(bias_dtype).name}: the Mosaic kernels take 16- or 32-bit"
+    # The bias rows are read by TMA into 128-byte swizzled tiles, so N must be
+    # a whole number of swizzle rows (64 16-bit or 32 float32 elements); and
+    # on the H200 the row statistics of a query tile that runs past N come out
+    # wrong (the interpreter gets them right): until that is understood, N is
+    # a whole number of 128-residue tiles.
+    if n_res % RESIDUE_MULTIPLE:
+        return f"N={n_res}: the Mosaic kernels need N to be a multiple of {RESIDUE_MULTIPLE}"
+    return None
+
+
+def smem_tile(shape, dtype):
+    """Shared memory tiled and swizzled as TMA and wgmma want it."""
+    bits = jnp.dtype(dtype).itemsize * 8
+    swizzle = plgpu.find_swizzle(shape[-1] * bits)
+    tiling = plgpu.TilingTransform((8, 8 * swizzle // bits))
+    return plgpu.SMEM(shape, dtype, transforms=(tiling, plgpu.SwizzleTransform(swizzle)))
+
+
+def smem_vectors(shape, dtype):
+    """Shared memory for per-residue vectors (mask, row statistics), each
+    last-axis row starting 128-byte aligned as TMA wants."""
+    *lead, length = shape
+    return plgpu.SMEM((*lead, max(length, 128 // jnp.dtype(dtype).itemsize)), dtype)
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + jnp.exp2(x * -LOG2E))
+
+
+def smem_products(operands, interpret: bool, while_they_run: Callable[[], None] | None = None):
+    """`a @ b` float32 for each `(a, b)` pair of shared-memory operands
+    (`b` may be a transposed view), issued together and waited for once,
+    running `while_they_run()` while the matrix units work.
+
+    Returns a tuple of `[M, N]` float32 values in the wgmma layout.
+    """
+    del interpret  # The interpreter's wgmma takes shared-memory operands.
+    shapes = [(a.shape[0], b.shape[1]) for a, b in operands]
+
+    def compute(*acc_refs):
+        for acc_ref, (a, b) in zip(acc_refs, operands):
+            plgpu.wgmma(acc_ref, a, b)
+        if while_they_run is not None:
+            while_they_run()
+        return tuple(acc_ref[...] for acc_ref in acc_refs)
+
+    return pl.run_scoped(compute, *(plgpu.ACC(shape, jnp.float32) for shape in shapes))
+
+
+def accumulate_products(
+    accs, lhss, rhs_smems, interpret: bool, while_they_run: Callable[[], None] | None = None
+):
+    """`acc + lhs @ rhs` for each triple, `lhs` 16-bit in registers and `rhs`
+    in shared memory, running `while_they_run()` while the matrix units work.
+
+    On the GPU each wgmma accumulates into its `acc` in place. The
+    interpreter's wgmma takes both operands from shared memory, so there the
+    product is a float32-accumulated `jnp.dot` of the same 16-bit operands.
+    """
+    if interpret:
+        products = [
+            jnp.dot(lhs, rhs[...], preferred_element_type=jnp.float32)
+            for lhs, rhs in zip(lhss, rhs_smems)
+        ]
+        if while_they_run is not None:
+            while_they_run()
+        return tuple(acc + product for acc, product in zip(accs, products))
+
+    def accumulate(acc_refs):
+        for acc_ref, lhs, rhs in zip(acc_refs, lhss, rhs_smems):
+            plgpu.wgmma(acc_ref, lhs, rhs)
+        if while_they_run is not None:
+            while_they_run()
+
+    return pl.run_state(accumulate)(tuple(plgpu.ACC.init(acc) for acc in accs))
+
+
+class PingPong:
+    """Two consumer warpgroups taking turns, so that one's softmax work (the
+    exponential and FP32 units) overlaps the other's matrix products.
+
+    Each loop step: issue the first products and `hand_over()` while they
+    run; the elementwise work; `release()`, then `take_turn()` before the
+    second products. `start()` before the loop and `finish()` after it
+    offset the two warpgroups by half a step and balance the barrier's
+    arrivals. With `enabled` False every method does nothing.
+    """
+
+    def __init__(self, barrier, wg, enabled: bool):
+        self.barrier, self.wg, self.enabled = barrier, wg, enabled
+
+    def _sync(self):
+        plgpu.barrier_arrive(self.barrier)
+        plgpu.barrier_wait(self.barrier)
+
+    def start(self):
+        if self.enabled:
+            pl.when(self.wg == 1)(self._sync)
+
+    def hand_over(self):
+        if self.enabled:
+            self._sync()
+
+    def release(self):
+        if self.enabled:
+            plgpu.barrier_arrive(self.barrier)
+
+    def take_turn(self):
+        if self.enabled:
+            plgpu.barrier_wait(self.barrier)
+
+    def finish(self):
+        if self.enabled:
+            pl.when(self.wg == 0)(self._sync)
+
+
+def zeros(shape):
+    """float32 zeros in the wgmma accumulator layout."""
+    return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), WGMMA)
+
+
+def produce(num_steps: int, stages: int, issue_copies, consumed) -> None:
+    """The producer's loop: `issue_copies(step, slot)` for every step, each
+    into its ring slot once the consumers have released that slot.
+
+    Args:
+      num_steps: the loop's static trip count.
+      stages: ring depth.
+      issue_copies: issues the TMA copies of one step into slot `slot`.
+      consumed: `[stages]` barriers the consumers arrive on.
+    """
+    for step in range(min(stages, num_steps)):
+        issue_copies(jnp.int32(step), step)
+
+    @pl.loop(stages, max(stages, num_steps))
+    def _(step):
+        slot = lax.rem(step, stages)
+        plgpu.barrier_wait(consumed.at[slot])
+        issue_copies(step, slot)
+
+    # Observe the consumers' last release of every slot, so that no barrier
+    # phase is left unobserved when the CTA ends.
+    for step in range(max(0, num_steps - stages), num_steps):
+        plgpu.barrier_wait(consumed.at[step % stages])
+
+
+def launch(body, *, scratch, inputs, out_types, grid, grid_names, consumers: int, interpret: bool):
+    """Runs `body(*gmem_refs, *scratch_refs)` as a warp-specialised kernel of
+    `consumers` consumer warpgroups and one producer (the last `wg`)."""
+
+    def entry(*refs):
+        pl.run_scoped(lambda *scratch_refs: body(*refs, *scratch_refs), *scratch,
+                      collective_axes="wg")
+
+    return plgpu.kernel(
+        entry,
+        out_type=tuple(out_types),
+        grid=grid,
+        grid_names=grid_names,
+        num_threads=consumers + 1,
+        thread_name="wg",
+        compiler_params=COMPILER_PARAMS,
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(*inputs)

@@ -1,0 +1,176 @@
+"""The Mosaic GPU backward kernels (`msa_pallas.kernels.mosaic.backward`) on
+the CPU, in the Mosaic GPU interpreter.
+
+Each kernel is fed the residuals of the Triton forward and checked against
+the float64 NumPy gradients; the op's gradients through
+`implementation="mosaic"` (Mosaic forward and backward) are checked in
+tests/test_mosaic_forward.py. The interpreter's wgmma takes operands from
+shared memory only, so the products with an operand in registers are
+float32-accumulated `jnp.dot`s of the same 16-bit operands there
+(`common.accumulate_products`).
+
+The interpreter of jax 0.11.2 hangs on the dk/dv and dbias kernels when
+B * H > 1, and on the dbias kernel with a bfloat16 bias (the compiled
+kernels run both in tests/test_mosaic_gpu.py: B * H up to 16, bf16 biases at
+every shape), so the interpreted cases have one batch element and one head,
+and a float32 or float16 bias; they cover the other axes: MSA-row pairs and
+odd S, several query and key tiles, every head dim, row chunks of the bias
+gradient.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import helpers
+import numpy_reference
+from msa_pallas.block_sizes import (
+    MosaicBackwardTiles, MosaicTiles, default_block_config, mosaic_backward_shared_memory_bytes,
+)
+from msa_pallas.kernels.mosaic import backward as mosaic_backward
+from msa_pallas.kernels.mosaic.common import HEAD_DIMS, MAX_SHARED_MEMORY
+from msa_pallas.kernels.triton import forward as triton_forward
+
+SMALL = MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=2)
+SMALL_TILES = MosaicBackwardTiles(dkdv=SMALL, dq=SMALL, dbias=SMALL)
+
+
+def residuals(inputs):
+    """The kernels' operands from the Triton forward (interpreted), with the
+    cotangent `dout` as the ungated output's cotangent `do`."""
+    q, k, v, bias, mask, _, dout = inputs.args
+    mask = mask.astype(jnp.int8)
+    scale = q.shape[-1] ** -0.5
+    tiles = default_block_config(q.shape[2], q.shape[-1], q.dtype, bias.dtype).forward
+    _, attention, row_max, row_log2_sum = triton_forward.attention_forward(
+        q, k, v, bias, mask, None, scale=scale, tiles=tiles, interpret=True, save_stats=True
+    )
+    delta = jnp.swapaxes(jnp.sum(dout.astype(jnp.float32) * attention, -1), 2, 3)
+    stats = jnp.stack([row_max, row_log2_sum, delta], axis=3)
+    return (q, k, v, bias, mask, dout, stats), scale
+
+
+def run_backward(operands, scale, tiles: MosaicBackwardTiles):
+    bound = dict(scale=scale, interpret=True)
+    dk, dv = mosaic_backward.backward_dkdv(
+        *operands, tiles=tiles.dkdv, ping_pong=tiles.ping_pong, **bound
+    )
+    dq = mosaic_backward.backward_dq(*operands, tiles=tiles.dq, ping_pong=tiles.ping_pong, **bound)
+    dbias = mosaic_backward.backward_dbias(*operands, tiles=tiles.dbias, **bound)
+    return dq, dk, dv, dbias
+
+
+# (S, N, d, q dtype, bias dtype, tiles): MSA-row pairs over several query
+# and key tiles with and without ping-pong, an odd S (one row per CTA), the
+# default tiles of every head dim, and S large enough that the bias gradient's
+# row chunks hold several rows each.
+CASES = {
+    "pairs-bf16-ping-pong": (4, 128, 32, jnp.bfloat16, jnp.float32, SMALL_TILES),
+    "pairs-bf16-in-turn-off": (
+        2, 128, 32, jnp.bfloat16, jnp.float32,
+        MosaicBackwardTiles(dkdv=SMALL, dq=SMALL, dbias=SMALL, ping_pong=False),
+    ),
+    "odd-S-fp16-defaults": (3, 128, 16, jnp.float16, jnp.float16, None),
+    "d64-defaults": (2, 128, 64, jnp.bfloat16, jnp.float32, None),
+    "d128-defaults": (2, 128, 128, jnp.float16, jnp.float32, None),
+    "row-chunks": (32, 128, 16, jnp.bfloat16, jnp.float32, None),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernels_against_float64(case, seed):
+    rows, n_res, head_dim, dtype, bias_dtype, tiles = CASES[case]
+    inputs = helpers.random_inputs(
+        seed, 1, rows, n_res, 1, head_dim, dtype, bias_dtype=bias_dtype, gate=False,
+        fully_masked_row=(0, rows - 1),
+    )
+    operands, scale = residuals(inputs)
+    if tiles is None:
+        tiles = mosaic_backward.default_tiles(inputs.q.shape, dtype, bias_dtype)
+    dq, dk, dv, dbias = run_backward(operands, scale, tiles)
+    q, k, v, bias, mask, _, dout = inputs.args
+    expected = numpy_reference.vjp(q, k, v, bias, mask, None, scale, dout)[:4]
+    tolerance = helpers.tolerance(dtype)
+    errors = {}
+    for name, got, want in zip(("dq", "dk", "dv", "dbias"), (dq, dk, dv, dbias), expected):
+        helpers.assert_finite(got, name)
+        assert got.shape == want.shape, (name, got.shape, want.shape)
+        errors[name] = helpers.rel_err(got, want)
+    print(f"[rel err] mosaic backward {case}: {errors}")
+    assert all(e <= tolerance for e in errors.values()), errors
+    assert dq.dtype == dk.dtype == dv.dtype == dtype and dbias.dtype == jnp.float32
+    # The fully masked row: no gradient reaches its q and k, and its uniform
+    # weights give every key's v the mean of the row's cotangents.
+    assert not np.asarray(dq[0, rows - 1]).any() and not np.asarray(dk[0, rows - 1]).any()
+    dv_row = helpers.to_f64(dout[0, rows - 1]).mean(axis=0, keepdims=True)
+    np.testing.assert_allclose(
+        helpers.to_f64(dv[0, rows - 1]), np.broadcast_to(dv_row, dv.shape[2:]),
+        rtol=2e-2, atol=2e-2,
+    )
+
+
+def test_ping_pong_changes_nothing(seed):
+    """Taking turns reorders the consumers' work, never their arithmetic."""
+    inputs = helpers.random_inputs(seed, 1, 2, 128, 1, 32, jnp.bfloat16, gate=False)
+    operands, scale = residuals(inputs)
+    in_turns = run_backward(operands, scale, SMALL_TILES)
+    apart = run_backward(
+        operands, scale, MosaicBackwardTiles(dkdv=SMALL, dq=SMALL, dbias=SMALL, ping_pong=False)
+    )
+    for a, b in zip(in_turns, apart):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_lowers_for_the_gpu_on_a_cpu():
+    """The three kernels lower for CUDA on a machine without one, with the
+    default tiles of every head dim and both bias widths: a shape error or
+    an unsupported layout fails here, not first on the GPU."""
+    for head_dim in HEAD_DIMS:
+        for bias_dtype in (jnp.float32, jnp.bfloat16):
+            shape = (1, 4, 256, 8, head_dim)
+            q = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+            bias = jax.ShapeDtypeStruct((1, 8, 256, 256), bias_dtype)
+            mask = jax.ShapeDtypeStruct((1, 4, 256), jnp.int8)
+            stats = jax.ShapeDtypeStruct((1, 4, 8, 3, 256), jnp.float32)
+            tiles = mosaic_backward.default_tiles(shape, jnp.bfloat16, bias_dtype)
+            for kernel in ("dkdv", "dq", "dbias"):
+                function = getattr(mosaic_backward, f"backward_{kernel}")
+                lowered = jax.jit(
+                    lambda *args: function(  # noqa: B023
+                        *args, scale=0.2, tiles=getattr(tiles, kernel), interpret=False
+                    )
+                ).trace(q, q, q, bias, mask, q, stats).lower(lowering_platforms=("cuda",))
+                assert "mosaic_gpu" in lowered.as_text(), (head_dim, bias_dtype, kernel)
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16])
+def test_default_tiles_fit_shared_memory(head_dim, bias_dtype):
+    tiles = mosaic_backward.default_tiles((1, 4, 256, 8, head_dim), jnp.bfloat16, bias_dtype)
+    for kernel in ("dkdv", "dq", "dbias"):
+        used = mosaic_backward_shared_memory_bytes(
+            kernel, getattr(tiles, kernel), head_dim, jnp.bfloat16, bias_dtype
+        )
+        assert used <= MAX_SHARED_MEMORY, (kernel, used)
+    # Turns pay with a 16-bit bias only (benchmarks/RESULTS.md).
+    assert tiles.ping_pong == (jnp.dtype(bias_dtype).itemsize == 2)
+
+
+def test_tiles_that_do_not_divide_n_raise():
+    inputs = helpers.random_inputs(0, 1, 2, 384, 1, 32, jnp.bfloat16, gate=False)
+    q, k, v, bias, mask, _, dout = inputs.args
+    stats = jnp.ones((1, 2, 1, 3, 384), jnp.float32)
+    operands = (q, k, v, bias, mask.astype(jnp.int8), dout, stats)
+    # Two consumers of 128 queries: 256 queries per CTA, and 384 is not a multiple.
+    with pytest.raises(ValueError, match="not a multiple"):
+        mosaic_backward.backward_dbias(
+            *operands, scale=0.2, tiles=MosaicTiles(128, 64, 2, 2), interpret=True
+        )
+    with pytest.raises(ValueError, match="multiple of 128"):
+        mosaic_backward.backward_dq(
+            q[:, :, :320], k[:, :, :320], v[:, :, :320], bias[..., :320, :320], None,
+            dout[:, :, :320], stats[..., :320], scale=0.2, tiles=SMALL, interpret=True,
+        )
