@@ -8,7 +8,7 @@ exponential floor (B*S*H*N^2 exponentials at `EXP2_PER_S` per kernel), and
 the op's forward + backward with `implementation="pallas"` and `"mosaic"`:
 
     python benchmarks/profile_backward.py --shapes train,finetune,long --dtypes bf16
-    python benchmarks/profile_backward.py --shapes long --dkdv 128x64x2x2,64x64x2x2 --dbias 64x128x2x2
+    python benchmarks/profile_backward.py --shapes long --dkdv 64x128x2x2 --dbias 64x64x2x2
 
 A candidate is BQxBKxSTAGESxROWS (`MosaicTiles`; what BQ, BK and ROWS mean
 per kernel: `MosaicBackwardTiles`). Without a GPU the kernels run in their
@@ -118,12 +118,14 @@ def main(argv=None) -> int:
                     function = getattr(mosaic_backward, f"backward_{kernel}")
                     variants = [
                         (tiles, ping_pong)
-                        for tiles in parse_mosaic(getattr(args, kernel)) or [getattr(defaults, kernel)]
+                        for tiles in (
+                            parse_mosaic(getattr(args, kernel)) or [getattr(defaults, kernel)]
+                        )
                         for ping_pong in (turns if kernel != "dbias" else (None,))
                     ]
                     for tiles, ping_pong in variants:
                         extra = {} if ping_pong is None else {"ping_pong": ping_pong}
-                        label = tiles_label(tiles) + {None: "", True: " ping-pong", False: ""}[ping_pong]
+                        label = tiles_label(tiles) + (" ping-pong" if ping_pong else "")
                         call = lambda: function(  # noqa: E731
                             *mosaic_operands, scale=scale, tiles=tiles, interpret=INTERPRET,
                             **extra,

@@ -30,6 +30,7 @@ from profile_kernels import batched_ms, make_inputs  # noqa: E402
 from shapes import DIMS as SHAPES, DTYPES  # noqa: E402
 from msa_pallas.block_sizes import MosaicTiles, default_block_config  # noqa: E402
 from msa_pallas.kernels.mosaic import forward as mosaic_forward  # noqa: E402
+from msa_pallas.kernels.mosaic.common import supports  # noqa: E402
 from msa_pallas.kernels.triton import forward as triton_forward  # noqa: E402
 from msa_pallas.reference import msa_row_attention_xla  # noqa: E402
 
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
                 candidates = parse_mosaic(args.mosaic) or [
                     mosaic_forward.default_tiles(shape, dtype, bias_dtype, save_stats=True)
                 ]
-                if mosaic_forward.supports(shape, dtype, bias_dtype) is None:
+                if supports(shape, dtype, bias_dtype) is None:
                     kernels += [("mosaic", str(t), mosaic_forward.attention_forward, t)
                                 for t in candidates]
                 triton_stats = None

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from msa_pallas.block_sizes import BlockConfig, default_block_config
 from msa_pallas.kernels.mosaic import backward as mosaic_backward
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
+from msa_pallas.kernels.mosaic.common import supports as mosaic_supports
 from msa_pallas.kernels.vjp import fused_attention
 from msa_pallas.reference import msa_row_attention_xla
 from msa_pallas.validation import (
@@ -23,8 +24,8 @@ from msa_pallas.validation import (
 
 
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
-# Up to this N the Triton forward, whose residuals cost less to write, is as
-# fast as the Mosaic one in a training step (benchmarks/RESULTS.md).
+# Up to this N the Triton kernels (with their fused dq+dbias kernel) are as
+# fast as the Mosaic ones in a training step (benchmarks/RESULTS.md).
 MOSAIC_MIN_RESIDUES = 256
 
 
@@ -62,7 +63,7 @@ def resolve_implementation(implementation, q, dropout_rate: float, bias=None) ->
 
     `implementation` when given; else, when q's dtype and head dim fit the
     kernels and no attention dropout is asked for: `"mosaic"` on a Hopper GPU
-    for N > 256 where the Mosaic forward takes the inputs
+    for N > 256 where the Mosaic kernels take the inputs
     (`mosaic.common.supports`), `"pallas"` (the Triton kernels) otherwise on
     a GPU; `"xla"` elsewhere.
     """
@@ -85,7 +86,7 @@ def resolve_implementation(implementation, q, dropout_rate: float, bias=None) ->
         and len(shape) >= 5
         and shape[-3] > MOSAIC_MIN_RESIDUES
         and bias_dtype is not None
-        and mosaic_forward.supports(shape[-5:], dtype, bias_dtype) is None
+        and mosaic_supports(shape[-5:], dtype, bias_dtype) is None
     ):
         return "mosaic"
     return "pallas"

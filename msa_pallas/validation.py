@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from msa_pallas.block_sizes import BlockConfig
-from msa_pallas.kernels.mosaic import forward as mosaic_forward
+from msa_pallas.kernels.mosaic.common import supports as mosaic_supports
 
 KERNEL_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 XLA_DTYPES = KERNEL_DTYPES + (jnp.dtype(jnp.float64),)
@@ -107,7 +107,7 @@ def validate_arguments(q, k, v, bias, mask, gate, scale, implementation) -> None
             f"q has shape {shape_str(q.shape)}; every dimension must be >= 1."
         )
     if implementation == "mosaic":
-        reason = mosaic_forward.supports(q.shape, q.dtype, bias.dtype)
+        reason = mosaic_supports(q.shape, q.dtype, bias.dtype)
         if reason is not None:
             raise ValueError(
                 f"implementation='mosaic' with q of shape {shape_str(q.shape)}: {reason}. "

@@ -10,12 +10,12 @@ float32-accumulated `jnp.dot`s of the same 16-bit operands there
 (`common.accumulate_products`).
 
 The interpreter of jax 0.11.2 hangs on the dk/dv and dbias kernels when
-B * H > 1, and on the dbias kernel with a bfloat16 bias (the compiled
-kernels run both in tests/test_mosaic_gpu.py: B * H up to 16, bf16 biases at
-every shape), so the interpreted cases have one batch element and one head,
-and a float32 or float16 bias; they cover the other axes: MSA-row pairs and
-odd S, several query and key tiles, every head dim, row chunks of the bias
-gradient.
+B * H > 1, and on the dbias kernel with two consumer warpgroups and a 16-bit
+bias (the compiled kernels run both in tests/test_mosaic_gpu.py: B * H up to
+16, 16-bit biases at every shape), so the interpreted cases have one batch
+element and one head, and a 16-bit bias only with one dbias consumer; they
+cover the other axes: MSA-row pairs and odd S, several query and key tiles,
+head dims 16, 32 and 128, row chunks of the bias gradient.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import helpers
 import numpy_reference
 from msa_pallas.block_sizes import (
     MosaicBackwardTiles, MosaicTiles, default_block_config, mosaic_backward_shared_memory_bytes,
+    row_chunks,
 )
 from msa_pallas.kernels.mosaic import backward as mosaic_backward
 from msa_pallas.kernels.mosaic.common import HEAD_DIMS, MAX_SHARED_MEMORY
@@ -36,6 +37,10 @@ from msa_pallas.kernels.triton import forward as triton_forward
 
 SMALL = MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=2)
 SMALL_TILES = MosaicBackwardTiles(dkdv=SMALL, dq=SMALL, dbias=SMALL)
+# The default tiles of d <= 32 with one dbias consumer (see the module docstring).
+ONE_DBIAS_CONSUMER = MosaicBackwardTiles(
+    dbias=MosaicTiles(block_q=64, block_k=128, num_stages=2, msa_rows=1), ping_pong=True
+)
 
 
 def residuals(inputs):
@@ -64,19 +69,14 @@ def run_backward(operands, scale, tiles: MosaicBackwardTiles):
 
 
 # (S, N, d, q dtype, bias dtype, tiles): MSA-row pairs over several query
-# and key tiles with and without ping-pong, an odd S (one row per CTA), the
-# default tiles of every head dim, and S large enough that the bias gradient's
-# row chunks hold several rows each.
+# and key tiles, an odd S (one row per CTA) with a 16-bit bias and the
+# default dk/dv and dq tiles of d = 16, and d = 128 with its default tiles.
+# Turns on and off: test_ping_pong_changes_nothing; other head dims' tiles:
+# test_lowers_for_the_gpu_on_a_cpu.
 CASES = {
     "pairs-bf16-ping-pong": (4, 128, 32, jnp.bfloat16, jnp.float32, SMALL_TILES),
-    "pairs-bf16-in-turn-off": (
-        2, 128, 32, jnp.bfloat16, jnp.float32,
-        MosaicBackwardTiles(dkdv=SMALL, dq=SMALL, dbias=SMALL, ping_pong=False),
-    ),
-    "odd-S-fp16-defaults": (3, 128, 16, jnp.float16, jnp.float16, None),
-    "d64-defaults": (2, 128, 64, jnp.bfloat16, jnp.float32, None),
+    "odd-S-fp16": (3, 128, 16, jnp.float16, jnp.float16, ONE_DBIAS_CONSUMER),
     "d128-defaults": (2, 128, 128, jnp.float16, jnp.float32, None),
-    "row-chunks": (32, 128, 16, jnp.bfloat16, jnp.float32, None),
 }
 
 
@@ -110,6 +110,24 @@ def test_kernels_against_float64(case, seed):
         helpers.to_f64(dv[0, rows - 1]), np.broadcast_to(dv_row, dv.shape[2:]),
         rtol=2e-2, atol=2e-2,
     )
+
+
+def test_bias_gradient_over_row_chunks(seed):
+    """S = 34 on two tiles: two row chunks of 17 rows each, so the dbias
+    kernel's loop over rows and the sum of the chunks both run."""
+    rows = 34
+    tiles = ONE_DBIAS_CONSUMER.dbias
+    assert row_chunks(2, rows) == 2
+    inputs = helpers.random_inputs(
+        seed, 1, rows, 128, 1, 16, jnp.bfloat16, gate=False, fully_masked_row=(0, 5)
+    )
+    operands, scale = residuals(inputs)
+    dbias = mosaic_backward.backward_dbias(*operands, scale=scale, tiles=tiles, interpret=True)
+    q, k, v, bias, mask, _, dout = inputs.args
+    expected = numpy_reference.vjp(q, k, v, bias, mask, None, scale, dout)[3]
+    error = helpers.rel_err(dbias, expected)
+    print(f"[rel err] mosaic dbias over row chunks: {error:.2e}")
+    assert error <= helpers.tolerance(jnp.bfloat16), error
 
 
 def test_ping_pong_changes_nothing(seed):

@@ -28,6 +28,7 @@ import numpy_reference
 from msa_pallas.attention import resolve_implementation
 from msa_pallas.block_sizes import MosaicTiles, default_block_config, mosaic_shared_memory_bytes
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
+from msa_pallas.kernels.mosaic.common import HEAD_DIMS, MAX_SHARED_MEMORY
 from msa_pallas.kernels.triton import forward as triton_forward
 
 # Forward-only tolerances of the output against float64 (the issue's bar).
@@ -109,9 +110,9 @@ def test_nan_stays_in_its_row(seed):
     assert not bad.any()
 
 
-def test_op_gradients_through_the_mosaic_forward(seed):
+def test_op_gradients_through_the_mosaic_kernels(seed):
     """`implementation="mosaic"`: the Mosaic forward's residuals feed the
-    Triton backward; the gradients match float64."""
+    Mosaic backward kernels; the gradients match float64."""
     inputs = helpers.random_inputs(seed, 1, 2, 128, 1, 32, jnp.bfloat16, fully_masked_row=True)
     result = helpers.fwd_bwd("mosaic")(*inputs.args)
     helpers.assert_shapes_dtypes_finite(result, inputs)
@@ -137,7 +138,7 @@ def test_lowers_for_the_gpu_on_a_cpu():
     assert "mosaic_gpu" in lowered.as_text()
 
 
-@pytest.mark.parametrize("head_dim", mosaic_forward.HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("save_stats", [False, True])
 def test_default_tiles_fit_shared_memory(head_dim, bias_dtype, save_stats):
@@ -146,7 +147,7 @@ def test_default_tiles_fit_shared_memory(head_dim, bias_dtype, save_stats):
         tiles, head_dim, jnp.bfloat16, bias_dtype, has_mask=True, has_gate=True,
         save_stats=save_stats,
     )
-    assert used <= mosaic_forward.MAX_SHARED_MEMORY
+    assert used <= MAX_SHARED_MEMORY
     # The preferred (largest) tiles are taken where they fit.
     if head_dim <= 32 and jnp.dtype(bias_dtype).itemsize == 2:
         assert tiles == MosaicTiles(128, 128, 2, 2)

@@ -1,11 +1,11 @@
-"""The compiled Mosaic GPU forward on a Hopper GPU (marked `gpu`; skipped
+"""The compiled Mosaic GPU kernels on a Hopper GPU (marked `gpu`; skipped
 elsewhere, and on GPUs other than sm90).
 
-`implementation="mosaic"`: the Mosaic forward and the Triton backward that
-follows it through the shared residuals, against the float64 reference of
-test_gpu.py (chunked over MSA rows), at the shapes that matter and at the
-edges: head dims 16-128, an odd S,
-an odd S, fully masked rows, NaN locality, bitwise-repeatable results.
+`implementation="mosaic"`: the Mosaic forward and the Mosaic backward
+kernels that follow it through the shared residuals, against the float64
+reference of test_gpu.py (chunked over MSA rows), at the shapes that matter
+and at the edges: head dims 16-128, an odd S, several batch elements and
+heads, fully masked rows, NaN locality, bitwise-repeatable gradients.
 """
 
 from __future__ import annotations

@@ -47,8 +47,9 @@ from msa_pallas.block_sizes import (
 )
 from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2
 from msa_pallas.kernels.mosaic.common import (
-    MAX_SHARED_MEMORY, PRODUCER_REGISTERS, WGMMA_COL, WGMMA_ROW, PingPong, accumulate_products,
-    launch, produce, smem_products, smem_tile, smem_vectors, supports, zeros,
+    MAX_SHARED_MEMORY, WGMMA_COL, WGMMA_ROW, PingPong, accumulate_products, consumer_registers,
+    copy_tiles, launch, produce, producer_registers, smem_products, smem_tile, smem_vectors,
+    supports, zeros,
 )
 
 # Rows of the `stats` operand.
@@ -144,13 +145,10 @@ def _dkdv_kernel(
 
     @pl.when(wg < msa_rows)
     def _consumer():
-        plgpu.set_max_registers(232 if msa_rows == 2 else 240, action="increase")
+        consumer_registers(msa_rows)
         row = row_group * msa_rows + wg
         k_smem, v_smem = smem["k"].at[wg], smem["v"].at[wg]
-        for name in ("k", "v"):
-            plgpu.copy_gmem_to_smem(
-                gmem[name].at[batch, row, keys, head], smem[name].at[wg], produced["kv"].at[wg]
-            )
+        copy_tiles(gmem, smem, ("k", "v"), (batch, row, keys, head), wg, produced["kv"].at[wg])
         keep = None
         if has_mask:
             plgpu.copy_gmem_to_smem(
@@ -203,7 +201,7 @@ def _dkdv_kernel(
 
     @pl.when(wg == msa_rows)
     def _producer():
-        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        producer_registers()
         first_row = row_group * msa_rows
 
         def issue_copies(query_tile, slot):
@@ -211,10 +209,7 @@ def _dkdv_kernel(
             barrier = produced["step"].at[slot]
             for r in range(msa_rows):
                 row = first_row + r
-                for name in ("q", "do"):
-                    plgpu.copy_gmem_to_smem(
-                        gmem[name].at[batch, row, queries, head], smem[name].at[slot, r], barrier
-                    )
+                copy_tiles(gmem, smem, ("q", "do"), (batch, row, queries, head), (slot, r), barrier)
                 plgpu.copy_gmem_to_smem(
                     gmem["stats"].at[batch, row, head, :, queries], smem["stats"].at[slot, r],
                     barrier,
@@ -241,14 +236,10 @@ def _dq_kernel(
 
     @pl.when(wg < msa_rows)
     def _consumer():
-        plgpu.set_max_registers(232 if msa_rows == 2 else 240, action="increase")
+        consumer_registers(msa_rows)
         row = row_group * msa_rows + wg
         q_smem, do_smem = smem["q"].at[wg], smem["do"].at[wg]
-        for name in ("q", "do"):
-            plgpu.copy_gmem_to_smem(
-                gmem[name].at[batch, row, queries, head], smem[name].at[wg],
-                produced["q"].at[wg],
-            )
+        copy_tiles(gmem, smem, ("q", "do"), (batch, row, queries, head), wg, produced["q"].at[wg])
         plgpu.copy_gmem_to_smem(
             gmem["stats"].at[batch, row, head, :, queries], smem["stats"].at[wg],
             produced["q"].at[wg],
@@ -291,7 +282,7 @@ def _dq_kernel(
 
     @pl.when(wg == msa_rows)
     def _producer():
-        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        producer_registers()
         first_row = row_group * msa_rows
 
         def issue_copies(key_tile, slot):
@@ -299,10 +290,7 @@ def _dq_kernel(
             barrier = produced["step"].at[slot]
             for r in range(msa_rows):
                 row = first_row + r
-                for name in ("k", "v"):
-                    plgpu.copy_gmem_to_smem(
-                        gmem[name].at[batch, row, keys, head], smem[name].at[slot, r], barrier
-                    )
+                copy_tiles(gmem, smem, ("k", "v"), (batch, row, keys, head), (slot, r), barrier)
                 if has_mask:
                     plgpu.copy_gmem_to_smem(
                         gmem["mask"].at[batch, pl.ds(row, 1), keys],
@@ -324,7 +312,8 @@ def _dbias_kernel(
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     has_mask = "mask" in gmem
     chunk_batch_head = lax.axis_index("chunk_batch_heads")
-    chunk, batch_head = lax.div(chunk_batch_head, batch_heads), lax.rem(chunk_batch_head, batch_heads)
+    chunk = lax.div(chunk_batch_head, batch_heads)
+    batch_head = lax.rem(chunk_batch_head, batch_heads)
     batch, head = lax.div(batch_head, heads), lax.rem(batch_head, heads)
     wg = lax.axis_index("wg")
     cta_queries = lax.axis_index("query_tiles") * block_q * consumers
@@ -333,7 +322,7 @@ def _dbias_kernel(
 
     @pl.when(wg < consumers)
     def _consumer():
-        plgpu.set_max_registers(232 if consumers == 2 else 240, action="increase")
+        consumer_registers(consumers)
         queries = pl.ds(cta_queries + wg * block_q, block_q)
         plgpu.copy_gmem_to_smem(
             gmem["bias"].at[batch, head, queries, keys], smem["bias"].at[wg],
@@ -350,7 +339,9 @@ def _dbias_kernel(
             stats = _load_stats(smem["stats"].at[slot, wg], WGMMA_ROW)
             keep = None
             if has_mask:
-                keep = plgpu.load(smem["mask"].at[slot, 0, pl.ds(0, block_k)], layout=WGMMA_COL) != 0
+                keep = plgpu.load(
+                    smem["mask"].at[slot, 0, pl.ds(0, block_k)], layout=WGMMA_COL
+                ) != 0
             plgpu.barrier_arrive(consumed.at[slot])
             # Read from shared memory at every step: held in registers across
             # the loop, a float32 tile would crowd out s and dp.
@@ -370,25 +361,19 @@ def _dbias_kernel(
 
     @pl.when(wg == consumers)
     def _producer():
-        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        producer_registers()
 
         def issue_copies(step, slot):
             row = first_row + step
             barrier = produced["step"].at[slot]
             for w in range(consumers):
                 queries = pl.ds(cta_queries + w * block_q, block_q)
-                for name in ("q", "do"):
-                    plgpu.copy_gmem_to_smem(
-                        gmem[name].at[batch, row, queries, head], smem[name].at[slot, w], barrier
-                    )
+                copy_tiles(gmem, smem, ("q", "do"), (batch, row, queries, head), (slot, w), barrier)
                 plgpu.copy_gmem_to_smem(
                     gmem["stats"].at[batch, row, head, :, queries], smem["stats"].at[slot, w],
                     barrier,
                 )
-            for name in ("k", "v"):
-                plgpu.copy_gmem_to_smem(
-                    gmem[name].at[batch, row, keys, head], smem[name].at[slot], barrier
-                )
+            copy_tiles(gmem, smem, ("k", "v"), (batch, row, keys, head), slot, barrier)
             if has_mask:
                 plgpu.copy_gmem_to_smem(
                     gmem["mask"].at[batch, pl.ds(row, 1), keys],
@@ -505,7 +490,9 @@ def backward_dq(
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
-def backward_dbias(q, k, v, bias, mask, do, stats, *, scale: float, tiles: MosaicTiles, interpret: bool):
+def backward_dbias(
+    q, k, v, bias, mask, do, stats, *, scale: float, tiles: MosaicTiles, interpret: bool
+):
     """dbias `[B, H, N, N]` float32, summed over the S MSA rows (arguments as
     in the module docstring).
 

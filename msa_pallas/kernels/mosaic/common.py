@@ -165,6 +165,25 @@ class PingPong:
             pl.when(self.wg == 0)(self._sync)
 
 
+def consumer_registers(consumers: int) -> None:
+    """Raises a consumer warpgroup's register budget: what the producer
+    (`producer_registers`) gives up, split among `consumers`."""
+    plgpu.set_max_registers(232 if consumers == 2 else 240, action="increase")
+
+
+def producer_registers() -> None:
+    plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+
+def copy_tiles(gmem, smem, names, source_index, destination_index, barrier) -> None:
+    """TMA copies `gmem[name].at[source_index]` -> `smem[name].at[destination_index]`
+    for each name, all completing `barrier`."""
+    for name in names:
+        plgpu.copy_gmem_to_smem(
+            gmem[name].at[source_index], smem[name].at[destination_index], barrier
+        )
+
+
 def zeros(shape):
     """float32 zeros in the wgmma accumulator layout."""
     return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), WGMMA)

@@ -38,9 +38,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from msa_pallas.block_sizes import MosaicTiles, mosaic_shared_memory_bytes
 from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2
-from msa_pallas.kernels.mosaic.common import (  # noqa: F401 (HEAD_DIMS, supports: re-exported)
-    HEAD_DIMS, MAX_SHARED_MEMORY, PRODUCER_REGISTERS, WGMMA, WGMMA_COL, WGMMA_ROW, PingPong,
-    accumulate_products, launch, sigmoid, smem_products, smem_tile, smem_vectors, supports,
+from msa_pallas.kernels.mosaic.common import (
+    MAX_SHARED_MEMORY, WGMMA, WGMMA_COL, WGMMA_ROW, PingPong, accumulate_products,
+    consumer_registers, launch, producer_registers, sigmoid, smem_products, smem_tile,
+    smem_vectors, supports,
 )
 
 
@@ -87,7 +88,7 @@ def _kernel(
 
     @pl.when(wg < msa_rows)
     def _consumer():
-        plgpu.set_max_registers(232 if ping_pong else 240, action="increase")
+        consumer_registers(msa_rows)
         row = row_group * msa_rows + wg
         q_smem = smem["q"].at[wg]
         plgpu.copy_gmem_to_smem(
@@ -187,7 +188,7 @@ def _kernel(
 
     @pl.when(wg == msa_rows)
     def _producer():
-        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        producer_registers()
         first_row = row_group * msa_rows
 
         def copy_rows(name, keys, slot):
