@@ -52,16 +52,13 @@ from msa_pallas.kernels.mosaic.common import (
     supports, zeros,
 )
 
-# Rows of the `stats` operand.
-ROW_MAX, ROW_LOG2_SUM, DELTA = range(3)
-
-
 def default_tiles(q_shape, q_dtype, bias_dtype) -> MosaicBackwardTiles:
     """The backward kernels' tiles for these inputs: per kernel the first
-    candidate that fits in shared memory, in the order measured fastest on
-    an H200 at d = 32 (benchmarks/RESULTS.md), smaller tiles first where a
-    larger head dim needs the registers. The consumers take turns (ping-pong)
-    with a 16-bit bias; with a float32 bias it measured slower."""
+    candidate that fits in shared memory, two MSA rows (consumers) before one.
+    The tiles of d <= 32 are the fastest of an H200 sweep (benchmarks/RESULTS.md);
+    larger head dims take smaller tiles, for the registers their accumulators
+    need (not swept yet). The consumers take turns (ping-pong) with a 16-bit
+    bias; with a float32 bias that measured slower."""
     *_, head_dim = q_shape
     preferred = {
         "dkdv": {32: [(64, 128)], 64: [(128, 64)], 128: [(64, 64)]},
@@ -122,6 +119,7 @@ def _recompute(s, dp, bias, keep, stats, *, scale_log2: float, query_axis: int, 
 
 
 def _load_stats(stats_ref, layout):
+    """Row max, log2 row sum and delta: the rows of a `[3, queries]` tile."""
     return tuple(plgpu.load(stats_ref.at[i], layout=layout) for i in range(3))
 
 
