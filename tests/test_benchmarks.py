@@ -23,6 +23,7 @@ import alternatives  # noqa: E402
 import bench_attention  # noqa: E402
 import bench_layer  # noqa: E402
 import measure  # noqa: E402
+import profile_backward  # noqa: E402
 import profile_kernels  # noqa: E402
 import report  # noqa: E402
 import shapes  # noqa: E402
@@ -157,6 +158,30 @@ def test_profile_kernels_runs_every_kernel(capsys):
     assert sum(label.endswith(" default") for label in labels) == 4, labels
     for fields in lines:
         assert float(fields[3]) > 0, fields  # a time, not an ERROR line
+
+
+def test_profile_backward_compares_each_mosaic_kernel_with_triton(capsys):
+    """The Mosaic backward kernels beside the Triton ones, in their
+    interpreters (a float32 bias: the Mosaic interpreter hangs on the dbias
+    kernel's two consumers with a 16-bit one, tests/test_mosaic_backward.py)."""
+    status = profile_backward.main(
+        ["--shapes", "1x2x128x1x32", "--bias-dtypes", "f32", "--reps", "1", "--samples", "1",
+         "--no-op", "--ping-pong", "both"]
+    )
+    assert status == 0
+    rows = [
+        [field.strip() for field in line.strip("|").split("|")]
+        for line in capsys.readouterr().out.splitlines()[2:]
+    ]
+    kernels = [row[3] for row in rows]
+    assert kernels == [
+        "triton dkdv", "triton dq", "triton dbias",
+        "mosaic dkdv", "mosaic dkdv", "mosaic dq", "mosaic dq", "mosaic dbias",
+    ], kernels
+    for row in rows:
+        assert float(row[5]) > 0, row  # a time, not a failure
+        if row[3].startswith("mosaic"):
+            assert float(row[7]) < 1e-3, row  # the same gradients as the Triton kernels
 
 
 # --- the CLI ---------------------------------------------------------------------------
