@@ -12,7 +12,7 @@ float32-accumulated `jnp.dot`s of the same 16-bit operands there
 The interpreter of jax 0.11.2 hangs on the dk/dv and dbias kernels when
 B * H > 1, and on the dbias kernel with two consumer warpgroups and a 16-bit
 bias (the compiled kernels run both in tests/test_mosaic_gpu.py: B * H up to
-16, 16-bit biases at every shape), so the interpreted cases have one batch
+8, 16-bit biases at every shape), so the interpreted cases have one batch
 element and one head, and a 16-bit bias only with one dbias consumer; they
 cover the other axes: MSA-row pairs and odd S, several query and key tiles,
 head dims 16, 32 and 128, row chunks of the bias gradient.
