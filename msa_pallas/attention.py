@@ -11,6 +11,8 @@ import jax.numpy as jnp
 from msa_pallas.block_sizes import BlockConfig, default_block_config
 from msa_pallas.kernels.mosaic import backward as mosaic_backward
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
+from msa_pallas.kernels.mosaic.common import HEAD_DIMS as MOSAIC_HEAD_DIMS
+from msa_pallas.kernels.mosaic.common import kernel_head_dim as mosaic_head_dim
 from msa_pallas.kernels.mosaic.common import supports as mosaic_supports
 from msa_pallas.kernels.vjp import fused_attention
 from msa_pallas.reference import msa_row_attention_xla
@@ -64,8 +66,9 @@ def resolve_implementation(implementation, q, dropout_rate: float, bias=None) ->
     `implementation` when given; else, when q's dtype and head dim fit the
     kernels and no attention dropout is asked for: `"mosaic"` on a Hopper GPU
     for N > 256 where the Mosaic kernels take the inputs
-    (`mosaic.common.supports`), `"pallas"` (the Triton kernels) otherwise on
-    a GPU; `"xla"` elsewhere.
+    (`mosaic.common.supports`) without padding the head dim, `"pallas"` (the
+    Triton kernels) otherwise on a GPU; `"xla"` elsewhere. (d < 16, which
+    `"mosaic"` pads to 16, stays on the Triton kernels until measured.)
     """
     if implementation is not None:
         return implementation
@@ -85,6 +88,7 @@ def resolve_implementation(implementation, q, dropout_rate: float, bias=None) ->
         on_hopper()
         and len(shape) >= 5
         and shape[-3] > MOSAIC_MIN_RESIDUES
+        and shape[-1] in MOSAIC_HEAD_DIMS
         and bias_dtype is not None
         and mosaic_supports(shape[-5:], dtype, bias_dtype) is None
     ):
@@ -136,7 +140,8 @@ def msa_row_attention(
       scale: multiplies `q . k`; default `1 / sqrt(d)`.
       implementation: `"pallas"`: the Triton kernels (any CUDA GPU; float32
         too). `"mosaic"`: the Mosaic GPU kernels, forward and backward (Hopper,
-        bfloat16 / float16, d in 16..128, N a multiple of 128). `"xla"`:
+        bfloat16 / float16, d in 16, 32, 64, 128 or d < 16, zero-padded to 16;
+        N a multiple of 128). `"xla"`:
         the plain-`jnp` path. None picks `"mosaic"` on a Hopper GPU where it
         takes the inputs and N > 256, `"pallas"` on other GPUs and `"xla"` elsewhere.
         `"pallas"` and `"mosaic"` on a machine without a GPU run the same
@@ -199,6 +204,14 @@ def msa_row_attention(
                 block_config, mosaic_forward=None, mosaic_backward=None
             )
         else:
+            # d < 16: zero columns of q, k, v and the gate change no logit and
+            # give zero output columns, sliced off below (their gradients are
+            # dropped by the pad's transpose).
+            padding = mosaic_head_dim(head_dim) - head_dim
+            if padding:
+                pad = lambda x: jnp.pad(x, ((0, 0),) * 4 + ((0, padding),))  # noqa: E731
+                q, k, v = pad(q), pad(k), pad(v)
+                gate = None if gate is None else pad(gate)
             block_config = dataclasses.replace(
                 block_config,
                 mosaic_forward=block_config.mosaic_forward or mosaic_forward.default_tiles(
@@ -212,5 +225,5 @@ def msa_row_attention(
             q, k, v, bias,
             None if mask is None else mask.astype(jnp.int8),
             gate, scale, block_config.clipped(n_res), not on_gpu(), bias_dtype,
-        )
+        )[..., :head_dim]
     return out.reshape(*batch_shape, rows, n_res, heads, head_dim)

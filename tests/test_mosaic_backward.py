@@ -130,6 +130,22 @@ def test_bias_gradient_over_row_chunks(seed):
     assert error <= helpers.tolerance(jnp.bfloat16), error
 
 
+def test_op_pads_head_dims_below_16(seed):
+    """`implementation="mosaic"` with d = 8 (AlphaFold2's extra-MSA stack):
+    the op zero-pads q, k, v and the gate to d = 16 for the kernels; output
+    and gradients keep d = 8 and match float64. The kernels themselves
+    refuse d = 8."""
+    inputs = helpers.random_inputs(seed, 1, 2, 128, 1, 8, jnp.bfloat16, fully_masked_row=True)
+    result = helpers.fwd_bwd("mosaic")(*inputs.args)
+    helpers.assert_shapes_dtypes_finite(result, inputs)
+    helpers.compare(
+        result, helpers.numpy_results(inputs), helpers.tolerance(jnp.bfloat16), "mosaic d=8"
+    )
+    operands, scale = residuals(inputs._replace(gate=None))
+    with pytest.raises(ValueError, match="pad it to 16"):
+        mosaic_backward.backward_dq(*operands, scale=scale, tiles=SMALL, interpret=True)
+
+
 def test_ping_pong_changes_nothing(seed):
     """Taking turns reorders the consumers' work, never their arithmetic."""
     inputs = helpers.random_inputs(seed, 1, 2, 128, 1, 32, jnp.bfloat16, gate=False)

@@ -157,7 +157,7 @@ def test_default_tiles_fit_shared_memory(head_dim, bias_dtype, save_stats):
     "shape, dtype, bias_dtype, fragment",
     [
         ((1, 2, 64, 4, 32), jnp.float32, jnp.float32, "q dtype float32"),
-        ((1, 2, 64, 4, 8), jnp.bfloat16, jnp.float32, "head dim 8"),
+        ((1, 2, 128, 4, 24), jnp.bfloat16, jnp.float32, "head dim 24"),
         ((1, 2, 64, 4, 32), jnp.bfloat16, jnp.float32, "N=64"),
         ((1, 2, 320, 4, 32), jnp.bfloat16, jnp.bfloat16, "N=320"),
     ],

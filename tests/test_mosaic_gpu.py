@@ -102,3 +102,11 @@ def test_default_picks_mosaic_above_256_residues():
     # N not a multiple of 128: the Triton kernels.
     odd = jnp.ones((1, 2, 320, 4, 32), jnp.bfloat16)
     assert msa_pallas.resolve_implementation(None, odd, 0.0, bias) == "pallas"
+    # d = 8, which "mosaic" pads to 16: the Triton kernels until measured.
+    narrow = jnp.ones((1, 2, 384, 4, 8), jnp.bfloat16)
+    assert msa_pallas.resolve_implementation(None, narrow, 0.0, bias) == "pallas"
+
+
+def test_head_dim_8_padded(seed):
+    inputs = device_inputs(seed, (1, 4, 384, 8, 8), jnp.bfloat16)
+    check(inputs, "mosaic d=8 padded")

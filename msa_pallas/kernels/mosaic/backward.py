@@ -48,8 +48,8 @@ from msa_pallas.block_sizes import (
 from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2
 from msa_pallas.kernels.mosaic.common import (
     MAX_SHARED_MEMORY, WGMMA_COL, WGMMA_ROW, PingPong, accumulate_products, consumer_registers,
-    copy_tiles, launch, produce, producer_registers, smem_products, smem_tile, smem_vectors,
-    supports, zeros,
+    check_kernel_inputs, copy_tiles, launch, produce, producer_registers, smem_products,
+    smem_tile, smem_vectors, zeros,
 )
 
 def default_tiles(q_shape, q_dtype, bias_dtype) -> MosaicBackwardTiles:
@@ -381,12 +381,6 @@ def _dbias_kernel(
         produce(rows_per_chunk, stages, issue_copies, consumed)
 
 
-def _check(q, bias):
-    reason = supports(q.shape, q.dtype, bias.dtype)
-    if reason is not None:
-        raise ValueError(reason)
-
-
 def _operands(**named):
     return {name: x for name, x in named.items() if x is not None}
 
@@ -403,7 +397,7 @@ def backward_dkdv(
     ping_pong: bool = True,
 ):
     """dk, dv `[B, S, N, H, d]` in q's dtype (arguments as in the module docstring)."""
-    _check(q, bias)
+    check_kernel_inputs(q, bias)
     batch, rows, n_res, heads, head_dim = q.shape
     msa_rows = tiles.msa_rows_for(rows)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
@@ -448,7 +442,7 @@ def backward_dq(
     ping_pong: bool = True,
 ):
     """dq `[B, S, N, H, d]` in q's dtype (arguments as in the module docstring)."""
-    _check(q, bias)
+    check_kernel_inputs(q, bias)
     batch, rows, n_res, heads, head_dim = q.shape
     msa_rows = tiles.msa_rows_for(rows)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
@@ -498,7 +492,7 @@ def backward_dbias(
     are split into chunks (`block_sizes.row_chunks`), one CTA each, and the
     chunks' float32 partial sums are added in a fixed order.
     """
-    _check(q, bias)
+    check_kernel_inputs(q, bias)
     batch, rows, n_res, heads, head_dim = q.shape
     consumers = tiles.msa_rows
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages

@@ -35,7 +35,11 @@ COMPILER_PARAMS = plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes
 
 
 def supports(q_shape, q_dtype, bias_dtype) -> str | None:
-    """None when the Mosaic kernels run these inputs, else the reason they do not.
+    """None when `msa_row_attention` can run these inputs on the Mosaic
+    kernels, else the reason it cannot.
+
+    Head dims below 16 are accepted: the op zero-pads them to 16
+    (`kernel_head_dim`); the kernels themselves take `HEAD_DIMS`.
 
     Args:
       q_shape: `[B, S, N, H, d]`.
@@ -44,8 +48,8 @@ def supports(q_shape, q_dtype, bias_dtype) -> str | None:
     *_, n_res, _, head_dim = q_shape
     if jnp.dtype(q_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"q dtype {jnp.dtype(q_dtype).name}: the Mosaic kernels take bfloat16 / float16"
-    if head_dim not in HEAD_DIMS:
-        return f"head dim {head_dim}: the Mosaic kernels take {HEAD_DIMS}"
+    if kernel_head_dim(head_dim) not in HEAD_DIMS:
+        return f"head dim {head_dim}: the Mosaic kernels take {HEAD_DIMS} (or d < 16, padded)"
     bias_itemsize = jnp.dtype(bias_dtype).itemsize
     if bias_itemsize not in (2, 4):
         return f"bias dtype {jnp.dtype(bias_dtype).name}: the Mosaic kernels take 16- or 32-bit"
@@ -57,6 +61,21 @@ def supports(q_shape, q_dtype, bias_dtype) -> str | None:
     if n_res % RESIDUE_MULTIPLE:
         return f"N={n_res}: the Mosaic kernels need N to be a multiple of {RESIDUE_MULTIPLE}"
     return None
+
+
+def kernel_head_dim(head_dim: int) -> int:
+    """The head dim the Mosaic kernels see: d below 16 is zero-padded to 16
+    (a 16-bit `wgmma` needs K a multiple of 16); others as they are."""
+    return max(head_dim, HEAD_DIMS[0])
+
+
+def check_kernel_inputs(q, bias) -> None:
+    """Raises ValueError unless a Mosaic kernel can take these operands as they are."""
+    reason = supports(q.shape, q.dtype, bias.dtype)
+    if reason is None and q.shape[-1] not in HEAD_DIMS:
+        reason = f"head dim {q.shape[-1]}: pad it to {kernel_head_dim(q.shape[-1])} first"
+    if reason is not None:
+        raise ValueError(reason)
 
 
 def smem_tile(shape, dtype):

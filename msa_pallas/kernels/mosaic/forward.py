@@ -40,8 +40,8 @@ from msa_pallas.block_sizes import MosaicTiles, mosaic_shared_memory_bytes
 from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2
 from msa_pallas.kernels.mosaic.common import (
     MAX_SHARED_MEMORY, WGMMA, WGMMA_COL, WGMMA_ROW, PingPong, accumulate_products,
-    consumer_registers, launch, producer_registers, sigmoid, smem_products, smem_tile,
-    smem_vectors, supports,
+    check_kernel_inputs, consumer_registers, launch, producer_registers, sigmoid, smem_products,
+    smem_tile, smem_vectors,
 )
 
 
@@ -253,9 +253,7 @@ def attention_forward(
       attention output `[B, S, N, H, d]` in float32 and the float32 row max
       and log2 row sum, each `[B, S, H, N]`, in base-2 units.
     """
-    reason = supports(q.shape, q.dtype, bias.dtype)
-    if reason is not None:
-        raise ValueError(reason)
+    check_kernel_inputs(q, bias)
     batch, rows, n_res, heads, head_dim = q.shape
     msa_rows = tiles.msa_rows_for(rows)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
