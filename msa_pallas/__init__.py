@@ -20,7 +20,9 @@ Modules:
 """
 
 from msa_pallas.attention import msa_row_attention, resolve_implementation
-from msa_pallas.block_sizes import BlockConfig, KernelTiles, MosaicTiles, default_block_config
+from msa_pallas.block_sizes import (
+    BlockConfig, KernelTiles, MosaicBackwardTiles, MosaicTiles, default_block_config,
+)
 from msa_pallas.layers import MSARowAttentionWithPairBias
 from msa_pallas.nnx_layers import MSARowAttentionWithPairBiasNNX
 from msa_pallas import autotune, convert
@@ -31,6 +33,7 @@ __all__ = [
     "BlockConfig",
     "KernelTiles",
     "MosaicTiles",
+    "MosaicBackwardTiles",
     "default_block_config",
     "MSARowAttentionWithPairBias",
     "MSARowAttentionWithPairBiasNNX",
