@@ -48,6 +48,15 @@ _BACKWARD_IN = (QUERY_ROWS, KEY_ROWS, KEY_ROWS, BIAS, MASK, QUERY_ROWS, STATS, S
 _MOSAIC_BACKWARD_IN = (QUERY_ROWS, KEY_ROWS, KEY_ROWS, BIAS, MASK, QUERY_ROWS, STACKED_STATS)
 
 
+def _mosaic_call(kernel, args, in_layouts, out_layouts, *, interpret: bool) -> tuple:
+    """`partitioned_call` for a Mosaic GPU kernel. The Mosaic GPU
+    interpreter's ordered callbacks cannot sit inside a custom_partitioning
+    op, so interpreted kernels are called as they are (never sharded)."""
+    if interpret:
+        return tuple(jax.tree.leaves(kernel(*args)))
+    return partitioned_call(kernel, args, in_layouts, out_layouts)
+
+
 def _forward(q, k, v, bias, mask, gate, *, scale, config, interpret, save_stats):
     if config.mosaic_forward is not None:
         forward, tiles = mosaic_forward.attention_forward, config.mosaic_forward
@@ -56,13 +65,11 @@ def _forward(q, k, v, bias, mask, gate, *, scale, config, interpret, save_stats)
     kernel = functools.partial(
         forward, scale=scale, tiles=tiles, interpret=interpret, save_stats=save_stats,
     )
-    if config.mosaic_forward is not None and interpret:
-        # The Mosaic GPU interpreter's ordered callbacks cannot sit inside a
-        # custom_partitioning op; interpreted kernels are never sharded.
-        results = kernel(q, k, v, bias, mask, gate)
-        return results if save_stats else (results,)
     outs = (QUERY_ROWS, QUERY_ROWS, STATS, STATS) if save_stats else (QUERY_ROWS,)
-    return partitioned_call(kernel, (q, k, v, bias, mask, gate), _FORWARD_IN, outs)
+    args = (q, k, v, bias, mask, gate)
+    if config.mosaic_forward is not None:
+        return _mosaic_call(kernel, args, _FORWARD_IN, outs, interpret=interpret)
+    return partitioned_call(kernel, args, _FORWARD_IN, outs)
 
 
 def _backward(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, config, interpret):
@@ -114,10 +121,9 @@ def _mosaic_backward(
         bound = functools.partial(
             kernel, scale=scale, tiles=kernel_tiles, interpret=interpret, **extra
         )
-        if interpret:
-            # As in `_forward`: interpreted Mosaic kernels are never sharded.
-            return tuple(jax.tree.leaves(bound(*operands)))
-        return partitioned_call(bound, operands, _MOSAIC_BACKWARD_IN, out_layouts)
+        return _mosaic_call(
+            bound, operands, _MOSAIC_BACKWARD_IN, out_layouts, interpret=interpret
+        )
 
     dk, dv = call(
         mosaic_backward.backward_dkdv, tiles.dkdv, (KEY_ROWS, KEY_ROWS),

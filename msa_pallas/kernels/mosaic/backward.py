@@ -129,11 +129,9 @@ def _grid_position(heads: int):
 
 
 def _dkdv_kernel(
-    *refs, names, scale: float, n_res: int, tiles: MosaicTiles, msa_rows: int, heads: int,
-    dtype, ping_pong: bool, interpret: bool,
+    gmem, smem, produced, consumed, schedule, *, scale: float, n_res: int, tiles: MosaicTiles,
+    msa_rows: int, heads: int, dtype, ping_pong: bool, interpret: bool,
 ):
-    gmem = dict(zip(names, refs[: len(names)]))
-    smem, produced, consumed, schedule = refs[len(names):]
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     query_tiles = n_res // block_q
     has_mask = "mask" in gmem
@@ -165,7 +163,7 @@ def _dkdv_kernel(
             plgpu.barrier_wait(produced["step"].at[slot])
             q_smem, do_smem = smem["q"].at[slot, wg], smem["do"].at[slot, wg]
             s_t, dp_t = smem_products(
-                ((k_smem, q_smem.T), (v_smem, do_smem.T)), interpret, turns.hand_over
+                ((k_smem, q_smem.T), (v_smem, do_smem.T)), turns.hand_over
             )
             stats = _load_stats(smem["stats"].at[slot, wg], WGMMA_COL)
             bias_t = smem["bias"][slot].astype(jnp.float32)
@@ -220,11 +218,9 @@ def _dkdv_kernel(
 
 
 def _dq_kernel(
-    *refs, names, scale: float, n_res: int, tiles: MosaicTiles, msa_rows: int, heads: int,
-    dtype, ping_pong: bool, interpret: bool,
+    gmem, smem, produced, consumed, schedule, *, scale: float, n_res: int, tiles: MosaicTiles,
+    msa_rows: int, heads: int, dtype, ping_pong: bool, interpret: bool,
 ):
-    gmem = dict(zip(names, refs[: len(names)]))
-    smem, produced, consumed, schedule = refs[len(names):]
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     key_tiles = n_res // block_k
     has_mask = "mask" in gmem
@@ -252,7 +248,7 @@ def _dq_kernel(
             plgpu.barrier_wait(produced["step"].at[slot])
             k_smem, v_smem = smem["k"].at[slot, wg], smem["v"].at[slot, wg]
             s, dp = smem_products(
-                ((q_smem, k_smem.T), (do_smem, v_smem.T)), interpret, turns.hand_over
+                ((q_smem, k_smem.T), (do_smem, v_smem.T)), turns.hand_over
             )
             keep = None
             if has_mask:
@@ -302,11 +298,9 @@ def _dq_kernel(
 
 
 def _dbias_kernel(
-    *refs, names, scale: float, tiles: MosaicTiles, consumers: int, rows_per_chunk: int,
-    batch_heads: int, heads: int, interpret: bool,
+    gmem, smem, produced, consumed, *, scale: float, tiles: MosaicTiles, consumers: int,
+    rows_per_chunk: int, batch_heads: int, heads: int,
 ):
-    gmem = dict(zip(names, refs[: len(names)]))
-    smem, produced, consumed = refs[len(names):]
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     has_mask = "mask" in gmem
     chunk_batch_head = lax.axis_index("chunk_batch_heads")
@@ -333,7 +327,7 @@ def _dbias_kernel(
             plgpu.barrier_wait(produced["step"].at[slot])
             q_smem, do_smem = smem["q"].at[slot, wg], smem["do"].at[slot, wg]
             k_smem, v_smem = smem["k"].at[slot], smem["v"].at[slot]
-            s, dp = smem_products(((q_smem, k_smem.T), (do_smem, v_smem.T)), interpret)
+            s, dp = smem_products(((q_smem, k_smem.T), (do_smem, v_smem.T)))
             stats = _load_stats(smem["stats"].at[slot, wg], WGMMA_ROW)
             keep = None
             if has_mask:
@@ -423,13 +417,13 @@ def backward_dkdv(
         "step": produced_step,
     }
     body = functools.partial(
-        _dkdv_kernel, names=(*inputs, *out_types), scale=scale, n_res=n_res, tiles=tiles,
+        _dkdv_kernel, scale=scale, n_res=n_res, tiles=tiles,
         msa_rows=msa_rows, heads=heads, dtype=q.dtype, ping_pong=ping_pong,
         interpret=interpret,
     )
     return launch(
         body, scratch=(smem, produced, consumed, plgpu.Barrier(num_arrivals=msa_rows)),
-        inputs=inputs.values(), out_types=out_types.values(),
+        inputs=inputs, out_types=out_types,
         grid=(rows // msa_rows, pl.cdiv(n_res, block_k), batch * heads),
         grid_names=("row_groups", "key_tiles", "batch_heads"),
         consumers=msa_rows, interpret=interpret,
@@ -467,13 +461,13 @@ def backward_dq(
         "step": produced_step,
     }
     body = functools.partial(
-        _dq_kernel, names=(*inputs, *out_types), scale=scale, n_res=n_res, tiles=tiles,
+        _dq_kernel, scale=scale, n_res=n_res, tiles=tiles,
         msa_rows=msa_rows, heads=heads, dtype=q.dtype, ping_pong=ping_pong,
         interpret=interpret,
     )
     (dq,) = launch(
         body, scratch=(smem, produced, consumed, plgpu.Barrier(num_arrivals=msa_rows)),
-        inputs=inputs.values(), out_types=out_types.values(),
+        inputs=inputs, out_types=out_types,
         grid=(rows // msa_rows, pl.cdiv(n_res, block_q), batch * heads),
         grid_names=("row_groups", "query_tiles", "batch_heads"),
         consumers=msa_rows, interpret=interpret,
@@ -522,13 +516,12 @@ def backward_dbias(
         "step": produced_step,
     }
     body = functools.partial(
-        _dbias_kernel, names=(*inputs, *out_types), scale=scale, tiles=tiles,
+        _dbias_kernel, scale=scale, tiles=tiles,
         consumers=consumers, rows_per_chunk=rows // chunks, batch_heads=batch * heads,
-        heads=heads, interpret=interpret,
+        heads=heads,
     )
     (partial_sums,) = launch(
-        body, scratch=(smem, produced, consumed), inputs=inputs.values(),
-        out_types=out_types.values(),
+        body, scratch=(smem, produced, consumed), inputs=inputs, out_types=out_types,
         grid=(query_tiles, key_tiles, chunks * batch * heads),
         grid_names=("query_tiles", "key_tiles", "chunk_batch_heads"),
         consumers=consumers, interpret=interpret,

@@ -97,14 +97,14 @@ def sigmoid(x):
     return 1.0 / (1.0 + jnp.exp2(x * -LOG2E))
 
 
-def smem_products(operands, interpret: bool, while_they_run: Callable[[], None] | None = None):
+def smem_products(operands, while_they_run: Callable[[], None] | None = None):
     """`a @ b` float32 for each `(a, b)` pair of shared-memory operands
     (`b` may be a transposed view), issued together and waited for once,
-    running `while_they_run()` while the matrix units work.
+    running `while_they_run()` while the matrix units work. (The
+    interpreter's wgmma takes such operands as the GPU's does.)
 
     Returns a tuple of `[M, N]` float32 values in the wgmma layout.
     """
-    del interpret  # The interpreter's wgmma takes shared-memory operands.
     shapes = [(a.shape[0], b.shape[1]) for a, b in operands]
 
     def compute(*acc_refs):
@@ -233,21 +233,27 @@ def produce(num_steps: int, stages: int, issue_copies, consumed) -> None:
         plgpu.barrier_wait(consumed.at[step % stages])
 
 
-def launch(body, *, scratch, inputs, out_types, grid, grid_names, consumers: int, interpret: bool):
-    """Runs `body(*gmem_refs, *scratch_refs)` as a warp-specialised kernel of
-    `consumers` consumer warpgroups and one producer (the last `wg`)."""
+def launch(body, *, scratch, inputs: dict, out_types: dict, grid, grid_names, consumers: int,
+           interpret: bool):
+    """Runs `body(gmem, *scratch_refs)` as a warp-specialised kernel of
+    `consumers` consumer warpgroups and one producer (the last `wg`).
+
+    `gmem` maps the names of `inputs` and `out_types` to their refs.
+    """
+    names = (*inputs, *out_types)
 
     def entry(*refs):
-        pl.run_scoped(lambda *scratch_refs: body(*refs, *scratch_refs), *scratch,
+        gmem = dict(zip(names, refs))
+        pl.run_scoped(lambda *scratch_refs: body(gmem, *scratch_refs), *scratch,
                       collective_axes="wg")
 
     return plgpu.kernel(
         entry,
-        out_type=tuple(out_types),
+        out_type=tuple(out_types.values()),
         grid=grid,
         grid_names=grid_names,
         num_threads=consumers + 1,
         thread_name="wg",
         compiler_params=COMPILER_PARAMS,
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(*inputs)
+    )(*inputs.values())

@@ -68,11 +68,9 @@ def default_tiles(q_shape, q_dtype, bias_dtype, save_stats: bool, has_gate: bool
 
 
 def _kernel(
-    *refs, names: tuple[str, ...], scale_log2: float, n_res: int, tiles: MosaicTiles,
-    msa_rows: int, heads: int, dtype, interpret: bool,
+    gmem, smem, produced, consumed, schedule, *, scale_log2: float, n_res: int,
+    tiles: MosaicTiles, msa_rows: int, heads: int, dtype, interpret: bool,
 ):
-    gmem = dict(zip(names, refs[: len(names)]))
-    smem, produced, consumed, schedule = refs[len(names):]
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     key_tiles = pl.cdiv(n_res, block_k)
     has_mask, has_gate = "mask" in gmem, "gate" in gmem
@@ -115,7 +113,7 @@ def _kernel(
             slot = lax.rem(key_tile, stages)
 
             (logits,) = smem_products(
-                ((q_smem, smem["k"].at[slot, wg].T),), interpret, turns.hand_over
+                ((q_smem, smem["k"].at[slot, wg].T),), turns.hand_over
             )
             bias = smem["bias"][slot].astype(jnp.float32)
             if has_mask:
@@ -267,7 +265,6 @@ def attention_forward(
             "attention": jax.ShapeDtypeStruct(q.shape, jnp.float32),
             "row_max": stats, "row_log2_sum": stats,
         }
-    names = (*inputs, *out_types)
 
     smem = {
         "q": smem_tile((msa_rows, block_q, head_dim), q.dtype),
@@ -296,13 +293,12 @@ def attention_forward(
     schedule = plgpu.Barrier(num_arrivals=msa_rows)
 
     body = functools.partial(
-        _kernel, names=names, scale_log2=scale * LOG2E, n_res=n_res, tiles=tiles,
+        _kernel, scale_log2=scale * LOG2E, n_res=n_res, tiles=tiles,
         msa_rows=msa_rows, heads=heads, dtype=q.dtype, interpret=interpret,
     )
 
     outs = launch(
-        body, scratch=(smem, produced, consumed, schedule), inputs=inputs.values(),
-        out_types=out_types.values(),
+        body, scratch=(smem, produced, consumed, schedule), inputs=inputs, out_types=out_types,
         grid=(rows // msa_rows, pl.cdiv(n_res, block_q), batch * heads),
         grid_names=("row_groups", "query_tiles", "batch_heads"),
         consumers=msa_rows, interpret=interpret,
