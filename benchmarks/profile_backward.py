@@ -28,9 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from measure import relative_error  # noqa: E402
-from profile_forward import EXP2_PER_S, INTERPRET, parse_mosaic  # noqa: E402
+from profile_forward import INTERPRET, parse_mosaic, profile_cases  # noqa: E402
 from profile_kernels import batched_ms, make_inputs  # noqa: E402
-from shapes import DIMS as SHAPES, DTYPES  # noqa: E402
 from msa_pallas import msa_row_attention  # noqa: E402
 from msa_pallas.block_sizes import default_block_config  # noqa: E402
 from msa_pallas.kernels.mosaic import backward as mosaic_backward  # noqa: E402
@@ -68,90 +67,85 @@ def main(argv=None) -> int:
 
     print("| shape | dtype | bias | kernel | tiles | ms | floor % | rel. diff. from Triton |")
     print("|---|---|---|---|---|---|---|---|")
-    for shape_name in args.shapes.split(","):
-        shape = SHAPES.get(shape_name) or tuple(int(x) for x in shape_name.split("x"))
-        batch, rows, n_res, heads, head_dim = shape
-        floor_ms = batch * rows * heads * n_res**2 / EXP2_PER_S * 1e3
-        for dtype_name in args.dtypes.split(","):
-            dtype = DTYPES[dtype_name]
-            for bias_name in args.bias_dtypes.split(","):
-                bias_dtype = jnp.float32 if bias_name == "f32" else dtype
-                q, k, v, do, gate, bias, mask = make_inputs(shape, dtype, bias_dtype=bias_dtype)
-                scale = head_dim**-0.5
-                config = default_block_config(n_res, head_dim, dtype, bias_dtype)
-                _, attention, row_max, row_log2_sum = attention_forward(
-                    q, k, v, bias, mask, gate, scale=scale, tiles=config.forward,
-                    interpret=INTERPRET, save_stats=True,
+    for case in profile_cases(args):
+        shape_name, shape, dtype_name, dtype, bias_name, bias_dtype, floor_ms = case
+        *_, n_res, _, head_dim = shape
+        q, k, v, do, gate, bias, mask = make_inputs(shape, dtype, bias_dtype=bias_dtype)
+        scale = head_dim**-0.5
+        config = default_block_config(n_res, head_dim, dtype, bias_dtype)
+        _, attention, row_max, row_log2_sum = attention_forward(
+            q, k, v, bias, mask, gate, scale=scale, tiles=config.forward,
+            interpret=INTERPRET, save_stats=True,
+        )
+        delta = jnp.swapaxes(jnp.sum(do.astype(jnp.float32) * attention, -1), 2, 3)
+        triton_operands = (q, k, v, bias, mask, do, row_max, row_log2_sum, delta)
+        stats = jnp.stack([row_max, row_log2_sum, delta], axis=3)
+        mosaic_operands = (q, k, v, bias, mask, do, stats)
+
+        def emit(kernel, label, ms, diff=""):
+            floor = f"{100 * floor_ms / ms:.0f}" if isinstance(ms, float) else ""
+            ms = f"{ms:.3f}" if isinstance(ms, float) else ms
+            print(f"| {shape_name} | {dtype_name} | {bias_name} | {kernel} | {label} "
+                  f"| {ms} | {floor} | {diff} |", flush=True)
+
+        reference = {}
+        triton_kernels = {
+            "dkdv": (triton_backward.backward_dkdv, config.backward_dkdv),
+            "dq": (triton_backward.backward_dq, config.backward_dq),
+            "dbias": (triton_backward.backward_dbias, config.backward_dbias),
+        }
+        for kernel, (function, tiles) in triton_kernels.items():
+            call = lambda: function(  # noqa: E731
+                *triton_operands, scale=scale, tiles=tiles.clipped(n_res),
+                interpret=INTERPRET,
+                **({"dbias_dtype": jnp.float32} if kernel == "dbias" else {}),
+            )
+            reference[kernel] = jax.tree.leaves(call())
+            emit(f"triton {kernel}", tiles_label(tiles), time_it(call))
+
+        if supports(shape, dtype, bias_dtype) is not None:
+            continue
+        defaults = mosaic_backward.default_tiles(shape, dtype, bias_dtype)
+        turns = {"default": (defaults.ping_pong,), "on": (True,), "off": (False,),
+                 "both": (True, False)}[args.ping_pong]
+        for kernel in MOSAIC_KERNELS:
+            function = getattr(mosaic_backward, f"backward_{kernel}")
+            variants = [
+                (tiles, ping_pong)
+                for tiles in (
+                    parse_mosaic(getattr(args, kernel)) or [getattr(defaults, kernel)]
                 )
-                delta = jnp.swapaxes(jnp.sum(do.astype(jnp.float32) * attention, -1), 2, 3)
-                triton_operands = (q, k, v, bias, mask, do, row_max, row_log2_sum, delta)
-                stats = jnp.stack([row_max, row_log2_sum, delta], axis=3)
-                mosaic_operands = (q, k, v, bias, mask, do, stats)
+                for ping_pong in (turns if kernel != "dbias" else (None,))
+            ]
+            for tiles, ping_pong in variants:
+                extra = {} if ping_pong is None else {"ping_pong": ping_pong}
+                label = tiles_label(tiles) + (" ping-pong" if ping_pong else "")
+                call = lambda: function(  # noqa: E731
+                    *mosaic_operands, scale=scale, tiles=tiles, interpret=INTERPRET,
+                    **extra,
+                )
+                try:
+                    results = jax.tree.leaves(call())
+                    diff = max(relative_error(a, b)
+                               for a, b in zip(results, reference[kernel]))
+                    emit(f"mosaic {kernel}", label, time_it(call), f"{diff:.1e}")
+                except Exception as exc:  # a candidate that does not compile
+                    emit(f"mosaic {kernel}", label,
+                         f"failed: {type(exc).__name__}: {str(exc)[:200]}")
 
-                def emit(kernel, label, ms, diff=""):
-                    floor = f"{100 * floor_ms / ms:.0f}" if isinstance(ms, float) else ""
-                    ms = f"{ms:.3f}" if isinstance(ms, float) else ms
-                    print(f"| {shape_name} | {dtype_name} | {bias_name} | {kernel} | {label} "
-                          f"| {ms} | {floor} | {diff} |", flush=True)
+        if args.no_op:
+            continue
+        for implementation in ("pallas", "mosaic"):
+            def loss(q, k, v, bias, gate, implementation=implementation):
+                out = msa_row_attention(q, k, v, bias, mask != 0, gate,
+                                        implementation=implementation)
+                return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32))
 
-                reference = {}
-                triton_kernels = {
-                    "dkdv": (triton_backward.backward_dkdv, config.backward_dkdv),
-                    "dq": (triton_backward.backward_dq, config.backward_dq),
-                    "dbias": (triton_backward.backward_dbias, config.backward_dbias),
-                }
-                for kernel, (function, tiles) in triton_kernels.items():
-                    call = lambda: function(  # noqa: E731
-                        *triton_operands, scale=scale, tiles=tiles.clipped(n_res),
-                        interpret=INTERPRET,
-                        **({"dbias_dtype": jnp.float32} if kernel == "dbias" else {}),
-                    )
-                    reference[kernel] = jax.tree.leaves(call())
-                    emit(f"triton {kernel}", tiles_label(tiles), time_it(call))
-
-                if supports(shape, dtype, bias_dtype) is not None:
-                    continue
-                defaults = mosaic_backward.default_tiles(shape, dtype, bias_dtype)
-                turns = {"default": (defaults.ping_pong,), "on": (True,), "off": (False,),
-                         "both": (True, False)}[args.ping_pong]
-                for kernel in MOSAIC_KERNELS:
-                    function = getattr(mosaic_backward, f"backward_{kernel}")
-                    variants = [
-                        (tiles, ping_pong)
-                        for tiles in (
-                            parse_mosaic(getattr(args, kernel)) or [getattr(defaults, kernel)]
-                        )
-                        for ping_pong in (turns if kernel != "dbias" else (None,))
-                    ]
-                    for tiles, ping_pong in variants:
-                        extra = {} if ping_pong is None else {"ping_pong": ping_pong}
-                        label = tiles_label(tiles) + (" ping-pong" if ping_pong else "")
-                        call = lambda: function(  # noqa: E731
-                            *mosaic_operands, scale=scale, tiles=tiles, interpret=INTERPRET,
-                            **extra,
-                        )
-                        try:
-                            results = jax.tree.leaves(call())
-                            diff = max(relative_error(a, b)
-                                       for a, b in zip(results, reference[kernel]))
-                            emit(f"mosaic {kernel}", label, time_it(call), f"{diff:.1e}")
-                        except Exception as exc:  # a candidate that does not compile
-                            emit(f"mosaic {kernel}", label,
-                                 f"failed: {type(exc).__name__}: {str(exc)[:200]}")
-
-                if args.no_op:
-                    continue
-                for implementation in ("pallas", "mosaic"):
-                    def loss(q, k, v, bias, gate, implementation=implementation):
-                        out = msa_row_attention(q, k, v, bias, mask != 0, gate,
-                                                implementation=implementation)
-                        return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32))
-
-                    fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
-                    ms = time_it(lambda: fwd_bwd(q, k, v, bias, gate))
-                    print(f"| {shape_name} | {dtype_name} | {bias_name} | op f+b "
-                          f"| {implementation} | {ms:.3f} | {100 * 3 * floor_ms / ms:.0f} | |",
-                          flush=True)
+            fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+            ms = time_it(lambda: fwd_bwd(q, k, v, bias, gate))
+            print(f"| {shape_name} | {dtype_name} | {bias_name} | op f+b "
+                  f"| {implementation} | {ms:.3f} | {100 * 3 * floor_ms / ms:.0f} | |",
+                  flush=True)
     return 0
 
 

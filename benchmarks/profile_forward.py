@@ -39,6 +39,26 @@ INTERPRET = jax.default_backend() != "gpu"
 EXP2_PER_S = 4.2e12
 
 
+def parse_shape(name: str) -> tuple[int, int, int, int, int]:
+    """A shape of shapes.py by name, or `BxSxNxHxd`."""
+    return SHAPES.get(name) or tuple(int(x) for x in name.split("x"))
+
+
+def profile_cases(args):
+    """Each (shape name, shape, dtype name, dtype, bias name, bias dtype,
+    floor ms) of `--shapes` x `--dtypes` x `--bias-dtypes`; the floor is
+    B*S*H*N^2 exponentials at `EXP2_PER_S`."""
+    for shape_name in args.shapes.split(","):
+        shape = parse_shape(shape_name)
+        batch, rows, n_res, heads, _ = shape
+        floor_ms = batch * rows * heads * n_res**2 / EXP2_PER_S * 1e3
+        for dtype_name in args.dtypes.split(","):
+            dtype = DTYPES[dtype_name]
+            for bias_name in args.bias_dtypes.split(","):
+                bias_dtype = jnp.float32 if bias_name == "f32" else dtype
+                yield shape_name, shape, dtype_name, dtype, bias_name, bias_dtype, floor_ms
+
+
 def parse_mosaic(text: str) -> list[MosaicTiles]:
     tiles = []
     for item in filter(None, text.split(",")):
@@ -49,10 +69,14 @@ def parse_mosaic(text: str) -> list[MosaicTiles]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default="seed" if INTERPRET else "train,finetune,extra,long,longer")
+    parser.add_argument(
+        "--shapes", default="seed" if INTERPRET else "train,finetune,extra,long,longer",
+        help="names from shapes.py or BxSxNxHxd",
+    )
     parser.add_argument("--dtypes", default="bf16")
     parser.add_argument("--bias-dtypes", default="f32,input", help="f32 and/or input (q's dtype)")
-    parser.add_argument("--mosaic", default="", help="candidates BQxBKxSTAGESxROWS, comma-separated")
+    parser.add_argument("--mosaic", default="",
+                        help="candidates BQxBKxSTAGESxROWS, comma-separated")
     parser.add_argument("--reps", type=int, default=1 if INTERPRET else 20)
     parser.add_argument("--samples", type=int, default=1 if INTERPRET else 7)
     args = parser.parse_args(argv)
@@ -60,52 +84,47 @@ def main(argv=None) -> int:
     print("| shape | dtype | bias | kernel | tiles | fwd ms | fwd+stats ms | floor % | rel err "
           "| residuals vs Triton |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for shape_name in args.shapes.split(","):
-        shape = SHAPES[shape_name]
-        batch, rows, n_res, heads, head_dim = shape
-        floor_ms = batch * rows * heads * n_res**2 / EXP2_PER_S * 1e3
-        for dtype_name in args.dtypes.split(","):
-            dtype = DTYPES[dtype_name]
-            for bias_name in args.bias_dtypes.split(","):
-                bias_dtype = jnp.float32 if bias_name == "f32" else dtype
-                q, k, v, _, gate, bias, mask = make_inputs(shape, dtype, bias_dtype=bias_dtype)
-                scale = head_dim**-0.5
-                reference = msa_row_attention_xla(
-                    *(x.astype(jnp.float32) for x in (q, k, v, bias)), mask != 0,
-                    gate.astype(jnp.float32), scale=scale,
+    for case in profile_cases(args):
+        shape_name, shape, dtype_name, dtype, bias_name, bias_dtype, floor_ms = case
+        *_, n_res, _, head_dim = shape
+        q, k, v, _, gate, bias, mask = make_inputs(shape, dtype, bias_dtype=bias_dtype)
+        scale = head_dim**-0.5
+        reference = msa_row_attention_xla(
+            *(x.astype(jnp.float32) for x in (q, k, v, bias)), mask != 0,
+            gate.astype(jnp.float32), scale=scale,
+        )
+        config = default_block_config(n_res, head_dim, dtype, bias_dtype)
+        kernels = [("triton", str(config.forward), triton_forward.attention_forward,
+                    config.forward)]
+        candidates = parse_mosaic(args.mosaic) or [
+            mosaic_forward.default_tiles(shape, dtype, bias_dtype, save_stats=True)
+        ]
+        if supports(shape, dtype, bias_dtype) is None:
+            kernels += [("mosaic", str(t), mosaic_forward.attention_forward, t)
+                        for t in candidates]
+        triton_stats = None
+        for kernel_name, label, forward, tiles in kernels:
+            run = lambda save_stats: forward(
+                q, k, v, bias, mask, gate, scale=scale, tiles=tiles,
+                interpret=INTERPRET, save_stats=save_stats,
+            )
+            try:
+                out = run(False)
+                error = relative_error(out, reference)
+                fwd = batched_ms(lambda: run(False), args.reps, args.samples)
+                with_stats = batched_ms(lambda: run(True), args.reps, args.samples)
+                stats = run(True)[1:]
+                triton_stats = stats if triton_stats is None else triton_stats
+                residuals = max(
+                    float(jnp.max(jnp.abs(a - b))) for a, b in zip(stats, triton_stats)
                 )
-                config = default_block_config(n_res, head_dim, dtype, bias_dtype)
-                kernels = [("triton", str(config.forward), triton_forward.attention_forward,
-                            config.forward)]
-                candidates = parse_mosaic(args.mosaic) or [
-                    mosaic_forward.default_tiles(shape, dtype, bias_dtype, save_stats=True)
-                ]
-                if supports(shape, dtype, bias_dtype) is None:
-                    kernels += [("mosaic", str(t), mosaic_forward.attention_forward, t)
-                                for t in candidates]
-                triton_stats = None
-                for kernel_name, label, forward, tiles in kernels:
-                    run = lambda save_stats: forward(
-                        q, k, v, bias, mask, gate, scale=scale, tiles=tiles,
-                        interpret=INTERPRET, save_stats=save_stats,
-                    )
-                    try:
-                        out = run(False)
-                        error = relative_error(out, reference)
-                        fwd = batched_ms(lambda: run(False), args.reps, args.samples)
-                        with_stats = batched_ms(lambda: run(True), args.reps, args.samples)
-                        stats = run(True)[1:]
-                        triton_stats = stats if triton_stats is None else triton_stats
-                        residuals = max(
-                            float(jnp.max(jnp.abs(a - b))) for a, b in zip(stats, triton_stats)
-                        )
-                    except Exception as exc:  # a candidate that does not compile
-                        print(f"| {shape_name} | {dtype_name} | {bias_name} | {kernel_name} "
-                              f"| {label} | failed: {type(exc).__name__}: {str(exc)[:200]} |")
-                        continue
-                    print(f"| {shape_name} | {dtype_name} | {bias_name} | {kernel_name} | {label} "
-                          f"| {fwd:.3f} | {with_stats:.3f} | {100 * floor_ms / fwd:.0f} "
-                          f"| {error:.1e} | {residuals:.1e} |", flush=True)
+            except Exception as exc:  # a candidate that does not compile
+                print(f"| {shape_name} | {dtype_name} | {bias_name} | {kernel_name} "
+                      f"| {label} | failed: {type(exc).__name__}: {str(exc)[:200]} |")
+                continue
+            print(f"| {shape_name} | {dtype_name} | {bias_name} | {kernel_name} | {label} "
+                  f"| {fwd:.3f} | {with_stats:.3f} | {100 * floor_ms / fwd:.0f} "
+                  f"| {error:.1e} | {residuals:.1e} |", flush=True)
     return 0
 
 
