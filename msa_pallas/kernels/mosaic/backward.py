@@ -47,9 +47,9 @@ from msa_pallas.block_sizes import (
 )
 from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2
 from msa_pallas.kernels.mosaic.common import (
-    MAX_SHARED_MEMORY, WGMMA_COL, WGMMA_ROW, PingPong, accumulate_products, consumer_registers,
-    check_kernel_inputs, copy_tiles, launch, produce, producer_registers, smem_products,
-    smem_tile, smem_vectors, zeros,
+    MAX_SHARED_MEMORY, WGMMA_COL, WGMMA_ROW, PingPong, accumulate_products,
+    batch_head_and_warpgroup, check_kernel_inputs, consumer_registers, copy_tiles, launch,
+    produce, producer_registers, smem_products, smem_tile, smem_vectors, zeros,
 )
 
 def default_tiles(q_shape, q_dtype, bias_dtype) -> MosaicBackwardTiles:
@@ -123,11 +123,6 @@ def _load_stats(stats_ref, layout):
     return tuple(plgpu.load(stats_ref.at[i], layout=layout) for i in range(3))
 
 
-def _grid_position(heads: int):
-    batch_head = lax.axis_index("batch_heads")
-    return lax.div(batch_head, heads), lax.rem(batch_head, heads), lax.axis_index("wg")
-
-
 def _dkdv_kernel(
     gmem, smem, produced, consumed, schedule, *, scale: float, n_res: int, tiles: MosaicTiles,
     msa_rows: int, heads: int, dtype, ping_pong: bool, interpret: bool,
@@ -135,7 +130,7 @@ def _dkdv_kernel(
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     query_tiles = n_res // block_q
     has_mask = "mask" in gmem
-    batch, head, wg = _grid_position(heads)
+    batch, head, wg = batch_head_and_warpgroup(heads)
     row_group = lax.axis_index("row_groups")
     keys = pl.ds(lax.axis_index("key_tiles") * block_k, block_k)
 
@@ -224,7 +219,7 @@ def _dq_kernel(
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     key_tiles = n_res // block_k
     has_mask = "mask" in gmem
-    batch, head, wg = _grid_position(heads)
+    batch, head, wg = batch_head_and_warpgroup(heads)
     row_group = lax.axis_index("row_groups")
     queries = pl.ds(lax.axis_index("query_tiles") * block_q, block_q)
 

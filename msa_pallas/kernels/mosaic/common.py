@@ -203,6 +203,13 @@ def copy_tiles(gmem, smem, names, source_index, destination_index, barrier) -> N
         )
 
 
+def batch_head_and_warpgroup(heads: int):
+    """(batch, head, wg) of this thread, for grids whose last axis is the
+    flattened B * H ("batch_heads")."""
+    batch_head = lax.axis_index("batch_heads")
+    return lax.div(batch_head, heads), lax.rem(batch_head, heads), lax.axis_index("wg")
+
+
 def zeros(shape):
     """float32 zeros in the wgmma accumulator layout."""
     return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), WGMMA)

@@ -40,8 +40,8 @@ from msa_pallas.block_sizes import MosaicTiles, mosaic_shared_memory_bytes
 from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2
 from msa_pallas.kernels.mosaic.common import (
     MAX_SHARED_MEMORY, WGMMA, WGMMA_COL, WGMMA_ROW, PingPong, accumulate_products,
-    check_kernel_inputs, consumer_registers, launch, producer_registers, sigmoid, smem_products,
-    smem_tile, smem_vectors,
+    batch_head_and_warpgroup, check_kernel_inputs, consumer_registers, launch,
+    producer_registers, sigmoid, smem_products, smem_tile, smem_vectors,
 )
 
 
@@ -79,9 +79,7 @@ def _kernel(
 
     row_group = lax.axis_index("row_groups")
     q_start = lax.axis_index("query_tiles") * block_q
-    batch_head = lax.axis_index("batch_heads")
-    batch, head = lax.div(batch_head, heads), lax.rem(batch_head, heads)
-    wg = lax.axis_index("wg")
+    batch, head, wg = batch_head_and_warpgroup(heads)
     queries = pl.ds(q_start, block_q)
 
     @pl.when(wg < msa_rows)
