@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 import msa_pallas
+from msa_pallas.kernels.mosaic.common import supports as mosaic_supports
 # Unavailable, on_gpu and the importers are used by the scripts through this module too.
 from packages import (ALTERNATIVE_PACKAGES, Unavailable, import_cuequivariance,  # noqa: F401
                       import_tokamax, on_gpu, package_version, tokamax_with)
@@ -83,10 +84,21 @@ def _msa_pallas_builder(implementation: str | None) -> Callable[[Case], Callable
     return build
 
 
-# What a user gets: the Mosaic GPU forward where `implementation=None` picks it.
+# What a user gets: the Mosaic GPU kernels where `implementation=None` picks them.
 build_msa_pallas = _msa_pallas_builder(None)
-# The Triton kernels alone, to see what the Mosaic forward adds.
+# The Triton kernels alone, to see what the Mosaic kernels add.
 build_msa_pallas_triton = _msa_pallas_builder("pallas")
+
+
+def build_msa_pallas_mosaic(case: Case) -> Callables:
+    """The Mosaic GPU kernels forced (`implementation="mosaic"`), also where
+    `implementation=None` does not pick them: how a dispatch rule is checked."""
+    if not on_gpu():
+        raise Unavailable("the Mosaic GPU kernels are timed on a GPU only")
+    reason = mosaic_supports(case.dims, case.dtype, case.bias_dtype)
+    if reason is not None:
+        raise Unavailable(reason)
+    return _msa_pallas_builder("mosaic")(case)
 
 
 def build_xla(case: Case) -> Callables:
@@ -270,6 +282,7 @@ def build_tokamax_triton(case: Case) -> Callables:
 IMPLEMENTATIONS: dict[str, Callable[[Case], Callables]] = {
     "msa_pallas": build_msa_pallas,
     "msa_pallas_triton": build_msa_pallas_triton,
+    "msa_pallas_mosaic": build_msa_pallas_mosaic,
     "xla": build_xla,
     "cudnn": build_cudnn,
     "cuequivariance": build_cuequivariance,
@@ -281,7 +294,7 @@ IMPLEMENTATIONS: dict[str, Callable[[Case], Callables]] = {
 # never an alternative to beat, and its output is not checked.
 REFERENCE_POINTS = ("jax_mha_nobias",)
 # msa_pallas' own variants: checked, timed, never a yardstick.
-OWN_VARIANTS = ("msa_pallas_triton",)
+OWN_VARIANTS = ("msa_pallas_triton", "msa_pallas_mosaic")
 
 
 # --- attention cores for msa_pallas' Flax layer --------------------------------

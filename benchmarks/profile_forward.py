@@ -60,10 +60,11 @@ def profile_cases(args):
 
 
 def parse_mosaic(text: str) -> list[MosaicTiles]:
+    """`BQxBKxSTAGESxROWS[xPING_PONG]` candidates, comma-separated (PING_PONG 1 or 0)."""
     tiles = []
     for item in filter(None, text.split(",")):
-        block_q, block_k, stages, rows = (int(x) for x in item.split("x"))
-        tiles.append(MosaicTiles(block_q, block_k, stages, rows))
+        block_q, block_k, stages, rows, *turns = (int(x) for x in item.split("x"))
+        tiles.append(MosaicTiles(block_q, block_k, stages, rows, *(bool(t) for t in turns)))
     return tiles
 
 

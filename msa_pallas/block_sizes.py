@@ -102,12 +102,16 @@ class MosaicTiles:
       num_stages: depth of the shared-memory ring of K, V and bias tiles.
       msa_rows: consumer warpgroups per CTA, one MSA row each, sharing every
         bias tile (1 or 2; used as the largest divisor of S not above it).
+      ping_pong: with two consumers, the forward's consumers take turns
+        (`kernels.mosaic.common.PingPong`). The backward kernels follow
+        `MosaicBackwardTiles.ping_pong` instead.
     """
 
     block_q: int = 64
     block_k: int = 128
     num_stages: int = 2
     msa_rows: int = 2
+    ping_pong: bool = True
 
     def __post_init__(self):
         if self.block_q not in (64, 128):

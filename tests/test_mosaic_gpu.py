@@ -93,18 +93,18 @@ def test_repeatable_bitwise(seed):
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_default_picks_mosaic_above_256_residues():
-    q = jnp.ones((1, 2, 384, 4, 32), jnp.bfloat16)
+def test_default_picks_mosaic_from_256_residues():
     bias = jnp.ones((1, 4, 384, 384), jnp.float32)
-    assert msa_pallas.resolve_implementation(None, q, 0.0, bias) == MOSAIC
-    short = jnp.ones((1, 2, 256, 4, 32), jnp.bfloat16)
+    for n_res, head_dim in ((384, 32), (256, 32), (384, 8), (1024, 64)):
+        q = jnp.ones((1, 2, n_res, 4, head_dim), jnp.bfloat16)
+        assert msa_pallas.resolve_implementation(None, q, 0.0, bias) == MOSAIC, (n_res, head_dim)
+    short = jnp.ones((1, 2, 128, 4, 32), jnp.bfloat16)
     assert msa_pallas.resolve_implementation(None, short, 0.0, bias) == "pallas"
-    # N not a multiple of 128: the Triton kernels.
+    # N not a multiple of 128, or float32: the Triton kernels.
     odd = jnp.ones((1, 2, 320, 4, 32), jnp.bfloat16)
     assert msa_pallas.resolve_implementation(None, odd, 0.0, bias) == "pallas"
-    # d = 8, which "mosaic" pads to 16: the Triton kernels until measured.
-    narrow = jnp.ones((1, 2, 384, 4, 8), jnp.bfloat16)
-    assert msa_pallas.resolve_implementation(None, narrow, 0.0, bias) == "pallas"
+    wide = jnp.ones((1, 2, 384, 4, 32), jnp.float32)
+    assert msa_pallas.resolve_implementation(None, wide, 0.0, bias) == "pallas"
 
 
 def test_head_dim_8_padded(seed):

@@ -48,8 +48,9 @@ from msa_pallas.block_sizes import (
 from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2
 from msa_pallas.kernels.mosaic.common import (
     MAX_SHARED_MEMORY, WGMMA_COL, WGMMA_ROW, PingPong, accumulate_products,
-    batch_head_and_warpgroup, check_kernel_inputs, consumer_registers, copy_tiles, launch,
-    produce, producer_registers, smem_products, smem_tile, smem_vectors, zeros,
+    accumulator_bias, batch_head_and_warpgroup, bias_tile, check_kernel_inputs,
+    consumer_registers, copy_tiles, launch, produce, producer_registers, smem_products,
+    smem_tile, smem_vectors, zeros,
 )
 
 def default_tiles(q_shape, q_dtype, bias_dtype) -> MosaicBackwardTiles:
@@ -89,13 +90,14 @@ def _check_blocks(n_res: int, **blocks):
             raise ValueError(f"N={n_res} is not a multiple of {name}={block}")
 
 
-def _recompute(s, dp, bias, keep, stats, *, scale_log2: float, query_axis: int, with_p: bool):
+def _recompute(s, dp, keep, stats, *, scale: float, query_axis: int, with_p: bool):
     """The probabilities `p` (if `with_p`, else None) and the logit gradient
     `ds` of one tile, float32, as the forward computed them.
 
     Args:
-      s: `q . k` of the tile; dp: `do . v`; bias: the bias tile, all in the
-        same orientation, queries along `query_axis`.
+      s: `q . k + bias / scale` of the tile (the product started from the
+        bias tile, `common.bias_tile`); dp: `do . v`; both in the same
+        orientation, queries along `query_axis`.
       keep: `[keys]` bool (nonzero keeps) or None.
       stats: row max, log2 row sum and delta, `[queries]` float32 each.
     """
@@ -103,8 +105,8 @@ def _recompute(s, dp, bias, keep, stats, *, scale_log2: float, query_axis: int, 
     per_query = lambda x: lax.broadcast_in_dim(x, s.shape, [query_axis])  # noqa: E731
     # For a row with a kept key the row max is an ordinary logit, so one
     # subtraction of m + log2(l) is exact enough; masked keys take their own
-    # value below (m is -1.44e9 for a fully masked row).
-    x = s * scale_log2 + (bias * LOG2E - per_query(row_max + row_log2_sum))
+    # value below (m is -1.44e9 for a fully masked row). One FMA per logit.
+    x = s * (scale * LOG2E) - per_query(row_max + row_log2_sum)
     if keep is not None:
         keep = lax.broadcast_in_dim(keep, s.shape, [1 - query_axis])
         if with_p:
@@ -158,13 +160,12 @@ def _dkdv_kernel(
             plgpu.barrier_wait(produced["step"].at[slot])
             q_smem, do_smem = smem["q"].at[slot, wg], smem["do"].at[slot, wg]
             s_t, dp_t = smem_products(
-                ((k_smem, q_smem.T), (v_smem, do_smem.T)), turns.hand_over
+                ((k_smem, q_smem.T), (v_smem, do_smem.T)), turns.hand_over,
+                inits=(bias_tile(smem["bias"][slot], scale), None), interpret=interpret,
             )
             stats = _load_stats(smem["stats"].at[slot, wg], WGMMA_COL)
-            bias_t = smem["bias"][slot].astype(jnp.float32)
             p_t, ds_t = _recompute(
-                s_t, dp_t, bias_t, keep, stats, scale_log2=scale * LOG2E, query_axis=1,
-                with_p=True,
+                s_t, dp_t, keep, stats, scale=scale, query_axis=1, with_p=True
             )
             # Finish the elementwise work before handing the turn over.
             p_t, ds_t = lax.optimization_barrier((p_t.astype(dtype), ds_t.astype(dtype)))
@@ -243,17 +244,15 @@ def _dq_kernel(
             plgpu.barrier_wait(produced["step"].at[slot])
             k_smem, v_smem = smem["k"].at[slot, wg], smem["v"].at[slot, wg]
             s, dp = smem_products(
-                ((q_smem, k_smem.T), (do_smem, v_smem.T)), turns.hand_over
+                ((q_smem, k_smem.T), (do_smem, v_smem.T)), turns.hand_over,
+                inits=(bias_tile(smem["bias"][slot], scale), None), interpret=interpret,
             )
             keep = None
             if has_mask:
                 keep = plgpu.load(
                     smem["mask"].at[slot, wg, 0, pl.ds(0, block_k)], layout=WGMMA_COL
                 ) != 0
-            bias = smem["bias"][slot].astype(jnp.float32)
-            _, ds = _recompute(
-                s, dp, bias, keep, stats, scale_log2=scale * LOG2E, query_axis=0, with_p=False
-            )
+            _, ds = _recompute(s, dp, keep, stats, scale=scale, query_axis=0, with_p=False)
             ds = lax.optimization_barrier(ds.astype(dtype))
             turns.release()
             turns.take_turn()
@@ -294,7 +293,7 @@ def _dq_kernel(
 
 def _dbias_kernel(
     gmem, smem, produced, consumed, *, scale: float, tiles: MosaicTiles, consumers: int,
-    rows_per_chunk: int, batch_heads: int, heads: int,
+    rows_per_chunk: int, batch_heads: int, heads: int, interpret: bool,
 ):
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     has_mask = "mask" in gmem
@@ -322,7 +321,13 @@ def _dbias_kernel(
             plgpu.barrier_wait(produced["step"].at[slot])
             q_smem, do_smem = smem["q"].at[slot, wg], smem["do"].at[slot, wg]
             k_smem, v_smem = smem["k"].at[slot], smem["v"].at[slot]
-            s, dp = smem_products(((q_smem, k_smem.T), (do_smem, v_smem.T)))
+            # The bias tile is read from shared memory at every step (held in
+            # registers across the loop, a float32 tile would crowd out s and
+            # dp) into the logits' accumulator.
+            s, dp = smem_products(
+                ((q_smem, k_smem.T), (do_smem, v_smem.T)),
+                inits=(bias_tile(smem["bias"][wg], scale), None), interpret=interpret,
+            )
             stats = _load_stats(smem["stats"].at[slot, wg], WGMMA_ROW)
             keep = None
             if has_mask:
@@ -330,12 +335,7 @@ def _dbias_kernel(
                     smem["mask"].at[slot, 0, pl.ds(0, block_k)], layout=WGMMA_COL
                 ) != 0
             plgpu.barrier_arrive(consumed.at[slot])
-            # Read from shared memory at every step: held in registers across
-            # the loop, a float32 tile would crowd out s and dp.
-            bias = smem["bias"][wg].astype(jnp.float32)
-            _, ds = _recompute(
-                s, dp, bias, keep, stats, scale_log2=scale * LOG2E, query_axis=0, with_p=False
-            )
+            _, ds = _recompute(s, dp, keep, stats, scale=scale, query_axis=0, with_p=False)
             return dbias + ds
 
         dbias = lax.fori_loop(0, rows_per_chunk, visit_msa_row, zeros((block_q, block_k)))
@@ -392,7 +392,8 @@ def backward_dkdv(
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     _check_blocks(n_res, block_q=block_q, block_k=block_k)
     inputs = _operands(
-        q=q, k=k, v=v, bias_t=jnp.swapaxes(bias, -1, -2), mask=mask, do=do, stats=stats
+        q=q, k=k, v=v, bias_t=jnp.swapaxes(accumulator_bias(bias, scale), -1, -2), mask=mask,
+        do=do, stats=stats,
     )
     out_types = {"dk": jax.ShapeDtypeStruct(q.shape, q.dtype),
                  "dv": jax.ShapeDtypeStruct(q.shape, q.dtype)}
@@ -417,7 +418,8 @@ def backward_dkdv(
         interpret=interpret,
     )
     return launch(
-        body, scratch=(smem, produced, consumed, plgpu.Barrier(num_arrivals=msa_rows)),
+        body, name="msa_mosaic_dkdv",
+        scratch=(smem, produced, consumed, plgpu.Barrier(num_arrivals=msa_rows)),
         inputs=inputs, out_types=out_types,
         grid=(rows // msa_rows, pl.cdiv(n_res, block_k), batch * heads),
         grid_names=("row_groups", "key_tiles", "batch_heads"),
@@ -436,7 +438,9 @@ def backward_dq(
     msa_rows = tiles.msa_rows_for(rows)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     _check_blocks(n_res, block_q=block_q, block_k=block_k)
-    inputs = _operands(q=q, k=k, v=v, bias=bias, mask=mask, do=do, stats=stats)
+    inputs = _operands(
+        q=q, k=k, v=v, bias=accumulator_bias(bias, scale), mask=mask, do=do, stats=stats
+    )
     out_types = {"dq": jax.ShapeDtypeStruct(q.shape, q.dtype)}
     smem = {
         "q": smem_tile((msa_rows, block_q, head_dim), q.dtype),
@@ -461,7 +465,8 @@ def backward_dq(
         interpret=interpret,
     )
     (dq,) = launch(
-        body, scratch=(smem, produced, consumed, plgpu.Barrier(num_arrivals=msa_rows)),
+        body, name="msa_mosaic_dq",
+        scratch=(smem, produced, consumed, plgpu.Barrier(num_arrivals=msa_rows)),
         inputs=inputs, out_types=out_types,
         grid=(rows // msa_rows, pl.cdiv(n_res, block_q), batch * heads),
         grid_names=("row_groups", "query_tiles", "batch_heads"),
@@ -488,7 +493,9 @@ def backward_dbias(
     _check_blocks(n_res, **{"block_q * msa_rows": block_q * consumers, "block_k": block_k})
     query_tiles, key_tiles = n_res // (block_q * consumers), n_res // block_k
     chunks = row_chunks(query_tiles * key_tiles * batch * heads, rows)
-    inputs = _operands(q=q, k=k, v=v, bias=bias, mask=mask, do=do, stats=stats)
+    inputs = _operands(
+        q=q, k=k, v=v, bias=accumulator_bias(bias, scale), mask=mask, do=do, stats=stats
+    )
     out_types = {
         "dbias": jax.ShapeDtypeStruct((chunks, batch, heads, n_res, n_res), jnp.float32)
     }
@@ -513,10 +520,11 @@ def backward_dbias(
     body = functools.partial(
         _dbias_kernel, scale=scale, tiles=tiles,
         consumers=consumers, rows_per_chunk=rows // chunks, batch_heads=batch * heads,
-        heads=heads,
+        heads=heads, interpret=interpret,
     )
     (partial_sums,) = launch(
-        body, scratch=(smem, produced, consumed), inputs=inputs, out_types=out_types,
+        body, name="msa_mosaic_dbias", scratch=(smem, produced, consumed),
+        inputs=inputs, out_types=out_types,
         grid=(query_tiles, key_tiles, chunks * batch * heads),
         grid_names=("query_tiles", "key_tiles", "chunk_batch_heads"),
         consumers=consumers, interpret=interpret,

@@ -10,6 +10,7 @@ consumer arrives on the slot's `consumed` barrier when it is done with it.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from msa_pallas.kernels.constants import LOG2E
+from msa_pallas.reference import MASKED_LOGIT
 
 HEAD_DIMS = (16, 32, 64, 128)
 # N must be a multiple of this (`supports`); other N run the Triton kernels.
@@ -78,6 +80,42 @@ def check_kernel_inputs(q, bias) -> None:
         raise ValueError(reason)
 
 
+def accumulator_bias(bias, scale: float):
+    """The bias as the kernels' logit products start from it.
+
+    The kernels compute logits in the units of `q . k`: the first product's
+    accumulator starts from `bias / scale`, so the matrix units add the
+    bias, and one FMA per logit, `(q.k + bias / scale) * scale * log2(e)`,
+    brings it to base 2. A 32-bit bias is divided here, once per call
+    (B·H·N² elements, against the kernels' B·S·H·N² logits); a 16-bit one is
+    divided in the kernels, in float32 (`bias_tile`), which keeps it exact.
+    """
+    if jnp.dtype(bias.dtype).itemsize == 4:
+        return bias * jnp.float32(1.0 / scale)
+    return bias
+
+
+def bias_tile(tile, scale: float):
+    """A bias tile read from shared memory (`accumulator_bias`'s array), as
+    float32 in the units of `q . k`."""
+    if jnp.dtype(tile.dtype).itemsize == 4:
+        return tile
+    return tile.astype(jnp.float32) * (1.0 / scale)
+
+
+def masked_accumulator_logit(scale: float) -> float:
+    """The logit a masked key gets, in the units of `q . k`: -2^k with the
+    smallest k for which it is at least 1e9 in magnitude once scaled.
+
+    A power of two, so that its base-2 value `-2^k * scale * log2(e)` is an
+    exact float32 product: in a row whose keys are all masked, every logit
+    minus the row max is then exactly 0 and the weights are uniform. In a
+    row with a kept key, masked keys get weight 0 as with AlphaFold's -1e9,
+    unless every kept logit is itself below -1e9.
+    """
+    return -(2.0 ** math.ceil(math.log2(-MASKED_LOGIT / scale)))
+
+
 def smem_tile(shape, dtype):
     """Shared memory tiled and swizzled as TMA and wgmma want it."""
     bits = jnp.dtype(dtype).itemsize * 8
@@ -97,24 +135,51 @@ def sigmoid(x):
     return 1.0 / (1.0 + jnp.exp2(x * -LOG2E))
 
 
-def smem_products(operands, while_they_run: Callable[[], None] | None = None):
-    """`a @ b` float32 for each `(a, b)` pair of shared-memory operands
-    (`b` may be a transposed view), issued together and waited for once,
-    running `while_they_run()` while the matrix units work. (The
-    interpreter's wgmma takes such operands as the GPU's does.)
+def smem_products(
+    operands, while_they_run: Callable[[], None] | None = None, inits=None,
+    interpret: bool = False,
+):
+    """`init + a @ b` float32 for each `(a, b)` pair of shared-memory operands
+    (`b` may be a transposed view) and its `init` (`[M, N]` float32 in the
+    wgmma layout, or None for zeros), issued together and waited for once,
+    running `while_they_run()` while the matrix units work.
+
+    An `init` starts the product's accumulator: whatever it holds is added
+    by the matrix units, at no cost to the FP32 pipe.
 
     Returns a tuple of `[M, N]` float32 values in the wgmma layout.
     """
     shapes = [(a.shape[0], b.shape[1]) for a, b in operands]
+    inits = (None,) * len(operands) if inits is None else tuple(inits)
 
-    def compute(*acc_refs):
+    if interpret or all(init is None for init in inits):
+        # The interpreter's wgmma takes such operands as the GPU's does, into
+        # zeroed accumulators; the inits are added afterwards.
+        def compute(*acc_refs):
+            for acc_ref, (a, b) in zip(acc_refs, operands):
+                plgpu.wgmma(acc_ref, a, b)
+            if while_they_run is not None:
+                while_they_run()
+            return tuple(acc_ref[...] for acc_ref in acc_refs)
+
+        products = pl.run_scoped(
+            compute, *(plgpu.ACC(shape, jnp.float32) for shape in shapes)
+        )
+        return tuple(
+            product if init is None else init + product
+            for product, init in zip(products, inits)
+        )
+
+    def accumulate(acc_refs):
         for acc_ref, (a, b) in zip(acc_refs, operands):
             plgpu.wgmma(acc_ref, a, b)
         if while_they_run is not None:
             while_they_run()
-        return tuple(acc_ref[...] for acc_ref in acc_refs)
 
-    return pl.run_scoped(compute, *(plgpu.ACC(shape, jnp.float32) for shape in shapes))
+    starts = tuple(
+        zeros(shape) if init is None else init for shape, init in zip(shapes, inits)
+    )
+    return pl.run_state(accumulate)(tuple(plgpu.ACC.init(start) for start in starts))
 
 
 def accumulate_products(
@@ -240,12 +305,13 @@ def produce(num_steps: int, stages: int, issue_copies, consumed) -> None:
         plgpu.barrier_wait(consumed.at[step % stages])
 
 
-def launch(body, *, scratch, inputs: dict, out_types: dict, grid, grid_names, consumers: int,
-           interpret: bool):
+def launch(body, *, name: str, scratch, inputs: dict, out_types: dict, grid, grid_names,
+           consumers: int, interpret: bool):
     """Runs `body(gmem, *scratch_refs)` as a warp-specialised kernel of
     `consumers` consumer warpgroups and one producer (the last `wg`).
 
-    `gmem` maps the names of `inputs` and `out_types` to their refs.
+    `gmem` maps the names of `inputs` and `out_types` to their refs. `name`
+    is the kernel's name on the GPU (what a profiler lists).
     """
     names = (*inputs, *out_types)
 
@@ -261,6 +327,7 @@ def launch(body, *, scratch, inputs: dict, out_types: dict, grid, grid_names, co
         grid_names=grid_names,
         num_threads=consumers + 1,
         thread_name="wg",
+        kernel_name=name,
         compiler_params=COMPILER_PARAMS,
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(*inputs.values())

@@ -40,8 +40,9 @@ from msa_pallas.block_sizes import MosaicTiles, mosaic_shared_memory_bytes
 from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2
 from msa_pallas.kernels.mosaic.common import (
     MAX_SHARED_MEMORY, WGMMA, WGMMA_COL, WGMMA_ROW, PingPong, accumulate_products,
-    batch_head_and_warpgroup, check_kernel_inputs, consumer_registers, launch,
-    producer_registers, sigmoid, smem_products, smem_tile, smem_vectors,
+    accumulator_bias, batch_head_and_warpgroup, bias_tile, check_kernel_inputs,
+    consumer_registers, launch, masked_accumulator_logit, producer_registers, sigmoid,
+    smem_products, smem_tile, smem_vectors,
 )
 
 
@@ -68,14 +69,16 @@ def default_tiles(q_shape, q_dtype, bias_dtype, save_stats: bool, has_gate: bool
 
 
 def _kernel(
-    gmem, smem, produced, consumed, schedule, *, scale_log2: float, n_res: int,
+    gmem, smem, produced, consumed, schedule, *, scale: float, n_res: int,
     tiles: MosaicTiles, msa_rows: int, heads: int, dtype, interpret: bool,
 ):
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     key_tiles = pl.cdiv(n_res, block_k)
     has_mask, has_gate = "mask" in gmem, "gate" in gmem
     save_stats = "attention" in gmem
-    ping_pong = msa_rows == 2
+    ping_pong = msa_rows == 2 and tiles.ping_pong
+    to_log2 = scale * LOG2E
+    masked = masked_accumulator_logit(scale)
 
     row_group = lax.axis_index("row_groups")
     q_start = lax.axis_index("query_tiles") * block_q
@@ -110,10 +113,11 @@ def _kernel(
             acc, row_max, row_sum = carry
             slot = lax.rem(key_tile, stages)
 
+            # The product starts from the bias tile, so the matrix units add it.
             (logits,) = smem_products(
-                ((q_smem, smem["k"].at[slot, wg].T),), turns.hand_over
+                ((q_smem, smem["k"].at[slot, wg].T),), turns.hand_over,
+                inits=(bias_tile(smem["bias"][slot], scale),), interpret=interpret,
             )
-            bias = smem["bias"][slot].astype(jnp.float32)
             if has_mask:
                 keep = plgpu.load(
                     smem["mask"].at[slot, wg, 0, pl.ds(0, block_k)], layout=WGMMA_COL
@@ -121,18 +125,20 @@ def _kernel(
                 keep = lax.broadcast_in_dim(keep != 0, logits.shape, [1])
             plgpu.barrier_arrive(consumed["k"].at[slot])
 
-            t = logits * scale_log2 + bias * LOG2E
+            t = logits
             if has_mask:
-                t = jnp.where(keep, t, MASKED_LOGIT_LOG2)
+                t = jnp.where(keep, t, masked)
             if n_res % block_k:
                 key_ids = key_tile * block_k + plgpu.broadcasted_iota(
                     jnp.int32, logits.shape, 1, layout=WGMMA
                 )
                 t = jnp.where(key_ids < n_res, t, -jnp.inf)
 
+            # Base 2 from the accumulator's units: one FMA per logit.
             new_max = jnp.maximum(row_max, t.max(axis=1))
-            rescale = jnp.exp2(row_max - new_max)
-            p = jnp.exp2(t - lax.broadcast_in_dim(new_max, t.shape, [0]))
+            new_max_log2 = new_max * to_log2
+            rescale = jnp.exp2(row_max * to_log2 - new_max_log2)
+            p = jnp.exp2(t * to_log2 - lax.broadcast_in_dim(new_max_log2, t.shape, [0]))
             acc = acc * lax.broadcast_in_dim(rescale, acc.shape, [0])
             row_sum = row_sum * rescale + p.sum(axis=1)
             p16 = p.astype(dtype)
@@ -163,7 +169,12 @@ def _kernel(
         out = acc * lax.broadcast_in_dim(1.0 / row_sum, acc.shape, [0])
         if save_stats:
             smem["attention"][wg] = out
-            smem["row_max"][wg, 0] = row_max
+            # The backward's masked logit (base 2) for a row whose keys are all
+            # masked, so that its weights come out uniform there as here.
+            row_max_log2 = row_max * to_log2
+            if has_mask:
+                row_max_log2 = jnp.where(row_max <= masked, MASKED_LOGIT_LOG2, row_max_log2)
+            smem["row_max"][wg, 0] = row_max_log2
             smem["row_log2_sum"][wg, 0] = jnp.log2(row_sum)
         if has_gate:
             out = out * sigmoid(smem["gate"][wg].astype(jnp.float32))
@@ -254,6 +265,7 @@ def attention_forward(
     msa_rows = tiles.msa_rows_for(rows)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
 
+    bias = accumulator_bias(bias, scale)
     inputs = {"q": q, "k": k, "v": v, "bias": bias, "mask": mask, "gate": gate}
     inputs = {name: x for name, x in inputs.items() if x is not None}
     out_types = {"out": jax.ShapeDtypeStruct(q.shape, q.dtype)}
@@ -291,12 +303,13 @@ def attention_forward(
     schedule = plgpu.Barrier(num_arrivals=msa_rows)
 
     body = functools.partial(
-        _kernel, scale_log2=scale * LOG2E, n_res=n_res, tiles=tiles,
+        _kernel, scale=scale, n_res=n_res, tiles=tiles,
         msa_rows=msa_rows, heads=heads, dtype=q.dtype, interpret=interpret,
     )
 
     outs = launch(
-        body, scratch=(smem, produced, consumed, schedule), inputs=inputs, out_types=out_types,
+        body, name="msa_mosaic_forward", scratch=(smem, produced, consumed, schedule),
+        inputs=inputs, out_types=out_types,
         grid=(rows // msa_rows, pl.cdiv(n_res, block_q), batch * heads),
         grid_names=("row_groups", "query_tiles", "batch_heads"),
         consumers=msa_rows, interpret=interpret,

@@ -1,0 +1,57 @@
+"""Runs the op's forward and backward a few times at one shape, for a profiler.
+
+Under Nsight Compute (`benchmarks/profile_ncu.sh`) each launch of a kernel is
+measured on its own; with `MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=DIR` the
+Mosaic GPU kernels' machine code is written to DIR as they compile:
+
+    python benchmarks/launch_kernels.py --shape 1x32x1024x8x32 --implementation mosaic
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from profile_kernels import make_inputs  # noqa: E402
+from shapes import DIMS, DTYPES  # noqa: E402
+from msa_pallas import msa_row_attention  # noqa: E402
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    return DIMS[text] if text in DIMS else tuple(int(x) for x in text.split("x"))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="1x32x1024x8x32", help="a name of shapes.py or BxSxNxHxd")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--bias-dtype", default="input", help="input (q's dtype) or a dtype name")
+    parser.add_argument("--implementation", default="mosaic")
+    parser.add_argument("--calls", type=int, default=2, help="forward+backward calls")
+    parser.add_argument("--no-gate", action="store_true")
+    args = parser.parse_args(argv)
+    dtype = DTYPES[args.dtype]
+    bias_dtype = dtype if args.bias_dtype == "input" else DTYPES[args.bias_dtype]
+    q, k, v, do, gate, bias, mask = make_inputs(parse_shape(args.shape), dtype, bias_dtype=bias_dtype)
+    gate = None if args.no_gate else gate
+
+    def loss(q, k, v, bias, gate):
+        out = msa_row_attention(q, k, v, bias, mask != 0, gate, implementation=args.implementation)
+        return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32))
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    for _ in range(args.calls):
+        jax.block_until_ready(grads(q, k, v, bias, gate))
+    print("ran", args.calls, "forward+backward calls at", args.shape, args.dtype, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Nsight Compute profile and machine code of the Mosaic GPU kernels, one shape.
+#
+#   bash benchmarks/profile_ncu.sh OUT_DIR [launch_kernels.py arguments ...]
+#
+# Writes OUT_DIR/ncu.txt (per kernel: speed of light, pipe utilisation,
+# warp stall reasons, instruction mix, occupancy; one profiled launch of each
+# kernel whose name starts with msa_mosaic), and OUT_DIR/sass.tar.gz (the SASS and
+# ptxas reports of the Mosaic kernels as they compiled). Needs `ncu` on PATH
+# or in /opt/nvidia/nsight-compute. NCU_SECTIONS overrides the sections.
+set -uo pipefail
+OUT_DIR=${1:?usage: profile_ncu.sh OUT_DIR [launch_kernels.py args]}
+shift
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+mkdir -p "$OUT_DIR/sass"
+PYTHON=${PYTHON:-python3}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# Kernel replay saves and restores the memory a kernel writes: no preallocated pool.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+SECTIONS=${NCU_SECTIONS:-SpeedOfLight ComputeWorkloadAnalysis WarpStateStats SchedulerStats InstructionStats Occupancy LaunchStats MemoryWorkloadAnalysis SourceCounters}
+
+MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_TO="$OUT_DIR/sass" \
+    "$PYTHON" benchmarks/launch_kernels.py --calls 1 "$@" > "$OUT_DIR/sass/stdout.txt" 2>&1
+tar -czf "$OUT_DIR/sass.tar.gz" -C "$OUT_DIR" sass && rm -rf "$OUT_DIR/sass"
+
+if [[ -z $NCU ]]; then
+    echo "profile_ncu.sh: no ncu found" | tee "$OUT_DIR/ncu.txt"
+    exit 1
+fi
+section_args=()
+for s in $SECTIONS; do section_args+=(--section "$s"); done
+"$NCU" --clock-control none --kernel-name regex:msa_mosaic --launch-count 8 \
+    "${section_args[@]}" "$PYTHON" benchmarks/launch_kernels.py --calls 2 "$@" \
+    > "$OUT_DIR/ncu.txt" 2>&1
+status=$?
+grep -E "msa_mosaic|Duration|Issue Slots Busy|Executed Ipc A|No Eligible|Warp Cycles Per Issued|Registers Per|Pipe|Stall" "$OUT_DIR/ncu.txt" | head -80
+exit $status
