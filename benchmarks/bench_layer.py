@@ -55,7 +55,9 @@ from msa_pallas.layers import MSARowAttentionWithPairBias  # noqa: E402
 from msa_pallas.timing import batched_times_ms  # noqa: E402
 from shapes import DIMS, LAYER_CHANNELS  # noqa: E402
 
-OWN_CORES = ("pallas", "xla")  # the layer's `implementation`
+# The layer's own `implementation`s: "default" is None (what a user gets:
+# the Mosaic GPU kernels on Hopper where they run), "pallas" the Triton kernels.
+OWN_CORES = ("default", "pallas", "mosaic", "xla")
 CORES = OWN_CORES + tuple(LAYER_CORES)
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 
@@ -75,8 +77,10 @@ def supports_attention_fn(layer_cls=MSARowAttentionWithPairBias) -> bool:
 
 def core_options(core: str, layer_cls=MSARowAttentionWithPairBias) -> dict:
     """The layer's fields that select `core`; raises `Unavailable` where it cannot run."""
+    if core == "mosaic" and jax.default_backend() != "gpu":
+        raise Unavailable("the Mosaic GPU kernels are timed on a GPU only")
     if core in OWN_CORES:
-        return {"implementation": core}
+        return {"implementation": None if core == "default" else core}
     if not supports_attention_fn(layer_cls):
         raise Unavailable(f"{layer_cls.__name__} has no attention_fn field: the core "
                           "cannot be swapped in")
@@ -172,11 +176,13 @@ def fmt_ms(x) -> str:
 
 
 def markdown(rows: list[dict], cores: list[str]) -> str:
-    """One row per shape: each core's fwd and step times, ratios to pallas, step memory."""
-    others = [core for core in cores if core != "pallas"] if "pallas" in cores else []
+    """One row per shape: each core's fwd and step times, ratios to msa_pallas' own
+    (the "default" core, else "pallas"), step memory."""
+    subject = next((core for core in ("default", "pallas") if core in cores), None)
+    others = [core for core in cores if core != subject] if subject else []
     header = ["shape", "B, S, N, H, d", "c_m, c_z"]
     header += [f"{core} {mode}" for core in cores for mode in ("fwd", "f+b")]
-    header += [f"{core} / pallas fwd, f+b" for core in others]
+    header += [f"{core} / {subject} fwd, f+b" for core in others]
     header += [f"{core} f+b temp GB" for core in cores]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for shape in dict.fromkeys(r["shape"] for r in rows):
@@ -190,11 +196,11 @@ def markdown(rows: list[dict], cores: list[str]) -> str:
                 cells += [fmt_ms(by_core[core]["fwd_ms"]), fmt_ms(by_core[core]["fwd_bwd_ms"])]
             else:
                 cells += ["n/a" if status.startswith("skipped") else status] * 2
-        pallas = by_core.get("pallas", {})
+        ours = by_core.get(subject, {})
         for core in others:
             theirs = by_core.get(core, {})
             cells.append(", ".join(
-                f"{theirs[key] / pallas[key]:.2f}×" if pallas.get(key) and theirs.get(key)
+                f"{theirs[key] / ours[key]:.2f}×" if ours.get(key) and theirs.get(key)
                 else "–" for key in ("fwd_ms", "fwd_bwd_ms")))
         for core in cores:
             t = by_core.get(core, {}).get("temp_bytes")
@@ -250,7 +256,7 @@ def main(argv=None) -> list[dict]:
           f"({jax.default_backend()}); jax {jax.__version__}; median of {iters} samples of "
           f"{reps} calls after {warmup} warm-up; attention_fn "
           f"{'supported' if supports_attention_fn() else 'not supported'}", flush=True)
-    if not on_gpu and "pallas" in cores:
+    if not on_gpu and "pallas" in cores:  # ("default" is the XLA path there)
         print("# no GPU: 'pallas' runs the kernels in interpret mode (slow; a smoke test only)",
               flush=True)
     rows = []
