@@ -1,8 +1,9 @@
 """Runs the op's forward and backward a few times at one shape, for a profiler.
 
 Under Nsight Compute (`benchmarks/profile_ncu.sh`) each launch of a kernel is
-measured on its own; with `MOSAIC_GPU_DUMP_SASS=1 MOSAIC_GPU_DUMP_TO=DIR` the
-Mosaic GPU kernels' machine code is written to DIR as they compile:
+measured on its own; with `MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=DIR` the
+Mosaic GPU kernels' PTX is written to DIR as they compile (their SASS too with
+`MOSAIC_GPU_DUMP_SASS=1`, where `nvdisasm` is on PATH):
 
     python benchmarks/launch_kernels.py --shape 1x32x1024x8x32 --implementation mosaic
 """

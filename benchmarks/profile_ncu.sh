@@ -4,10 +4,11 @@
 #   bash benchmarks/profile_ncu.sh OUT_DIR [launch_kernels.py arguments ...]
 #
 # Writes OUT_DIR/ncu.txt (per kernel: speed of light, pipe utilisation,
-# warp stall reasons, instruction mix, occupancy; one profiled launch of each
-# kernel whose name starts with msa_mosaic), and OUT_DIR/sass.tar.gz (the SASS and
-# ptxas reports of the Mosaic kernels as they compiled). Needs `ncu` on PATH
-# or in /opt/nvidia/nsight-compute. NCU_SECTIONS overrides the sections.
+# warp stall reasons, instruction mix, occupancy; the launches of the kernels
+# whose names start with msa_mosaic), and OUT_DIR/sass.tar.gz (what Mosaic GPU
+# dumps as the kernels compile: the PTX, the ptxas report with registers and
+# spills, and the SASS where `nvdisasm` is on PATH). Needs `ncu` on PATH or in
+# /opt/nvidia/nsight-compute. NCU_SECTIONS overrides the sections.
 set -uo pipefail
 OUT_DIR=${1:?usage: profile_ncu.sh OUT_DIR [launch_kernels.py args]}
 shift

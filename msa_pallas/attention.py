@@ -26,9 +26,9 @@ from msa_pallas.validation import (
 
 
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
-# From this N on the Mosaic kernels are faster than the Triton ones in a
-# training step (benchmarks/RESULTS.md); below it the Triton kernels, whose
-# fused dq+dbias kernel suits short rows, are kept.
+# Up to this N the Triton kernels (with their fused dq+dbias kernel) are as
+# fast as the Mosaic ones in the gated layer's training step; above it the
+# Mosaic kernels are faster (benchmarks/RESULTS.md).
 MOSAIC_MIN_RESIDUES = 256
 
 
@@ -66,7 +66,7 @@ def resolve_implementation(implementation, q, dropout_rate: float, bias=None) ->
 
     `implementation` when given; else, when q's dtype and head dim fit the
     kernels and no attention dropout is asked for: `"mosaic"` on a Hopper GPU
-    for N >= 256 where the Mosaic kernels take the inputs
+    for N > 256 where the Mosaic kernels take the inputs
     (`mosaic.common.supports`; d < 16 is zero-padded to 16), `"pallas"` (the
     Triton kernels) otherwise on a GPU; `"xla"` elsewhere.
     """
@@ -87,7 +87,7 @@ def resolve_implementation(implementation, q, dropout_rate: float, bias=None) ->
     if (
         on_hopper()
         and len(shape) >= 5
-        and shape[-3] >= MOSAIC_MIN_RESIDUES
+        and shape[-3] > MOSAIC_MIN_RESIDUES
         and mosaic_head_dim(shape[-1]) in MOSAIC_HEAD_DIMS
         and bias_dtype is not None
         and mosaic_supports(shape[-5:], dtype, bias_dtype) is None
@@ -143,7 +143,7 @@ def msa_row_attention(
         bfloat16 / float16, d in 16, 32, 64, 128 or d < 16, zero-padded to 16;
         N a multiple of 128). `"xla"`:
         the plain-`jnp` path. None picks `"mosaic"` on a Hopper GPU where it
-        takes the inputs and N >= 256, `"pallas"` on other GPUs and `"xla"` elsewhere.
+        takes the inputs and N > 256, `"pallas"` on other GPUs and `"xla"` elsewhere.
         `"pallas"` and `"mosaic"` on a machine without a GPU run the same
         kernels in their interpreters (slow; for tests).
       block_config: tiles for the Pallas kernels; default chosen by

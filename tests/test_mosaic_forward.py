@@ -28,7 +28,11 @@ import numpy_reference
 from msa_pallas.attention import resolve_implementation
 from msa_pallas.block_sizes import MosaicTiles, default_block_config, mosaic_shared_memory_bytes
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
-from msa_pallas.kernels.mosaic.common import HEAD_DIMS, MAX_SHARED_MEMORY
+from msa_pallas.kernels.constants import LOG2E
+from msa_pallas.kernels.mosaic.common import (
+    HEAD_DIMS, MAX_SHARED_MEMORY, accumulator_bias, masked_accumulator_logit,
+)
+from msa_pallas.reference import MASKED_LOGIT
 from msa_pallas.kernels.triton import forward as triton_forward
 
 # Forward-only tolerances of the output against float64 (the issue's bar).
@@ -83,6 +87,28 @@ def test_forward_against_float64_and_triton_residuals(case, seed):
     np.testing.assert_allclose(row_max, t_row_max, rtol=1e-6, atol=1e-5)
     np.testing.assert_allclose(row_log2_sum, t_row_log2_sum, rtol=1e-5, atol=1e-5)
     assert helpers.rel_err(attention, t_attention) < 1e-2
+
+
+@pytest.mark.parametrize("head_dim", [8, 16, 32, 64, 128])
+def test_masked_logit_is_exact_in_base_2(head_dim):
+    """The kernel's masked logit is a power of two in the units of `q . k`, at
+    least AlphaFold's 1e9 in magnitude once scaled (and the first such one), so
+    its base-2 value is an exact float32 product: a fully masked row's logits
+    minus their max are exactly 0."""
+    scale = head_dim**-0.5
+    masked = masked_accumulator_logit(scale)
+    assert masked * scale <= MASKED_LOGIT < masked * scale / 2
+    to_log2 = np.float32(scale * LOG2E)
+    assert float(np.float32(masked) * to_log2) == float(np.float32(masked)) * float(to_log2)
+
+
+def test_bias_enters_in_the_units_of_q_dot_k():
+    """A 32-bit bias is divided by the scale once per call; a 16-bit one is
+    left for the kernels, which divide it in float32 (exact)."""
+    bias = jax.random.normal(jax.random.key(0), (1, 2, 8, 8), jnp.float32) * 4
+    np.testing.assert_allclose(accumulator_bias(bias, 0.125), bias * 8, rtol=1e-7)
+    half = bias.astype(jnp.bfloat16)
+    assert accumulator_bias(half, 0.125) is half
 
 
 def test_without_residuals_equals_with(seed):

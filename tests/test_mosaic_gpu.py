@@ -93,12 +93,13 @@ def test_repeatable_bitwise(seed):
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_default_picks_mosaic_from_256_residues():
+def test_default_picks_mosaic_above_256_residues():
     bias = jnp.ones((1, 4, 384, 384), jnp.float32)
-    for n_res, head_dim in ((384, 32), (256, 32), (384, 8), (1024, 64)):
+    # d = 8 (the extra-MSA stack) too: the op pads it to 16.
+    for n_res, head_dim in ((384, 32), (384, 8), (1024, 64)):
         q = jnp.ones((1, 2, n_res, 4, head_dim), jnp.bfloat16)
         assert msa_pallas.resolve_implementation(None, q, 0.0, bias) == MOSAIC, (n_res, head_dim)
-    short = jnp.ones((1, 2, 128, 4, 32), jnp.bfloat16)
+    short = jnp.ones((1, 2, 256, 4, 32), jnp.bfloat16)
     assert msa_pallas.resolve_implementation(None, short, 0.0, bias) == "pallas"
     # N not a multiple of 128, or float32: the Triton kernels.
     odd = jnp.ones((1, 2, 320, 4, 32), jnp.bfloat16)
