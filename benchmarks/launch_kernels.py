@@ -20,13 +20,10 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from profile_forward import parse_shape  # noqa: E402
 from profile_kernels import make_inputs  # noqa: E402
-from shapes import DIMS, DTYPES  # noqa: E402
+from shapes import DTYPES  # noqa: E402
 from msa_pallas import msa_row_attention  # noqa: E402
-
-
-def parse_shape(text: str) -> tuple[int, ...]:
-    return DIMS[text] if text in DIMS else tuple(int(x) for x in text.split("x"))
 
 
 def main(argv=None) -> int:

@@ -32,8 +32,8 @@ from msa_pallas.kernels.constants import LOG2E
 from msa_pallas.kernels.mosaic.common import (
     HEAD_DIMS, MAX_SHARED_MEMORY, accumulator_bias, masked_accumulator_logit,
 )
-from msa_pallas.reference import MASKED_LOGIT
 from msa_pallas.kernels.triton import forward as triton_forward
+from msa_pallas.reference import MASKED_LOGIT
 
 # Forward-only tolerances of the output against float64 (the bar).
 OUT_TOLERANCE = {jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float16): 2e-3}
