@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import statistics
 import sys
 from pathlib import Path
@@ -74,16 +75,18 @@ KERNELS = {
 
 
 def parse_tiles(text: str) -> dict[str, list[KernelTiles]]:
-    """`"dkdv=32x64x4x2,64x64x4x3;dq=64x32x4x2"` -> {kernel: [KernelTiles, ...]}
-    (block_q x block_k x num_warps x num_stages [x msa_rows])."""
+    """`"dkdv=32x64x4x2,64x64x4x3;dq=64x32x4x2:bf16x6"` -> {kernel: [KernelTiles, ...]}
+    (block_q x block_k x num_warps x num_stages [x msa_rows] [:float32 products])."""
     candidates = {}
     for group in filter(None, text.split(";")):
         kernel, _, tiles = group.partition("=")
         if kernel not in KERNELS:
             raise SystemExit(f"--tiles: unknown kernel {kernel!r}; expected one of {list(KERNELS)}")
-        candidates[kernel] = [
-            KernelTiles(*map(int, one.split("x"))) for one in tiles.split(",") if one
-        ]
+        candidates[kernel] = []
+        for one in filter(None, tiles.split(",")):
+            sizes, _, products = one.partition(":")
+            candidates[kernel].append(KernelTiles(
+                *map(int, sizes.split("x")), float32_products=products or "tf32x3"))
     return candidates
 
 
@@ -123,7 +126,7 @@ def profile(name, shape, dtype_name, args, emit):
         "forward": config.forward, "dkdv": config.backward_dkdv, "dq": config.backward_dq,
         "dbias": config.backward_dbias,
     }
-    products = ("tf32x3", "ieee") if dtype == jnp.float32 and args.ieee else ("tf32x3",)
+    products = args.float32_products if dtype == jnp.float32 else ("tf32x3",)
     for float32_products in products:
         tag = f"[{float32_products}]" if dtype == jnp.float32 else ""
         for kernel, tiles in defaults.items():
@@ -142,13 +145,16 @@ def profile(name, shape, dtype_name, args, emit):
             tiles = tiles.clipped(n_res)
             if kernel == "dq_dbias" and tiles.block_k < n_res:
                 continue
-            run(f"{KERNELS[kernel]} {tiles}", kernel_call(kernel, tiles))
+            for float32_products in products:
+                tiles = dataclasses.replace(tiles, float32_products=float32_products)
+                run(f"{KERNELS[kernel]} {tiles}", kernel_call(kernel, tiles))
 
     if args.no_op:
         return
 
-    def loss(q, k, v, bias, gate):
-        out = msa_row_attention(q, k, v, bias, mask.astype(bool), gate, implementation="pallas")
+    def loss(q, k, v, bias, gate, block_config=None):
+        out = msa_row_attention(q, k, v, bias, mask.astype(bool), gate, implementation="pallas",
+                                block_config=block_config)
         return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32))
 
     fwd = jax.jit(lambda *a: msa_row_attention(
@@ -156,6 +162,16 @@ def profile(name, shape, dtype_name, args, emit):
     fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
     run("op forward", lambda: fwd(q, k, v, bias, gate))
     run("op forward+backward", lambda: fwd_bwd(q, k, v, bias, gate))
+    if args.op_tiles:
+        # The op with some kernels' tiles replaced (the first candidate of each).
+        changed = dataclasses.replace(
+            config, **{KERNELS[kernel]: tiles[0] for kernel, tiles in args.op_tiles.items()})
+        fwd_c = jax.jit(lambda *a: msa_row_attention(
+            *a[:4], mask.astype(bool), a[4], implementation="pallas", block_config=changed))
+        fwd_bwd_c = jax.jit(jax.grad(functools.partial(loss, block_config=changed),
+                                     argnums=(0, 1, 2, 3, 4)))
+        run(f"op forward, {args.op_tiles_text}", lambda: fwd_c(q, k, v, bias, gate))
+        run(f"op forward+backward, {args.op_tiles_text}", lambda: fwd_bwd_c(q, k, v, bias, gate))
     if bias.dtype != q.dtype:
         # The bias rounded to q's dtype inside the timed call (its gradient
         # comes back through the cast).
@@ -179,15 +195,22 @@ def main(argv=None) -> int:
                         help="comma-separated MSA rows per program to time the default "
                              "forward, dk/dv and dq tiles with (e.g. 2,4)")
     parser.add_argument("--skip-fused", action="store_true")
-    parser.add_argument("--ieee", action="store_true",
-                        help="float32: also time the default tiles with IEEE products")
+    parser.add_argument("--float32-products", default="tf32x3",
+                        help="float32: comma-separated product modes to time the default tiles "
+                             "and the candidates with (tf32x3, bf16x6, ieee)")
     parser.add_argument("--no-op", action="store_true", help="skip the whole op's times")
+    parser.add_argument(
+        "--op-tiles", default="",
+        help="also time the op with these kernels' tiles in place of the defaults, in "
+             "--tiles syntax, e.g. 'dq=64x32x4x1:bf16x6;forward=64x32x4x2:bf16x6'")
     parser.add_argument(
         "--tiles", default="",
         help="candidate tiles per kernel (block_q x block_k x warps x stages), e.g. "
              "'dkdv=32x64x4x2,64x64x4x3;dq=64x32x4x2'; kernels: " + ", ".join(KERNELS))
     args = parser.parse_args(argv)
     args.tiles = parse_tiles(args.tiles)
+    args.op_tiles_text, args.op_tiles = args.op_tiles, parse_tiles(args.op_tiles)
+    args.float32_products = args.float32_products.split(",")
     args.msa_rows = [int(r) for r in args.msa_rows.split(",") if r]
     emit = lambda *fields: print(" | ".join(str(f) for f in fields), flush=True)
     for name in args.shapes.split(","):

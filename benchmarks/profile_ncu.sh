@@ -8,7 +8,9 @@
 # whose names start with msa_mosaic), and OUT_DIR/sass.tar.gz (what Mosaic GPU
 # dumps as the kernels compile: the PTX, the ptxas report with registers and
 # spills, and the SASS where `nvdisasm` is on PATH). Needs `ncu` on PATH or in
-# /opt/nvidia/nsight-compute. NCU_SECTIONS overrides the sections.
+# /opt/nvidia/nsight-compute. NCU_SECTIONS overrides the sections; NCU_KERNELS
+# (a regex, default msa_mosaic) picks the kernels, e.g. msa_row_attention for
+# the Triton kernels (with --implementation pallas); NCU_METRICS adds metrics.
 set -uo pipefail
 OUT_DIR=${1:?usage: profile_ncu.sh OUT_DIR [launch_kernels.py args]}
 shift
@@ -31,9 +33,12 @@ if [[ -z $NCU ]]; then
 fi
 section_args=()
 for s in $SECTIONS; do section_args+=(--section "$s"); done
-"$NCU" --clock-control none --kernel-name regex:msa_mosaic --launch-count 8 \
+if [[ -n ${NCU_METRICS:-} ]]; then
+    section_args+=(--metrics "$NCU_METRICS" --print-metric-instances values)
+fi
+"$NCU" --clock-control none --kernel-name "regex:${NCU_KERNELS:-msa_mosaic}" --launch-count 8 \
     "${section_args[@]}" "$PYTHON" benchmarks/launch_kernels.py --calls 2 "$@" \
     > "$OUT_DIR/ncu.txt" 2>&1
 status=$?
-grep -E "msa_mosaic|Duration|Issue Slots Busy|Executed Ipc A|No Eligible|Warp Cycles Per Issued|Registers Per|Pipe|Stall" "$OUT_DIR/ncu.txt" | head -80
+grep -E "${NCU_KERNELS:-msa_mosaic}|Duration|Issue Slots Busy|Executed Ipc A|No Eligible|Warp Cycles Per Issued|Registers Per|Pipe|Stall" "$OUT_DIR/ncu.txt" | head -80
 exit $status

@@ -12,7 +12,7 @@ import dataclasses
 import jax.numpy as jnp
 
 MIN_TILE = 16
-FLOAT32_PRODUCTS = ("tf32x3", "ieee")
+FLOAT32_PRODUCTS = ("tf32x3", "bf16x6", "ieee")
 # The fused dq+dbias kernel holds whole softmax rows in registers: N <= 512.
 MAX_FUSED_KEYS = 512
 # Row-chunk split of the kernels that loop over S: about 4 programs per SM of
@@ -50,8 +50,11 @@ class KernelTiles:
         registers). Used as the largest divisor of S not above it. The
         kernels that loop over all S rows (dbias, dq+dbias) ignore it.
       float32_products: how float32 inputs multiply on the GPU: "tf32x3"
-        (three TF32 products on split operands, error ~1e-6; the default)
-        or "ieee" (FMA pipes; slower). Never plain TF32. Part of the
+        (three TF32 products on operands split in two), "bf16x6" (six
+        bf16 products on operands split exactly into three bf16 pieces;
+        as accurate, and faster in the dq kernel on an H200) or "ieee"
+        (FMA pipes; slower). Never plain TF32
+        (`kernels.triton.common.dot_precision`). Part of the
         configuration, so it is in every compilation cache key.
     """
 
@@ -266,11 +269,13 @@ def default_block_config(n_res: int, head_dim: int, dtype, bias_dtype=None) -> B
     itemsize = jnp.dtype(dtype).itemsize
     wide_bias = bias_dtype is not None and jnp.dtype(bias_dtype).itemsize > itemsize
     if itemsize >= 4 and d_pad <= 64:
-        # float32 with 3xTF32 products: three times the operand registers, so
-        # unpipelined (1-stage) tiles in the backward.
+        # float32 with split operands: three times the operand registers, so
+        # unpipelined (1-stage) tiles in the backward. The dq kernel is 7-12%
+        # faster with six bf16 products than with three TF32 ones; the other
+        # kernels are not (benchmarks/RESULTS.md).
         forward = KernelTiles(64, 64, 4, 3) if long_rows else KernelTiles(64, 32, 4, 2)
         dkdv = KernelTiles(64, 64, 4, 1)
-        dq = KernelTiles(64, 32, 4, 1)
+        dq = KernelTiles(64, 32, 4, 1, float32_products="bf16x6")
         dbias = KernelTiles(64, 64, 4, 1) if long_rows else KernelTiles(64, 64, 4, 3)
     elif itemsize >= 4 or d_pad >= 128:
         # IEEE float32 products, or d=128: twice the registers per tile.

@@ -107,6 +107,23 @@ def test_shapes_against_float64(shape_id, dtype_id, seed):
     run_and_check(inputs, f"gpu {shape_id} {shape} {dtype_id}")
 
 
+@pytest.mark.parametrize("shape_id", ["train", "long-S16"])
+def test_float32_products_everywhere(shape_id, seed):
+    """float32 inputs with every kernel's products as six bf16 products
+    (`KernelTiles.float32_products="bf16x6"`; the default has it in dq
+    only), and with every kernel's as three TF32 products: both within the
+    float32 tolerance of float64."""
+    shape = SHAPES[shape_id]
+    inputs = device_inputs(seed, shape, jnp.float32)
+    base = msa_pallas.block_sizes.default_block_config(shape[2], shape[4], jnp.float32, jnp.float32)
+    for products in ("bf16x6", "tf32x3"):
+        config = dataclasses.replace(base, **{
+            name: dataclasses.replace(getattr(base, name), float32_products=products)
+            for name in ("forward", "backward_dkdv", "backward_dq", "backward_dbias")
+        })
+        run_and_check(inputs, f"gpu {shape_id} f32 {products}", block_config=config)
+
+
 @pytest.mark.parametrize("shape_id", ["train", "extra", "long-S16"])
 def test_bias_in_input_dtype(shape_id, seed):
     """A bf16 bias with bf16 inputs: its own tiles (default_block_config's

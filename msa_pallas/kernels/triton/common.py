@@ -24,18 +24,26 @@ def dot_precision(dtype, interpret: bool, d_pad: int, float32_products: str = "t
     """The precision of the kernels' matrix products for inputs of `dtype`.
 
     16-bit inputs: the matrix units' native products, float32 accumulation.
-    float32 inputs on the GPU with a (padded) head dim <= 64 and
-    `float32_products="tf32x3"` (the default, `KernelTiles.float32_products`):
-    three TF32 products per product (a = a_hi + a_lo split, error 1e-7 to
-    1.5e-6 against float64), which run on the matrix units instead of the
-    FMA pipes; never plain TF32. IEEE float32 products for d=128 (where the
-    split was not measured), for `float32_products="ieee"`, and in interpret
-    mode (CPU has no TF32).
+    float32 inputs on the GPU with a (padded) head dim <= 64 run on the
+    matrix units with split operands, never plain TF32
+    (`KernelTiles.float32_products`):
+
+    - "tf32x3" (the default): `a = a_hi + a_lo` in TF32, three TF32
+      products (error 1e-7 to 1.5e-6 against float64);
+    - "bf16x6": `a = a_hi + a_mid + a_lo` in bf16 (exact), the six largest
+      of the nine bf16 products, smallest first (what Pallas lowers
+      `DotAlgorithmPreset.BF16_BF16_F32_X6` to).
+
+    IEEE float32 products for d = 128 (where the splits were not measured),
+    for `float32_products="ieee"`, and in interpret mode (CPU has no TF32,
+    and XLA's CPU backend computes a bf16x6 product as one float32 product).
     """
     if jnp.dtype(dtype) != jnp.float32:
         return None
     if interpret or d_pad > 64 or float32_products == "ieee":
         return jax.lax.Precision.HIGHEST
+    if float32_products == "bf16x6":
+        return jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6
     return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
