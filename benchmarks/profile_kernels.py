@@ -74,8 +74,9 @@ KERNELS = {
 }
 
 
-def parse_tiles(text: str) -> dict[str, list[KernelTiles]]:
-    """`"dkdv=32x64x4x2,64x64x4x3;dq=64x32x4x2:bf16x6"` -> {kernel: [KernelTiles, ...]}
+def parse_tiles(text: str) -> dict[str, list[tuple[KernelTiles, bool]]]:
+    """`"dkdv=32x64x4x2,64x64x4x3;dq=64x32x4x2:bf16x6"` -> {kernel: [(KernelTiles,
+    whether the float32 products were given), ...]}
     (block_q x block_k x num_warps x num_stages [x msa_rows] [:float32 products])."""
     candidates = {}
     for group in filter(None, text.split(";")):
@@ -85,8 +86,8 @@ def parse_tiles(text: str) -> dict[str, list[KernelTiles]]:
         candidates[kernel] = []
         for one in filter(None, tiles.split(",")):
             sizes, _, products = one.partition(":")
-            candidates[kernel].append(KernelTiles(
-                *map(int, sizes.split("x")), float32_products=products or "tf32x3"))
+            tiles = KernelTiles(*map(int, sizes.split("x")), float32_products=products or "tf32x3")
+            candidates[kernel].append((tiles, bool(products)))
     return candidates
 
 
@@ -137,15 +138,16 @@ def profile(name, shape, dtype_name, args, emit):
         # The default tiles serving `rows` MSA rows per program.
         for kernel in ("forward", "dkdv", "dq"):
             candidates.setdefault(kernel, []).append(
-                dataclasses.replace(defaults[kernel], msa_rows=rows))
+                (dataclasses.replace(defaults[kernel], msa_rows=rows), False))
     if n_res <= 512 and not args.skip_fused and "dq_dbias" not in candidates:
-        candidates["dq_dbias"] = list(fused_candidates(n_res))
+        candidates["dq_dbias"] = [(tiles, False) for tiles in fused_candidates(n_res)]
     for kernel, tile_list in candidates.items():
-        for tiles in tile_list:
+        for tiles, products_given in tile_list:
             tiles = tiles.clipped(n_res)
             if kernel == "dq_dbias" and tiles.block_k < n_res:
                 continue
-            for float32_products in products:
+            # A candidate's own float32 products, else each of --float32-products.
+            for float32_products in (tiles.float32_products,) if products_given else products:
                 tiles = dataclasses.replace(tiles, float32_products=float32_products)
                 run(f"{KERNELS[kernel]} {tiles}", kernel_call(kernel, tiles))
 
@@ -165,7 +167,7 @@ def profile(name, shape, dtype_name, args, emit):
     if args.op_tiles:
         # The op with some kernels' tiles replaced (the first candidate of each).
         changed = dataclasses.replace(
-            config, **{KERNELS[kernel]: tiles[0] for kernel, tiles in args.op_tiles.items()})
+            config, **{KERNELS[kernel]: tiles[0][0] for kernel, tiles in args.op_tiles.items()})
         fwd_c = jax.jit(lambda *a: msa_row_attention(
             *a[:4], mask.astype(bool), a[4], implementation="pallas", block_config=changed))
         fwd_bwd_c = jax.jit(jax.grad(functools.partial(loss, block_config=changed),

@@ -270,7 +270,7 @@ def default_block_config(n_res: int, head_dim: int, dtype, bias_dtype=None) -> B
     wide_bias = bias_dtype is not None and jnp.dtype(bias_dtype).itemsize > itemsize
     if itemsize >= 4 and d_pad <= 64:
         # float32 with split operands: three times the operand registers, so
-        # unpipelined (1-stage) tiles in the backward. The dq kernel is 7-12%
+        # unpipelined (1-stage) tiles in the backward. The dq kernel is 7-14%
         # faster with six bf16 products than with three TF32 ones; the other
         # kernels are not (benchmarks/RESULTS.md).
         forward = KernelTiles(64, 64, 4, 3) if long_rows else KernelTiles(64, 32, 4, 2)

@@ -160,6 +160,31 @@ def test_profile_kernels_runs_every_kernel(capsys):
         assert float(fields[3]) > 0, fields  # a time, not an ERROR line
 
 
+def test_profile_kernels_float32_products_and_op_tiles(capsys):
+    """float32: the defaults in each --float32-products mode; a candidate
+    without a products suffix in each mode, one with a suffix in its own; the
+    op with --op-tiles beside the defaults."""
+    status = profile_kernels.main(
+        ["--shapes", "tiny", "--dtypes", "f32", "--reps", "1", "--samples", "1", "--skip-fused",
+         "--float32-products", "tf32x3,bf16x6",
+         "--tiles", "dq=16x16x4x1,16x16x2x1:bf16x6", "--op-tiles", "dq=16x16x4x1:bf16x6"]
+    )
+    assert status == 0
+    lines = [line.split(" | ") for line in capsys.readouterr().out.splitlines()]
+    labels = [fields[2] for fields in lines]
+    assert sum(label.endswith(" default") for label in labels) == 8, labels
+    for products in ("tf32x3", "bf16x6"):
+        assert sum(label.endswith(" default") and f"[{products}]" in label
+                   for label in labels) == 4, labels
+    dq = [label for label in labels if label.startswith("backward_dq KernelTiles(block_q=16")]
+    assert sorted(label.split("float32_products=")[1] for label in dq) == [
+        "'bf16x6')", "'bf16x6')", "'tf32x3')"], dq
+    assert sum("num_warps=2" in label for label in dq) == 1, dq
+    assert sum(label.startswith("op forward+backward, dq=16x16x4x1:bf16x6") for label in labels) == 1
+    for fields in lines:
+        assert float(fields[3]) > 0, fields
+
+
 def test_profile_backward_compares_each_mosaic_kernel_with_triton(capsys):
     """The Mosaic backward kernels beside the Triton ones, in their
     interpreters (a float32 bias: the Mosaic interpreter hangs on the dbias
