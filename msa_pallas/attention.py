@@ -11,7 +11,6 @@ import jax.numpy as jnp
 from msa_pallas.block_sizes import BlockConfig, default_block_config
 from msa_pallas.kernels.mosaic import backward as mosaic_backward
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
-from msa_pallas.kernels.mosaic.common import HEAD_DIMS as MOSAIC_HEAD_DIMS
 from msa_pallas.kernels.mosaic.common import kernel_head_dim as mosaic_head_dim
 from msa_pallas.kernels.mosaic.common import supports as mosaic_supports
 from msa_pallas.kernels.vjp import fused_attention
@@ -88,7 +87,6 @@ def resolve_implementation(implementation, q, dropout_rate: float, bias=None) ->
         on_hopper()
         and len(shape) >= 5
         and shape[-3] > MOSAIC_MIN_RESIDUES
-        and mosaic_head_dim(shape[-1]) in MOSAIC_HEAD_DIMS
         and bias_dtype is not None
         and mosaic_supports(shape[-5:], dtype, bias_dtype) is None
     ):

@@ -152,14 +152,17 @@ def smem_products(
     shapes = [(a.shape[0], b.shape[1]) for a, b in operands]
     inits = (None,) * len(operands) if inits is None else tuple(inits)
 
+    def accumulate(acc_refs):
+        for acc_ref, (a, b) in zip(acc_refs, operands):
+            plgpu.wgmma(acc_ref, a, b)
+        if while_they_run is not None:
+            while_they_run()
+
     if interpret or all(init is None for init in inits):
         # The interpreter's wgmma takes such operands as the GPU's does, into
         # zeroed accumulators; the inits are added afterwards.
         def compute(*acc_refs):
-            for acc_ref, (a, b) in zip(acc_refs, operands):
-                plgpu.wgmma(acc_ref, a, b)
-            if while_they_run is not None:
-                while_they_run()
+            accumulate(acc_refs)
             return tuple(acc_ref[...] for acc_ref in acc_refs)
 
         products = pl.run_scoped(
@@ -169,12 +172,6 @@ def smem_products(
             product if init is None else init + product
             for product, init in zip(products, inits)
         )
-
-    def accumulate(acc_refs):
-        for acc_ref, (a, b) in zip(acc_refs, operands):
-            plgpu.wgmma(acc_ref, a, b)
-        if while_they_run is not None:
-            while_they_run()
 
     starts = tuple(
         zeros(shape) if init is None else init for shape, init in zip(shapes, inits)
