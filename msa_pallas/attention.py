@@ -29,6 +29,10 @@ _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 # fast as the Mosaic ones in the gated layer's training step; above it the
 # Mosaic kernels are faster (benchmarks/RESULTS.md).
 MOSAIC_MIN_RESIDUES = 256
+# The Mosaic kernels take N a multiple of 8; the default picks them where
+# the H200 runs have covered N (whole 128-residue tiles). Other N:
+# `implementation="mosaic"`.
+MOSAIC_DEFAULT_RESIDUE_MULTIPLE = 128
 
 
 def target_platform() -> str:
@@ -65,7 +69,7 @@ def resolve_implementation(implementation, q, dropout_rate: float, bias=None) ->
 
     `implementation` when given; else, when q's dtype and head dim fit the
     kernels and no attention dropout is asked for: `"mosaic"` on a Hopper GPU
-    for N > 256 where the Mosaic kernels take the inputs
+    for N > 256, N a multiple of 128, where the Mosaic kernels take the inputs
     (`mosaic.common.supports`; d < 16 is zero-padded to 16), `"pallas"` (the
     Triton kernels) otherwise on a GPU; `"xla"` elsewhere.
     """
@@ -87,6 +91,7 @@ def resolve_implementation(implementation, q, dropout_rate: float, bias=None) ->
         on_hopper()
         and len(shape) >= 5
         and shape[-3] > MOSAIC_MIN_RESIDUES
+        and shape[-3] % MOSAIC_DEFAULT_RESIDUE_MULTIPLE == 0
         and bias_dtype is not None
         and mosaic_supports(shape[-5:], dtype, bias_dtype) is None
     ):
@@ -139,9 +144,9 @@ def msa_row_attention(
       implementation: `"pallas"`: the Triton kernels (any CUDA GPU; float32
         too). `"mosaic"`: the Mosaic GPU kernels, forward and backward (Hopper,
         bfloat16 / float16, d in 16, 32, 64, 128 or d < 16, zero-padded to 16;
-        N a multiple of 128). `"xla"`:
-        the plain-`jnp` path. None picks `"mosaic"` on a Hopper GPU where it
-        takes the inputs and N > 256, `"pallas"` on other GPUs and `"xla"` elsewhere.
+        N a multiple of 8). `"xla"`: the plain-`jnp` path. None picks `"mosaic"` on a
+        Hopper GPU where it takes the inputs and N > 256 is a multiple of
+        128, `"pallas"` on other GPUs and `"xla"` elsewhere.
         `"pallas"` and `"mosaic"` on a machine without a GPU run the same
         kernels in their interpreters (slow; for tests).
       block_config: tiles for the Pallas kernels; default chosen by

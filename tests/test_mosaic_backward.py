@@ -70,13 +70,16 @@ def run_backward(operands, scale, tiles: MosaicBackwardTiles):
 
 # (S, N, d, q dtype, bias dtype, tiles): MSA-row pairs over several query
 # and key tiles, an odd S (one row per CTA) with a 16-bit bias and the
-# default dk/dv and dq tiles of d = 16, and d = 128 with its default tiles.
+# default dk/dv and dq tiles of d = 16, d = 128 with its default tiles, and
+# an N that is no whole number of tiles nor of TMA rows (N = 72: the last
+# query and key tiles run past N, the bias and mask rows are padded).
 # Turns on and off: test_ping_pong_changes_nothing; other head dims' tiles:
 # test_lowers_for_the_gpu_on_a_cpu.
 CASES = {
     "pairs-bf16-ping-pong": (4, 128, 32, jnp.bfloat16, jnp.float32, SMALL_TILES),
     "odd-S-fp16": (3, 128, 16, jnp.float16, jnp.float16, ONE_DBIAS_CONSUMER),
     "d128-defaults": (2, 128, 128, jnp.float16, jnp.float32, None),
+    "tails-N72": (2, 72, 32, jnp.bfloat16, jnp.float32, SMALL_TILES),
 }
 
 
@@ -160,24 +163,30 @@ def test_ping_pong_changes_nothing(seed):
 
 def test_lowers_for_the_gpu_on_a_cpu():
     """The three kernels lower for CUDA on a machine without one, with the
-    default tiles of every head dim and both bias widths: a shape error or
-    an unsupported layout fails here, not first on the GPU."""
-    for head_dim in HEAD_DIMS:
+    default tiles of every head dim and both bias widths, and at N = 200
+    (no whole number of tiles; bias rows padded to whole TMA rows) with and
+    without a mask: a shape error, an unsupported layout or a misaligned
+    GMEM row fails here, not first on the GPU."""
+    cases = [(head_dim, 256, True) for head_dim in HEAD_DIMS]
+    cases += [(32, 200, True), (32, 200, False)]
+    for head_dim, n_res, has_mask in cases:
         for bias_dtype in (jnp.float32, jnp.bfloat16):
-            shape = (1, 4, 256, 8, head_dim)
+            shape = (1, 4, n_res, 8, head_dim)
             q = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-            bias = jax.ShapeDtypeStruct((1, 8, 256, 256), bias_dtype)
-            mask = jax.ShapeDtypeStruct((1, 4, 256), jnp.int8)
-            stats = jax.ShapeDtypeStruct((1, 4, 8, 3, 256), jnp.float32)
+            bias = jax.ShapeDtypeStruct((1, 8, n_res, n_res), bias_dtype)
+            mask = jax.ShapeDtypeStruct((1, 4, n_res), jnp.int8) if has_mask else None
+            stats = jax.ShapeDtypeStruct((1, 4, 8, 3, n_res), jnp.float32)
             tiles = mosaic_backward.default_tiles(shape, jnp.bfloat16, bias_dtype)
             for kernel in ("dkdv", "dq", "dbias"):
                 function = getattr(mosaic_backward, f"backward_{kernel}")
                 lowered = jax.jit(
-                    lambda *args: function(  # noqa: B023
-                        *args, scale=0.2, tiles=getattr(tiles, kernel), interpret=False
+                    lambda q, k, v, bias, mask, do, stats: function(  # noqa: B023
+                        q, k, v, bias, mask, do, stats,
+                        scale=0.2, tiles=getattr(tiles, kernel), interpret=False,  # noqa: B023
                     )
                 ).trace(q, q, q, bias, mask, q, stats).lower(lowering_platforms=("cuda",))
-                assert "mosaic_gpu" in lowered.as_text(), (head_dim, bias_dtype, kernel)
+                label = (head_dim, n_res, has_mask, bias_dtype, kernel)
+                assert "mosaic_gpu" in lowered.as_text(), label
 
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
@@ -193,18 +202,28 @@ def test_default_tiles_fit_shared_memory(head_dim, bias_dtype):
     assert tiles.ping_pong == (jnp.dtype(bias_dtype).itemsize == 2)
 
 
-def test_tiles_that_do_not_divide_n_raise():
-    inputs = helpers.random_inputs(0, 1, 2, 384, 1, 32, jnp.bfloat16, gate=False)
-    q, k, v, bias, mask, _, dout = inputs.args
-    stats = jnp.ones((1, 2, 1, 3, 384), jnp.float32)
-    operands = (q, k, v, bias, mask.astype(jnp.int8), dout, stats)
-    # Two consumers of 128 queries: 256 queries per CTA, and 384 is not a multiple.
-    with pytest.raises(ValueError, match="not a multiple"):
-        mosaic_backward.backward_dbias(
-            *operands, scale=0.2, tiles=MosaicTiles(128, 64, 2, 2), interpret=True
-        )
-    with pytest.raises(ValueError, match="multiple of 128"):
-        mosaic_backward.backward_dq(
-            q[:, :, :320], k[:, :, :320], v[:, :, :320], bias[..., :320, :320], None,
-            dout[:, :, :320], stats[..., :320], scale=0.2, tiles=SMALL, interpret=True,
-        )
+def test_keys_past_n_pass_no_gradient(seed):
+    """N = 72, no mask: the keys past N in the last key tile read zeros, and
+    a query row whose logits are all near -430 (base 2) gives those keys a
+    probability of 2^430 = inf. The dq kernel must drop them (with a mask,
+    the zeros read past N mask them); the dk/dv and dbias kernels write no
+    gradient there."""
+    n_res = 72
+    inputs = helpers.random_inputs(seed, 1, 2, n_res, 1, 32, jnp.bfloat16, mask_rate=None, gate=False)
+    inputs = inputs._replace(bias=inputs.bias.at[..., 5, :].add(-300.0))
+    q, k, v, bias, _, _, dout = inputs.args
+    scale = q.shape[-1] ** -0.5
+    tiles = default_block_config(n_res, 32, q.dtype, bias.dtype).forward
+    _, attention, row_max, row_log2_sum = triton_forward.attention_forward(
+        q, k, v, bias, None, None, scale=scale, tiles=tiles, interpret=True, save_stats=True
+    )
+    delta = jnp.swapaxes(jnp.sum(dout.astype(jnp.float32) * attention, -1), 2, 3)
+    stats = jnp.stack([row_max, row_log2_sum, delta], axis=3)
+    operands = (q, k, v, bias, None, dout, stats)
+    got = run_backward(operands, scale, SMALL_TILES)
+    expected = numpy_reference.vjp(q, k, v, bias, None, None, scale, dout)[:4]
+    for name, g, want in zip(("dq", "dk", "dv", "dbias"), got, expected):
+        helpers.assert_finite(g, name)
+        assert g.shape == want.shape, (name, g.shape, want.shape)
+        error = helpers.rel_err(g, want)
+        assert error <= helpers.tolerance(jnp.bfloat16), (name, error)

@@ -30,7 +30,7 @@ from msa_pallas.block_sizes import MosaicTiles, default_block_config, mosaic_sha
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
 from msa_pallas.kernels.constants import LOG2E
 from msa_pallas.kernels.mosaic.common import (
-    HEAD_DIMS, MAX_SHARED_MEMORY, accumulator_bias, masked_accumulator_logit,
+    HEAD_DIMS, MAX_SHARED_MEMORY, accumulator_bias, masked_accumulator_logit, supports,
 )
 from msa_pallas.kernels.triton import forward as triton_forward
 from msa_pallas.reference import MASKED_LOGIT
@@ -52,12 +52,17 @@ def run_forward(inputs, tiles=SMALL_TILES, save_stats=True, kernel=mosaic_forwar
 
 
 # (B, S, N, d, q dtype, bias dtype, tiles): pairs of MSA rows per CTA over
-# several query and key tiles, an odd S (one row per CTA), every head dim.
+# several query and key tiles, an odd S (one row per CTA), every head dim,
+# and N that are no whole number of tiles (the last query and key tiles run
+# past N) nor of TMA rows (the bias and mask rows are padded): N = 72, and
+# N = 8 with a 16-bit bias.
 CASES = {
     "pairs-bf16": (2, 4, 128, 32, jnp.bfloat16, jnp.float32, SMALL_TILES),
     "odd-S-fp16": (1, 3, 128, 16, jnp.float16, jnp.float16, MosaicTiles(128, 128, 2, 2)),
     "d64": (1, 2, 128, 64, jnp.bfloat16, jnp.float32, SMALL_TILES),
     "d128": (1, 2, 128, 128, jnp.float16, jnp.float32, MosaicTiles(64, 64, 2, 1)),
+    "tails-N72": (2, 2, 72, 32, jnp.bfloat16, jnp.float32, SMALL_TILES),
+    "N8-fp16": (1, 2, 8, 16, jnp.float16, jnp.float16, SMALL_TILES),
 }
 
 
@@ -148,15 +153,18 @@ def test_op_gradients_through_the_mosaic_kernels(seed):
     assert not np.asarray(dq[0, 0]).any() and not np.asarray(dk[0, 0]).any()
 
 
-def test_lowers_for_the_gpu_on_a_cpu():
+@pytest.mark.parametrize("n_res, bias_dtype", [(256, jnp.float32), (200, jnp.bfloat16)])
+def test_lowers_for_the_gpu_on_a_cpu(n_res, bias_dtype):
     """The kernel lowers for CUDA on a machine without one (Mosaic GPU's own
-    lowering, layouts included, runs at trace time): a shape error or an
-    unsupported layout fails here, not first on the GPU."""
-    shape = (1, 4, 256, 8, 32)
+    lowering, layouts and TMA descriptors included, runs at trace time): a
+    shape error, an unsupported layout or a misaligned GMEM row fails here,
+    not first on the GPU. N = 200 is no whole number of tiles, and its bias
+    rows are no whole number of 128-byte TMA rows until padded."""
+    shape = (1, 4, n_res, 8, 32)
     q = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-    bias = jax.ShapeDtypeStruct((1, 8, 256, 256), jnp.float32)
-    mask = jax.ShapeDtypeStruct((1, 4, 256), jnp.int8)
-    tiles = mosaic_forward.default_tiles(shape, jnp.bfloat16, jnp.float32, save_stats=True)
+    bias = jax.ShapeDtypeStruct((1, 8, n_res, n_res), bias_dtype)
+    mask = jax.ShapeDtypeStruct((1, 4, n_res), jnp.int8)
+    tiles = mosaic_forward.default_tiles(shape, jnp.bfloat16, bias_dtype, save_stats=True)
     forward = lambda *args: mosaic_forward.attention_forward(  # noqa: E731
         *args, scale=0.2, tiles=tiles, interpret=False, save_stats=True
     )
@@ -184,8 +192,7 @@ def test_default_tiles_fit_shared_memory(head_dim, bias_dtype, save_stats):
     [
         ((1, 2, 64, 4, 32), jnp.float32, jnp.float32, "q dtype float32"),
         ((1, 2, 128, 4, 24), jnp.bfloat16, jnp.float32, "head dim 24"),
-        ((1, 2, 64, 4, 32), jnp.bfloat16, jnp.float32, "N=64"),
-        ((1, 2, 320, 4, 32), jnp.bfloat16, jnp.bfloat16, "N=320"),
+        ((1, 2, 100, 4, 32), jnp.bfloat16, jnp.bfloat16, "N=100"),
     ],
 )
 def test_unsupported_inputs_raise_naming_the_reason(shape, dtype, bias_dtype, fragment):
@@ -193,6 +200,14 @@ def test_unsupported_inputs_raise_naming_the_reason(shape, dtype, bias_dtype, fr
     bias = jnp.ones((shape[0], shape[3], shape[2], shape[2]), bias_dtype)
     with pytest.raises(ValueError, match=fragment):
         msa_pallas.msa_row_attention(q, q, q, bias, implementation="mosaic")
+
+
+def test_n_a_multiple_of_8_is_supported():
+    for n_res in (8, 64, 72, 200, 320):
+        assert supports((1, 2, n_res, 4, 32), jnp.bfloat16, jnp.float32) is None, n_res
+    for n_res in (0, 1, 100, 333):
+        assert "multiple of 8" in supports((1, 2, n_res, 4, 32), jnp.bfloat16, jnp.float32)
+    assert "bias dtype int8" in supports((1, 2, 64, 4, 32), jnp.bfloat16, jnp.int8)
 
 
 def test_tiles_validate_their_fields():

@@ -5,7 +5,8 @@ elsewhere, and on GPUs other than sm90).
 kernels that follow it through the shared residuals, against the float64
 reference of test_gpu.py (chunked over MSA rows), at the shapes that matter
 and at the edges: head dims 16-128, an odd S, several batch elements and
-heads, fully masked rows, NaN locality, bitwise-repeatable gradients.
+heads, N that is no whole number of tiles, fully masked rows, NaN locality,
+bitwise-repeatable gradients.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ import helpers
 import msa_pallas
 from helpers import compare, fwd_bwd
 from msa_pallas.attention import on_hopper
+from msa_pallas.block_sizes import default_block_config
+from msa_pallas.kernels.mosaic import forward as mosaic_forward
+from msa_pallas.kernels.triton import forward as triton_forward
 from test_gpu import SHAPES, chunk_rows, device_inputs
 
 pytestmark = [
@@ -66,11 +70,49 @@ def test_shapes_against_float64(shape_id, dtype_id, bias_id, seed):
         (2, 4, 256, 2, 16),
         (1, 4, 256, 4, 64),
         (1, 2, 128, 2, 128),
+        # N no whole number of tiles: the last query and key tiles run past N.
+        (1, 4, 200, 4, 32),
+        (2, 3, 328, 8, 32),
+        (1, 2, 8, 2, 16),
     ],
     ids=lambda s: "x".join(map(str, s)),
 )
 def test_edges(shape, seed):
     check(device_inputs(seed, shape, jnp.bfloat16), f"mosaic edges {shape}")
+
+
+@pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16])
+def test_statistics_past_n_match_triton(bias_dtype, seed):
+    """N = 200, H = 8: the forward's row statistics of the last query tile,
+    which runs past N, land in their own head's plane (a contiguous window
+    stored past N would overwrite the next head's), and equal the Triton
+    forward's."""
+    inputs = device_inputs(seed, (1, 4, 200, 8, 32), jnp.bfloat16, bias_dtype=bias_dtype)
+    q, k, v, bias, mask, gate, _ = inputs.args
+    mask = mask.astype(jnp.int8)
+    scale = 32**-0.5
+    tiles = mosaic_forward.default_tiles(q.shape, q.dtype, bias.dtype, save_stats=True)
+    mosaic = mosaic_forward.attention_forward(
+        q, k, v, bias, mask, gate, scale=scale, tiles=tiles, interpret=False, save_stats=True
+    )
+    triton_tiles = default_block_config(200, 32, q.dtype, bias.dtype).forward
+    triton = triton_forward.attention_forward(
+        q, k, v, bias, mask, gate, scale=scale, tiles=triton_tiles, interpret=False,
+        save_stats=True,
+    )
+    for name, a, b in zip(("row_max", "row_log2_sum"), mosaic[2:], triton[2:]):
+        assert a.shape == b.shape == (1, 4, 8, 200), (name, a.shape)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4, err_msg=name)
+    assert helpers.rel_err(mosaic[1], triton[1]) < 1e-2
+
+
+def test_keys_past_n_pass_no_gradient(seed):
+    """N = 200 without a mask, one query row's logits all near -430 (base
+    2): the keys past N, read as zeros, get probability inf there, and must
+    reach no gradient."""
+    inputs = device_inputs(seed, (1, 4, 200, 4, 32), jnp.bfloat16, mask_rate=None)
+    inputs = inputs._replace(bias=inputs.bias.at[..., 5, :].add(-300.0))
+    check(inputs, "mosaic keys past N, no mask")
 
 
 def test_nan_stays_local(seed):
@@ -101,7 +143,8 @@ def test_default_picks_mosaic_above_256_residues():
         assert msa_pallas.resolve_implementation(None, q, 0.0, bias) == MOSAIC, (n_res, head_dim)
     short = jnp.ones((1, 2, 256, 4, 32), jnp.bfloat16)
     assert msa_pallas.resolve_implementation(None, short, 0.0, bias) == "pallas"
-    # N not a multiple of 128, or float32: the Triton kernels.
+    # N not a multiple of 128 (the Mosaic kernels take it when asked), or
+    # float32: the Triton kernels.
     odd = jnp.ones((1, 2, 320, 4, 32), jnp.bfloat16)
     assert msa_pallas.resolve_implementation(None, odd, 0.0, bias) == "pallas"
     wide = jnp.ones((1, 2, 384, 4, 32), jnp.float32)

@@ -28,6 +28,14 @@ output, in q's dtype) `[B, S, N, H, d]`; bias `[B, H, N, N]` 16- or 32-bit;
 mask `[B, S, N]` int8 or None; `stats` `[B, S, H, 3, N]` float32: the
 forward's row max and log2 row sum (base 2) and `delta = sum_d do * o`.
 
+N need not be a whole number of tiles (`common.supports`): tiles that run
+past N read zeros (TMA), which give a zero gradient contribution wherever
+they meet real residues (a zero `q` / `do` row, a zero statistic; keys past
+N get `ds = 0` in dq), and the stores of q's layout and of the bias
+gradient drop what lies past N. As in the forward, only the bias and mask
+rows (and the bias gradient's) are padded, to whole TMA rows
+(`common.pad_residues`).
+
 The loops visit every tile; they are where tiles that the key mask removes
 entirely, and attention dropout, will go.
 """
@@ -47,10 +55,10 @@ from msa_pallas.block_sizes import (
 )
 from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2
 from msa_pallas.kernels.mosaic.common import (
-    MAX_SHARED_MEMORY, WGMMA_COL, WGMMA_ROW, PingPong, accumulate_products,
-    accumulator_bias, batch_head_and_warpgroup, bias_tile, check_kernel_inputs,
-    consumer_registers, copy_tiles, launch, produce, producer_registers, smem_products,
-    smem_tile, smem_vectors, zeros,
+    MAX_SHARED_MEMORY, WGMMA, WGMMA_COL, WGMMA_ROW, PingPong, accumulate_products,
+    accumulator_bias, aligned_residues, batch_head_and_warpgroup, bias_tile,
+    check_kernel_inputs, consumer_registers, copy_tiles, launch, pad_residues, produce,
+    producer_registers, smem_products, smem_tile, smem_vectors, zeros,
 )
 
 def default_tiles(q_shape, q_dtype, bias_dtype) -> MosaicBackwardTiles:
@@ -82,12 +90,6 @@ def default_tiles(q_shape, q_dtype, bias_dtype) -> MosaicBackwardTiles:
             raise ValueError(f"no Mosaic {kernel} configuration fits head dim {head_dim}")
         chosen[kernel] = fits[0]
     return MosaicBackwardTiles(**chosen, ping_pong=jnp.dtype(bias_dtype).itemsize == 2)
-
-
-def _check_blocks(n_res: int, **blocks):
-    for name, block in blocks.items():
-        if n_res % block:
-            raise ValueError(f"N={n_res} is not a multiple of {name}={block}")
 
 
 def _recompute(s, dp, keep, stats, *, scale: float, query_axis: int, with_p: bool):
@@ -130,7 +132,7 @@ def _dkdv_kernel(
     msa_rows: int, heads: int, dtype, ping_pong: bool, interpret: bool,
 ):
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
-    query_tiles = n_res // block_q
+    query_tiles = pl.cdiv(n_res, block_q)
     has_mask = "mask" in gmem
     batch, head, wg = batch_head_and_warpgroup(heads)
     row_group = lax.axis_index("row_groups")
@@ -218,7 +220,7 @@ def _dq_kernel(
     msa_rows: int, heads: int, dtype, ping_pong: bool, interpret: bool,
 ):
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
-    key_tiles = n_res // block_k
+    key_tiles = pl.cdiv(n_res, block_k)
     has_mask = "mask" in gmem
     batch, head, wg = batch_head_and_warpgroup(heads)
     row_group = lax.axis_index("row_groups")
@@ -253,6 +255,14 @@ def _dq_kernel(
                     smem["mask"].at[slot, wg, 0, pl.ds(0, block_k)], layout=WGMMA_COL
                 ) != 0
             _, ds = _recompute(s, dp, keep, stats, scale=scale, query_axis=0, with_p=False)
+            if keep is None and n_res % block_k:
+                # Keys past N read zeros, whose probability is not 0: their
+                # ds must not reach dq (with a mask, the zeros read there
+                # mask them).
+                key_ids = key_tile * block_k + plgpu.broadcasted_iota(
+                    jnp.int32, ds.shape, 1, layout=WGMMA
+                )
+                ds = jnp.where(key_ids < n_res, ds, 0.0)
             ds = lax.optimization_barrier(ds.astype(dtype))
             turns.release()
             turns.take_turn()
@@ -371,7 +381,13 @@ def _dbias_kernel(
 
 
 def _operands(**named):
-    return {name: x for name, x in named.items() if x is not None}
+    """The kernel's inputs by name, the bias and mask rows padded to whole
+    TMA rows (`common.pad_residues`); None entries dropped."""
+    swizzled = {"bias": True, "bias_t": True, "mask": False}
+    return {
+        name: pad_residues(x, swizzled[name]) if name in swizzled else x
+        for name, x in named.items() if x is not None
+    }
 
 
 def _step_scratch(copies: int, stages: int, consumers: int):
@@ -390,10 +406,9 @@ def backward_dkdv(
     batch, rows, n_res, heads, head_dim = q.shape
     msa_rows = tiles.msa_rows_for(rows)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
-    _check_blocks(n_res, block_q=block_q, block_k=block_k)
     inputs = _operands(
-        q=q, k=k, v=v, bias_t=jnp.swapaxes(accumulator_bias(bias, scale), -1, -2), mask=mask,
-        do=do, stats=stats,
+        q=q, k=k, v=v, bias_t=jnp.swapaxes(accumulator_bias(bias, scale), -1, -2),
+        mask=mask, do=do, stats=stats,
     )
     out_types = {"dk": jax.ShapeDtypeStruct(q.shape, q.dtype),
                  "dv": jax.ShapeDtypeStruct(q.shape, q.dtype)}
@@ -437,9 +452,9 @@ def backward_dq(
     batch, rows, n_res, heads, head_dim = q.shape
     msa_rows = tiles.msa_rows_for(rows)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
-    _check_blocks(n_res, block_q=block_q, block_k=block_k)
     inputs = _operands(
-        q=q, k=k, v=v, bias=accumulator_bias(bias, scale), mask=mask, do=do, stats=stats
+        q=q, k=k, v=v, bias=accumulator_bias(bias, scale), mask=mask, do=do,
+        stats=stats,
     )
     out_types = {"dq": jax.ShapeDtypeStruct(q.shape, q.dtype)}
     smem = {
@@ -490,15 +505,16 @@ def backward_dbias(
     batch, rows, n_res, heads, head_dim = q.shape
     consumers = tiles.msa_rows
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
-    _check_blocks(n_res, **{"block_q * msa_rows": block_q * consumers, "block_k": block_k})
-    query_tiles, key_tiles = n_res // (block_q * consumers), n_res // block_k
+    query_tiles = pl.cdiv(n_res, block_q * consumers)
+    key_tiles = pl.cdiv(n_res, block_k)
     chunks = row_chunks(query_tiles * key_tiles * batch * heads, rows)
     inputs = _operands(
-        q=q, k=k, v=v, bias=accumulator_bias(bias, scale), mask=mask, do=do, stats=stats
+        q=q, k=k, v=v, bias=accumulator_bias(bias, scale), mask=mask, do=do,
+        stats=stats,
     )
-    out_types = {
-        "dbias": jax.ShapeDtypeStruct((chunks, batch, heads, n_res, n_res), jnp.float32)
-    }
+    # Rows of a whole TMA stride, sliced back to N below.
+    dbias_shape = (chunks, batch, heads, n_res, aligned_residues(n_res, jnp.float32, True))
+    out_types = {"dbias": jax.ShapeDtypeStruct(dbias_shape, jnp.float32)}
     smem = {
         "bias": smem_tile((consumers, block_q, block_k), bias.dtype),
         "dbias": smem_tile((consumers, block_q, block_k), jnp.float32),
@@ -529,4 +545,5 @@ def backward_dbias(
         grid_names=("query_tiles", "key_tiles", "chunk_batch_heads"),
         consumers=consumers, interpret=interpret,
     )
+    partial_sums = partial_sums[..., :n_res]
     return partial_sums[0] if chunks == 1 else partial_sums.sum(axis=0)

@@ -22,8 +22,16 @@ from msa_pallas.kernels.constants import LOG2E
 from msa_pallas.reference import MASKED_LOGIT
 
 HEAD_DIMS = (16, 32, 64, 128)
-# N must be a multiple of this (`supports`); other N run the Triton kernels.
-RESIDUE_MULTIPLE = 128
+# N must be a multiple of this (`supports`): Mosaic GPU's TMA descriptors
+# view each array in GMEM as the 8-row tiles of its swizzled shared-memory
+# tiles, so an array's residue axis must hold whole tiles of rows.
+RESIDUE_MULTIPLE = 8
+# TMA wants every global row stride a multiple of this many bytes.
+TMA_STRIDE_BYTES = 16
+# The width of a swizzled shared-memory tile of the bias (`smem_tile` with
+# 64 or more 16-bit or float32 keys): the row of such an array in GMEM holds
+# whole tiles of it.
+SWIZZLE_BYTES = 128
 # Shared memory an sm90 CTA may use (227 KiB).
 MAX_SHARED_MEMORY = 227 * 1024
 # Registers of the producer warpgroup: it only issues copies.
@@ -55,14 +63,34 @@ def supports(q_shape, q_dtype, bias_dtype) -> str | None:
     bias_itemsize = jnp.dtype(bias_dtype).itemsize
     if bias_itemsize not in (2, 4):
         return f"bias dtype {jnp.dtype(bias_dtype).name}: the Mosaic kernels take 16- or 32-bit"
-    # The bias rows are read by TMA into 128-byte swizzled tiles, so N must be
-    # a whole number of swizzle rows (64 16-bit or 32 float32 elements); and
-    # on the H200 the row statistics of a query tile that runs past N come out
-    # wrong (the interpreter gets them right): until that is understood, N is
-    # a whole number of 128-residue tiles.
-    if n_res % RESIDUE_MULTIPLE:
+    if n_res < 1 or n_res % RESIDUE_MULTIPLE:
         return f"N={n_res}: the Mosaic kernels need N to be a multiple of {RESIDUE_MULTIPLE}"
     return None
+
+
+def aligned_residues(n_res: int, dtype, swizzled: bool) -> int:
+    """N rounded up for the last axis of an array that the kernels copy by
+    TMA: to whole 128-byte rows for an array tiled into swizzled shared
+    memory (the bias, its transpose and its gradient: 32 float32 or 64
+    16-bit elements), else to whole 16-byte strides (the int8 mask: 16)."""
+    multiple = (SWIZZLE_BYTES if swizzled else TMA_STRIDE_BYTES) // jnp.dtype(dtype).itemsize
+    return -(-n_res // multiple) * multiple
+
+
+def pad_residues(x, swizzled: bool):
+    """`x` with its last (residue) axis zero-padded to `aligned_residues`.
+
+    The kernels take N that are no whole number of their tiles: tiles that
+    run past N read zeros and drop what they would write there. Only arrays
+    whose last axis is N are padded: the bias (`B·H·N²` elements, against
+    the kernels' `B·S·H·N²` logits; XLA fuses the pad into the division of
+    a float32 bias, `accumulator_bias`) and the mask (`B·S·N`, padded in the
+    same fusion as its conversion to int8).
+    """
+    padding = aligned_residues(x.shape[-1], x.dtype, swizzled) - x.shape[-1]
+    if padding == 0:
+        return x
+    return jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, padding),))
 
 
 def kernel_head_dim(head_dim: int) -> int:

@@ -16,10 +16,16 @@ built around:
 
 The grid is (S / msa_rows, query tiles, B * H) with the MSA rows fastest, so
 the CTAs that run at the same time read the same bias tiles and find them in
-L2. Nothing is padded in memory: TMA reads past N as zeros, keys past N get
-a -inf logit and TMA stores past N are dropped; but `supports` asks for N a
-multiple of 128 for now (benchmarks/RESULTS.md, "Known gaps"), so the tiles
-never run past N on the GPU. Results and residuals are those of the Triton forward
+L2. N need not be a whole number of tiles (`common.supports`: a multiple of
+8): TMA reads past N as zeros, keys past N get a -inf logit and TMA stores
+of q's layout past N are dropped. q, k, v, the gate and the output are never
+padded; the bias and mask rows are padded to whole TMA rows
+(`common.pad_residues`), and the row statistics are written into planes
+padded to whole query tiles and sliced: their `[1, block_q]` windows are
+contiguous, and Mosaic GPU stores a contiguous unswizzled window with a bulk
+copy that is clipped only at the end of the whole array, not at N, so a
+window running past N would overwrite the next head's statistics. Results
+and residuals are those of the Triton forward
 (`msa_pallas.kernels.triton.forward.attention_forward`), so either backward follows.
 
 The key loop visits every key tile; it is the place where tiles that the key
@@ -40,9 +46,9 @@ from msa_pallas.block_sizes import MosaicTiles, mosaic_shared_memory_bytes
 from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2
 from msa_pallas.kernels.mosaic.common import (
     MAX_SHARED_MEMORY, WGMMA, WGMMA_COL, WGMMA_ROW, PingPong, accumulate_products,
-    accumulator_bias, batch_head_and_warpgroup, bias_tile, check_kernel_inputs,
-    consumer_registers, launch, masked_accumulator_logit, producer_registers, sigmoid,
-    smem_products, smem_tile, smem_vectors,
+    accumulator_bias, batch_head_and_warpgroup, bias_tile,
+    check_kernel_inputs, consumer_registers, launch, masked_accumulator_logit, pad_residues,
+    producer_registers, sigmoid, smem_products, smem_tile, smem_vectors,
 )
 
 
@@ -246,7 +252,8 @@ def attention_forward(
     """Runs the Mosaic GPU forward kernel; the contract of the Triton forward.
 
     Args:
-      q, k, v: `[B, S, N, H, d]`, bfloat16 / float16, d in `HEAD_DIMS`.
+      q, k, v: `[B, S, N, H, d]`, bfloat16 / float16, d in `HEAD_DIMS`, N a
+        multiple of `common.RESIDUE_MULTIPLE`.
       bias: `[B, H, N, N]`, 16- or 32-bit float.
       mask: `[B, S, N]` int8 (nonzero keeps) or None.
       gate: `[B, S, N, H, d]` gate logits or None.
@@ -266,11 +273,16 @@ def attention_forward(
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
 
     bias = accumulator_bias(bias, scale)
+    bias = pad_residues(bias, swizzled=True)
+    if mask is not None:
+        mask = pad_residues(mask, swizzled=False)
     inputs = {"q": q, "k": k, "v": v, "bias": bias, "mask": mask, "gate": gate}
     inputs = {name: x for name, x in inputs.items() if x is not None}
     out_types = {"out": jax.ShapeDtypeStruct(q.shape, q.dtype)}
+    query_tiles = pl.cdiv(n_res, block_q)
     if save_stats:
-        stats = jax.ShapeDtypeStruct((batch, rows, heads, n_res), jnp.float32)
+        # Whole query tiles, so that no statistics window runs past its plane.
+        stats = jax.ShapeDtypeStruct((batch, rows, heads, query_tiles * block_q), jnp.float32)
         out_types |= {
             "attention": jax.ShapeDtypeStruct(q.shape, jnp.float32),
             "row_max": stats, "row_log2_sum": stats,
@@ -310,8 +322,11 @@ def attention_forward(
     outs = launch(
         body, name="msa_mosaic_forward", scratch=(smem, produced, consumed, schedule),
         inputs=inputs, out_types=out_types,
-        grid=(rows // msa_rows, pl.cdiv(n_res, block_q), batch * heads),
+        grid=(rows // msa_rows, query_tiles, batch * heads),
         grid_names=("row_groups", "query_tiles", "batch_heads"),
         consumers=msa_rows, interpret=interpret,
     )
-    return tuple(outs) if save_stats else outs[0]
+    if not save_stats:
+        return outs[0]
+    out, attention, row_max, row_log2_sum = outs
+    return out, attention, row_max[..., :n_res], row_log2_sum[..., :n_res]
