@@ -6,6 +6,8 @@ without the noise of the whole step, and tile candidates can be compared:
     python benchmarks/profile_kernels.py --shapes train,finetune,long --dtypes bf16,f32
     python benchmarks/profile_kernels.py --shapes long --dtypes f32 \
         --tiles "dkdv=32x64x4x2,64x64x4x3;dq=64x64x4x2"
+    python benchmarks/profile_kernels.py --shapes train,finetune --dtypes f32 \
+        --mosaic-dbias 64x64x2x2,64x64x2x1
 
 Every kernel runs first with the default tiles of `default_block_config`
 (labelled `default`), then with each candidate of `--tiles`.
@@ -34,7 +36,10 @@ from shapes import DIMS as SHAPES, DTYPES  # noqa: E402
 from msa_pallas.timing import batched_times_ms  # noqa: E402
 
 from msa_pallas.attention import msa_row_attention  # noqa: E402
-from msa_pallas.block_sizes import KernelTiles, default_block_config, next_power_of_2  # noqa: E402
+from msa_pallas.block_sizes import (  # noqa: E402
+    KernelTiles, MosaicTiles, default_block_config, next_power_of_2,
+)
+from msa_pallas.kernels.mosaic import backward as mosaic_backward  # noqa: E402
 from msa_pallas.kernels.triton import backward  # noqa: E402
 from msa_pallas.kernels.triton.forward import attention_forward  # noqa: E402
 
@@ -151,6 +156,12 @@ def profile(name, shape, dtype_name, args, emit):
                 tiles = dataclasses.replace(tiles, float32_products=float32_products)
                 run(f"{KERNELS[kernel]} {tiles}", kernel_call(kernel, tiles))
 
+    # The Mosaic dbias kernel (float32 q in bf16 pieces), fed the same residuals.
+    stats = jnp.stack([row_max, row_log2_sum, delta], axis=3)
+    for tiles in args.mosaic_dbias:
+        run(f"mosaic backward_dbias {tiles}", lambda tiles=tiles: mosaic_backward.backward_dbias(
+            q, k, v, bias, mask, do, stats, scale=scale, tiles=tiles, interpret=INTERPRET))
+
     if args.no_op:
         return
 
@@ -164,10 +175,15 @@ def profile(name, shape, dtype_name, args, emit):
     fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
     run("op forward", lambda: fwd(q, k, v, bias, gate))
     run("op forward+backward", lambda: fwd_bwd(q, k, v, bias, gate))
-    if args.op_tiles:
-        # The op with some kernels' tiles replaced (the first candidate of each).
+    if args.op_tiles or args.mosaic_dbias:
+        # The op with some kernels' tiles replaced (the first candidate of
+        # each), and the first --mosaic-dbias tiles as its bias gradient.
         changed = dataclasses.replace(
-            config, **{KERNELS[kernel]: tiles[0][0] for kernel, tiles in args.op_tiles.items()})
+            config, **{KERNELS[kernel]: tiles[0][0] for kernel, tiles in args.op_tiles.items()},
+            mosaic_dbias=args.mosaic_dbias[0] if args.mosaic_dbias else None)
+        if args.mosaic_dbias:
+            args.op_tiles_text = ";".join(
+                filter(None, [args.op_tiles_text, f"mosaic dbias {args.mosaic_dbias[0]}"]))
         fwd_c = jax.jit(lambda *a: msa_row_attention(
             *a[:4], mask.astype(bool), a[4], implementation="pallas", block_config=changed))
         fwd_bwd_c = jax.jit(jax.grad(functools.partial(loss, block_config=changed),
@@ -206,6 +222,10 @@ def main(argv=None) -> int:
         help="also time the op with these kernels' tiles in place of the defaults, in "
              "--tiles syntax, e.g. 'dq=64x32x4x1:bf16x6;forward=64x32x4x2:bf16x6'")
     parser.add_argument(
+        "--mosaic-dbias", default="",
+        help="Mosaic dbias tiles to time (block_q x block_k x stages x msa_rows, comma-"
+             "separated, e.g. 64x64x2x2); the first also as the op's bias gradient")
+    parser.add_argument(
         "--tiles", default="",
         help="candidate tiles per kernel (block_q x block_k x warps x stages), e.g. "
              "'dkdv=32x64x4x2,64x64x4x3;dq=64x32x4x2'; kernels: " + ", ".join(KERNELS))
@@ -214,6 +234,9 @@ def main(argv=None) -> int:
     args.op_tiles_text, args.op_tiles = args.op_tiles, parse_tiles(args.op_tiles)
     args.float32_products = args.float32_products.split(",")
     args.msa_rows = [int(r) for r in args.msa_rows.split(",") if r]
+    args.mosaic_dbias = [
+        MosaicTiles(*map(int, one.split("x"))) for one in args.mosaic_dbias.split(",") if one
+    ]
     emit = lambda *fields: print(" | ".join(str(f) for f in fields), flush=True)
     for name in args.shapes.split(","):
         for dtype_name in args.dtypes.split(","):

@@ -11,6 +11,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from msa_pallas.kernels.constants import FLOAT32_PIECES
+
 MIN_TILE = 16
 FLOAT32_PRODUCTS = ("tf32x3", "bf16x6", "ieee")
 # The fused dq+dbias kernel holds whole softmax rows in registers: N <= 512.
@@ -175,9 +177,13 @@ def mosaic_backward_shared_memory_bytes(
     kernel: str, tiles: MosaicTiles, head_dim: int, dtype, bias_dtype
 ) -> int:
     """Shared memory the backward kernel `kernel` ("dkdv", "dq" or
-    "dbias") allocates with `tiles`."""
+    "dbias") allocates with `tiles`. float32 operands (dbias only) take
+    three bf16 pieces each (`kernels.mosaic.common.split_float32`)."""
     rows, stages = tiles.msa_rows, tiles.num_stages
     item, bias_item = jnp.dtype(dtype).itemsize, jnp.dtype(bias_dtype).itemsize
+    float32 = item == 4
+    if float32:
+        item = 2 * FLOAT32_PIECES  # bf16 pieces
     bias_tile = tiles.block_q * tiles.block_k * bias_item
     stats = 3 * max(tiles.block_q, 32) * 4
     mask = max(tiles.block_k, 128)
@@ -188,8 +194,11 @@ def mosaic_backward_shared_memory_bytes(
         used = 2 * rows * tiles.block_q * head_dim * item + rows * stats  # q, do
         used += stages * (2 * rows * tiles.block_k * head_dim * item + rows * mask + bias_tile)
     elif kernel == "dbias":
-        # The bias tiles, then the float32 result tiles.
-        used = rows * bias_tile + rows * tiles.block_q * tiles.block_k * 4
+        # The bias tiles, then the float32 result tiles (for float32 q with a
+        # float32 bias, the result leaves through the bias tiles).
+        used = rows * bias_tile
+        if not (float32 and bias_item == 4):
+            used += rows * tiles.block_q * tiles.block_k * 4
         used += stages * (
             2 * rows * tiles.block_q * head_dim * item + rows * stats
             + 2 * tiles.block_k * head_dim * item + mask
@@ -224,6 +233,11 @@ class BlockConfig:
       mosaic_backward: when set, the backward runs the Mosaic GPU kernels
         with these tiles instead of the Triton ones (the `backward_*` fields
         are then unused). Either backward follows either forward.
+      mosaic_dbias: when set (and `mosaic_backward` is not), the Triton
+        backward's bias gradient runs the Mosaic GPU dbias kernel with these
+        tiles instead (Hopper; float32 inputs too, as bf16 pieces:
+        `kernels.mosaic.backward.backward_dbias`); dk/dv and dq stay on the
+        Triton kernels (`backward_dq_dbias` is then unused).
     """
 
     forward: KernelTiles
@@ -233,6 +247,7 @@ class BlockConfig:
     backward_dq_dbias: KernelTiles | None = None
     mosaic_forward: MosaicTiles | None = None
     mosaic_backward: MosaicBackwardTiles | None = None
+    mosaic_dbias: MosaicTiles | None = None
 
     def clipped(self, n_res: int) -> "BlockConfig":
         """Triton tiles no larger than N rounded up to a power of two (the
@@ -248,7 +263,11 @@ class BlockConfig:
 
     def fuses_dq_dbias(self, n_res: int) -> bool:
         """Whether the backward runs the fused dq+dbias kernel at this N."""
-        return self.backward_dq_dbias is not None and self.backward_dq_dbias.block_k >= n_res
+        return (
+            self.mosaic_dbias is None
+            and self.backward_dq_dbias is not None
+            and self.backward_dq_dbias.block_k >= n_res
+        )
 
 
 def default_block_config(n_res: int, head_dim: int, dtype, bias_dtype=None) -> BlockConfig:

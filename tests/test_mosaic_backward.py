@@ -20,6 +20,8 @@ head dims 16, 32 and 128, row chunks of the bias gradient.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,7 +34,8 @@ from msa_pallas.block_sizes import (
     row_chunks,
 )
 from msa_pallas.kernels.mosaic import backward as mosaic_backward
-from msa_pallas.kernels.mosaic.common import HEAD_DIMS, MAX_SHARED_MEMORY
+from msa_pallas.kernels.constants import FLOAT32_PIECES
+from msa_pallas.kernels.mosaic.common import HEAD_DIMS, MAX_SHARED_MEMORY, split_float32
 from msa_pallas.kernels.triton import forward as triton_forward
 
 SMALL = MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=2)
@@ -227,3 +230,67 @@ def test_keys_past_n_pass_no_gradient(seed):
         assert g.shape == want.shape, (name, g.shape, want.shape)
         error = helpers.rel_err(g, want)
         assert error <= helpers.tolerance(jnp.bfloat16), (name, error)
+
+
+@pytest.mark.parametrize("consumers, n_res", [(2, 128), (1, 72)])
+def test_float32_bias_gradient_in_bf16_pieces(consumers, n_res, seed):
+    """float32 q, k, v and do: the dbias kernel multiplies three bf16 pieces
+    of each (six products per product) and matches float64 to float32
+    accuracy; with one piece (bf16 operands) the error is about 1e-3."""
+    inputs = helpers.random_inputs(
+        seed, 1, 3, n_res, 1, 32, jnp.float32, gate=False, fully_masked_row=(0, 1)
+    )
+    operands, scale = residuals(inputs)
+    tiles = MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=consumers)
+    dbias = mosaic_backward.backward_dbias(*operands, scale=scale, tiles=tiles, interpret=True)
+    q, k, v, bias, mask, _, dout = inputs.args
+    expected = numpy_reference.vjp(q, k, v, bias, mask, None, scale, dout)[3]
+    error = helpers.rel_err(dbias, expected)
+    print(f"[rel err] mosaic float32 dbias, {consumers} consumers, N={n_res}: {error:.2e}")
+    assert dbias.dtype == jnp.float32 and dbias.shape == expected.shape
+    assert error <= helpers.tolerance(jnp.float32), error
+
+
+def test_split_float32_sums_to_float32():
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 1000)), jnp.float32)
+    pieces = split_float32(x)
+    assert len(pieces) == FLOAT32_PIECES and all(p.dtype == jnp.bfloat16 for p in pieces)
+    total = sum(p.astype(jnp.float32) for p in reversed(pieces))
+    np.testing.assert_array_equal(np.asarray(total), np.asarray(x))
+    # Two pieces fall 8 bits short.
+    assert helpers.rel_err(pieces[0].astype(jnp.float32) + pieces[1], x) > 1e-7
+
+
+def test_triton_backward_with_the_mosaic_float32_dbias(seed):
+    """`BlockConfig.mosaic_dbias` with `implementation="pallas"`, float32:
+    Triton forward, dk/dv and dq, the Mosaic dbias kernel; every gradient
+    matches float64 within float32's tolerance."""
+    inputs = helpers.random_inputs(seed, 1, 2, 72, 1, 32, jnp.float32, fully_masked_row=True)
+    config = dataclasses.replace(
+        default_block_config(72, 32, jnp.float32, jnp.float32),
+        mosaic_dbias=MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=2),
+    )
+    assert not config.fuses_dq_dbias(72)
+    result = helpers.fwd_bwd("pallas", block_config=config)(*inputs.args)
+    helpers.assert_shapes_dtypes_finite(result, inputs)
+    helpers.compare(
+        result, helpers.numpy_results(inputs), helpers.tolerance(jnp.float32), "mosaic dbias f32"
+    )
+
+
+@pytest.mark.parametrize("head_dim, consumers", [(32, 2), (64, 1)])
+def test_float32_dbias_lowers_for_the_gpu_on_a_cpu(head_dim, consumers):
+    """The float32 dbias kernel (three bf16 pieces per operand, the result
+    through the float32 bias tile) lowers for CUDA and fits in shared memory."""
+    shape = (1, 4, 384, 8, head_dim)
+    q = jax.ShapeDtypeStruct(shape, jnp.float32)
+    bias = jax.ShapeDtypeStruct((1, 8, 384, 384), jnp.float32)
+    mask = jax.ShapeDtypeStruct((1, 4, 384), jnp.int8)
+    stats = jax.ShapeDtypeStruct((1, 4, 8, 3, 384), jnp.float32)
+    tiles = MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=consumers)
+    used = mosaic_backward_shared_memory_bytes("dbias", tiles, head_dim, jnp.float32, jnp.float32)
+    assert used <= MAX_SHARED_MEMORY, used
+    lowered = jax.jit(
+        lambda *args: mosaic_backward.backward_dbias(*args, scale=0.2, tiles=tiles, interpret=False)
+    ).trace(q, q, q, bias, mask, q, stats).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()

@@ -9,7 +9,9 @@ elementwise steps into one pass over the rows.
 
 Either backend's forward (Triton, or Mosaic GPU when `config.mosaic_forward`
 is set) saves the same residuals, and either backend's backward (Mosaic GPU
-when `config.mosaic_backward` is set) follows either forward.
+when `config.mosaic_backward` is set) follows either forward. With
+`config.mosaic_dbias` the Triton backward takes its bias gradient from the
+Mosaic dbias kernel (float32 inputs too, in bf16 pieces).
 
 The forward saves o in float32. delta must be computed from the same `do`
 the kernels multiply with v, and from an o that rounding has not moved away
@@ -101,6 +103,17 @@ def _backward(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, c
     (dq,) = partitioned_call(
         bind(backward_dq, config.backward_dq), operands, _BACKWARD_IN, (QUERY_ROWS,)
     )
+    if config.mosaic_dbias is not None:
+        bound = functools.partial(
+            mosaic_backward.backward_dbias, scale=scale, tiles=config.mosaic_dbias,
+            interpret=interpret,
+        )
+        stats = jnp.stack([row_max, row_log2_sum, delta], axis=3)
+        (dbias,) = _mosaic_call(
+            bound, (q, k, v, bias, mask, do, stats), _MOSAIC_BACKWARD_IN, (BIAS,),
+            interpret=interpret,
+        )
+        return dq, dk, dv, dbias
     (dbias,) = partitioned_call(
         bind(backward_dbias, config.backward_dbias, dbias_dtype=jnp.float32),
         operands, _BACKWARD_IN, (BIAS,),

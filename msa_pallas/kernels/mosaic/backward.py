@@ -55,10 +55,11 @@ from msa_pallas.block_sizes import (
 )
 from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2
 from msa_pallas.kernels.mosaic.common import (
-    MAX_SHARED_MEMORY, WGMMA, WGMMA_COL, WGMMA_ROW, PingPong, accumulate_products,
-    accumulator_bias, aligned_residues, batch_head_and_warpgroup, bias_tile,
-    check_kernel_inputs, consumer_registers, copy_tiles, launch, pad_residues, produce,
-    producer_registers, smem_products, smem_tile, smem_vectors, zeros,
+    FLOAT32_PIECES, MAX_SHARED_MEMORY, WGMMA, WGMMA_COL, WGMMA_ROW, PingPong,
+    accumulate_products, accumulator_bias, aligned_residues, batch_head_and_warpgroup,
+    bias_tile, check_kernel_inputs, consumer_registers, copy_tiles, launch, operand_at,
+    pad_residues, produce, producer_registers, smem_products, smem_tile, smem_vectors,
+    split_float32, split_tiles, transposed, zeros,
 )
 
 def default_tiles(q_shape, q_dtype, bias_dtype) -> MosaicBackwardTiles:
@@ -303,7 +304,7 @@ def _dq_kernel(
 
 def _dbias_kernel(
     gmem, smem, produced, consumed, *, scale: float, tiles: MosaicTiles, consumers: int,
-    rows_per_chunk: int, batch_heads: int, heads: int, interpret: bool,
+    rows_per_chunk: int, batch_heads: int, heads: int, pieces: int, interpret: bool,
 ):
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     has_mask = "mask" in gmem
@@ -329,13 +330,13 @@ def _dbias_kernel(
         def visit_msa_row(step, dbias):
             slot = lax.rem(step, stages)
             plgpu.barrier_wait(produced["step"].at[slot])
-            q_smem, do_smem = smem["q"].at[slot, wg], smem["do"].at[slot, wg]
-            k_smem, v_smem = smem["k"].at[slot], smem["v"].at[slot]
+            q_smem, do_smem = (operand_at(smem[n], slot, wg) for n in ("q", "do"))
+            k_smem, v_smem = (operand_at(smem[n], slot) for n in ("k", "v"))
             # The bias tile is read from shared memory at every step (held in
             # registers across the loop, a float32 tile would crowd out s and
             # dp) into the logits' accumulator.
             s, dp = smem_products(
-                ((q_smem, k_smem.T), (do_smem, v_smem.T)),
+                ((q_smem, transposed(k_smem)), (do_smem, transposed(v_smem))),
                 inits=(bias_tile(smem["bias"][wg], scale), None), interpret=interpret,
             )
             stats = _load_stats(smem["stats"].at[slot, wg], WGMMA_ROW)
@@ -349,10 +350,13 @@ def _dbias_kernel(
             return dbias + ds
 
         dbias = lax.fori_loop(0, rows_per_chunk, visit_msa_row, zeros((block_q, block_k)))
-        smem["dbias"][wg] = dbias
+        # Without a tile of its own, the result leaves through the float32
+        # bias tile, which this consumer alone has read.
+        out_smem = smem["dbias"] if "dbias" in smem else smem["bias"]
+        out_smem[wg] = dbias
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(
-            smem["dbias"].at[wg], gmem["dbias"].at[chunk, batch, head, queries, keys]
+            out_smem.at[wg], gmem["dbias"].at[chunk, batch, head, queries, keys]
         )
         plgpu.wait_smem_to_gmem(0)
 
@@ -378,6 +382,13 @@ def _dbias_kernel(
                 )
 
         produce(rows_per_chunk, stages, issue_copies, consumed)
+
+
+def dbias_in_bias_tile(pieces: int, bias_dtype) -> bool:
+    """Whether the dbias kernel writes its result through the bias tile's
+    shared memory instead of a tile of its own: for float32 q (split into
+    `pieces`, which need the room) with a float32 bias."""
+    return pieces > 1 and jnp.dtype(bias_dtype).itemsize == 4
 
 
 def _operands(**named):
@@ -495,19 +506,27 @@ def backward_dbias(
     q, k, v, bias, mask, do, stats, *, scale: float, tiles: MosaicTiles, interpret: bool
 ):
     """dbias `[B, H, N, N]` float32, summed over the S MSA rows (arguments as
-    in the module docstring).
+    in the module docstring; q, k, v and do may also be float32).
 
     When (tiles x heads x batch) gives too few CTAs to fill the GPU, the rows
     are split into chunks (`block_sizes.row_chunks`), one CTA each, and the
     chunks' float32 partial sums are added in a fixed order.
+
+    float32 q, k, v and do enter as `FLOAT32_PIECES` bfloat16 pieces each
+    (`common.split_float32`, a pass over them in XLA), and each product is
+    the sum of the pieces' products (`common.piece_pairs`): float32
+    accuracy from the 16-bit `wgmma`.
     """
-    check_kernel_inputs(q, bias)
+    pieces = FLOAT32_PIECES if q.dtype == jnp.float32 else 1
+    check_kernel_inputs(q, bias, float32=True)
     batch, rows, n_res, heads, head_dim = q.shape
     consumers = tiles.msa_rows
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     query_tiles = pl.cdiv(n_res, block_q * consumers)
     key_tiles = pl.cdiv(n_res, block_k)
     chunks = row_chunks(query_tiles * key_tiles * batch * heads, rows)
+    if pieces > 1:
+        q, k, v, do = (jnp.stack(split_float32(x, pieces)) for x in (q, k, v, do))
     inputs = _operands(
         q=q, k=k, v=v, bias=accumulator_bias(bias, scale), mask=mask, do=do,
         stats=stats,
@@ -515,16 +534,18 @@ def backward_dbias(
     # Rows of a whole TMA stride, sliced back to N below.
     dbias_shape = (chunks, batch, heads, n_res, aligned_residues(n_res, jnp.float32, True))
     out_types = {"dbias": jax.ShapeDtypeStruct(dbias_shape, jnp.float32)}
+    operand_tiles = lambda shape: split_tiles(shape, q.dtype, pieces)  # noqa: E731
     smem = {
         "bias": smem_tile((consumers, block_q, block_k), bias.dtype),
-        "dbias": smem_tile((consumers, block_q, block_k), jnp.float32),
-        "q": smem_tile((stages, consumers, block_q, head_dim), q.dtype),
-        "do": smem_tile((stages, consumers, block_q, head_dim), q.dtype),
+        "q": operand_tiles((stages, consumers, block_q, head_dim)),
+        "do": operand_tiles((stages, consumers, block_q, head_dim)),
         "stats": smem_vectors((stages, consumers, 3, block_q), jnp.float32),
-        "k": smem_tile((stages, block_k, head_dim), q.dtype),
-        "v": smem_tile((stages, block_k, head_dim), q.dtype),
+        "k": operand_tiles((stages, block_k, head_dim)),
+        "v": operand_tiles((stages, block_k, head_dim)),
     }
-    copies = 3 * consumers + 2
+    if not dbias_in_bias_tile(pieces, bias.dtype):
+        smem["dbias"] = smem_tile((consumers, block_q, block_k), jnp.float32)
+    copies = (2 * consumers + 2) * pieces + consumers
     if mask is not None:
         smem["mask"] = smem_vectors((stages, 1, block_k), mask.dtype)
         copies += 1
@@ -536,7 +557,7 @@ def backward_dbias(
     body = functools.partial(
         _dbias_kernel, scale=scale, tiles=tiles,
         consumers=consumers, rows_per_chunk=rows // chunks, batch_heads=batch * heads,
-        heads=heads, interpret=interpret,
+        heads=heads, pieces=pieces, interpret=interpret,
     )
     (partial_sums,) = launch(
         body, name="msa_mosaic_dbias", scratch=(smem, produced, consumed),

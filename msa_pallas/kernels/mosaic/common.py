@@ -18,7 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from msa_pallas.kernels.constants import LOG2E
+from msa_pallas.kernels.constants import FLOAT32_PIECES, LOG2E
 from msa_pallas.reference import MASKED_LOGIT
 
 HEAD_DIMS = (16, 32, 64, 128)
@@ -99,9 +99,11 @@ def kernel_head_dim(head_dim: int) -> int:
     return max(head_dim, HEAD_DIMS[0])
 
 
-def check_kernel_inputs(q, bias) -> None:
-    """Raises ValueError unless a Mosaic kernel can take these operands as they are."""
-    reason = supports(q.shape, q.dtype, bias.dtype)
+def check_kernel_inputs(q, bias, float32: bool = False) -> None:
+    """Raises ValueError unless a Mosaic kernel can take these operands as
+    they are; `float32`: the kernel also takes float32 q (in bf16 pieces)."""
+    q_dtype = jnp.bfloat16 if float32 and q.dtype == jnp.float32 else q.dtype
+    reason = supports(q.shape, q_dtype, bias.dtype)
     if reason is None and q.shape[-1] not in HEAD_DIMS:
         reason = f"head dim {q.shape[-1]}: pad it to {kernel_head_dim(q.shape[-1])} first"
     if reason is not None:
@@ -152,6 +154,14 @@ def smem_tile(shape, dtype):
     return plgpu.SMEM(shape, dtype, transforms=(tiling, plgpu.SwizzleTransform(swizzle)))
 
 
+def split_tiles(shape, dtype, pieces: int):
+    """`smem_tile(shape, dtype)`, or for an operand split into `pieces` > 1
+    bf16 pieces (`split_float32`) a tuple of one such bf16 tile per piece."""
+    if pieces == 1:
+        return smem_tile(shape, dtype)
+    return tuple(smem_tile(shape, jnp.bfloat16) for _ in range(pieces))
+
+
 def smem_vectors(shape, dtype):
     """Shared memory for per-residue vectors (mask, row statistics), each
     last-axis row starting 128-byte aligned as TMA wants."""
@@ -163,6 +173,34 @@ def sigmoid(x):
     return 1.0 / (1.0 + jnp.exp2(x * -LOG2E))
 
 
+def split_float32(x, pieces: int = FLOAT32_PIECES) -> tuple:
+    """float32 `x` as `pieces` bfloat16 arrays whose float32 sum is `x`
+    (to 24 bits with 3 pieces): each piece is the rounding of what the
+    previous ones left."""
+    split, rest = [], x.astype(jnp.float32)
+    for _ in range(pieces):
+        piece = rest.astype(jnp.bfloat16)
+        split.append(piece)
+        rest = rest - piece.astype(jnp.float32)
+    return tuple(split)
+
+
+def piece_pairs(a, b) -> list:
+    """The `(a_i, b_j)` products whose sum is `a @ b` to float32 accuracy.
+
+    `a` and `b` are operands or tuples of the same number P of bf16 pieces
+    (`split_float32`): the pairs with `i + j < P`, the terms of the product
+    of the two sums above the float32 rounding (P = 3: 6 products, as XLA's
+    BF16_BF16_F32_X6), smallest first so that the accumulator adds them
+    before the large ones.
+    """
+    if not isinstance(a, tuple):
+        return [(a, b)]
+    pieces = len(a)
+    pairs = [(i, j) for i in range(pieces) for j in range(pieces) if i + j < pieces]
+    return [(a[i], b[j]) for i, j in sorted(pairs, key=lambda ij: -sum(ij))]
+
+
 def smem_products(
     operands, while_they_run: Callable[[], None] | None = None, inits=None,
     interpret: bool = False,
@@ -172,17 +210,22 @@ def smem_products(
     wgmma layout, or None for zeros), issued together and waited for once,
     running `while_they_run()` while the matrix units work.
 
+    `a` and `b` may be tuples of bf16 pieces of float32 operands
+    (`piece_pairs`): their products are summed in the one accumulator.
+
     An `init` starts the product's accumulator: whatever it holds is added
     by the matrix units, at no cost to the FP32 pipe.
 
     Returns a tuple of `[M, N]` float32 values in the wgmma layout.
     """
-    shapes = [(a.shape[0], b.shape[1]) for a, b in operands]
+    first = lambda x: x[0] if isinstance(x, tuple) else x  # noqa: E731
+    shapes = [(first(a).shape[0], first(b).shape[1]) for a, b in operands]
     inits = (None,) * len(operands) if inits is None else tuple(inits)
 
     def accumulate(acc_refs):
         for acc_ref, (a, b) in zip(acc_refs, operands):
-            plgpu.wgmma(acc_ref, a, b)
+            for a_piece, b_piece in piece_pairs(a, b):
+                plgpu.wgmma(acc_ref, a_piece, b_piece)
         if while_they_run is not None:
             while_they_run()
 
@@ -286,11 +329,36 @@ def producer_registers() -> None:
 
 def copy_tiles(gmem, smem, names, source_index, destination_index, barrier) -> None:
     """TMA copies `gmem[name].at[source_index]` -> `smem[name].at[destination_index]`
-    for each name, all completing `barrier`."""
+    for each name, all completing `barrier`.
+
+    A split float32 operand (`split_float32`) leads with its pieces in GMEM
+    and is a tuple of one shared-memory ref per piece: every piece is copied.
+    """
+    as_tuple = lambda index: index if isinstance(index, tuple) else (index,)  # noqa: E731
+    source_index, destination_index = as_tuple(source_index), as_tuple(destination_index)
     for name in names:
-        plgpu.copy_gmem_to_smem(
-            gmem[name].at[source_index], smem[name].at[destination_index], barrier
-        )
+        if isinstance(smem[name], tuple):
+            copies = [((piece, *source_index), ref) for piece, ref in enumerate(smem[name])]
+        else:
+            copies = [(source_index, smem[name])]
+        for source, destination in copies:
+            plgpu.copy_gmem_to_smem(gmem[name].at[source], destination.at[destination_index], barrier)
+
+
+def operand_at(operand, *index):
+    """`operand.at[index]`, or for a split operand (a tuple of one ref per
+    piece, see `copy_tiles`) the tuple of each piece's, as `smem_products`
+    takes it."""
+    if isinstance(operand, tuple):
+        return tuple(piece.at[index] for piece in operand)
+    return operand.at[index]
+
+
+def transposed(operand):
+    """The transposed view of an operand or of each of its pieces."""
+    if isinstance(operand, tuple):
+        return tuple(piece.T for piece in operand)
+    return operand.T
 
 
 def batch_head_and_warpgroup(heads: int):
