@@ -53,9 +53,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from msa_pallas.block_sizes import (
     MosaicBackwardTiles, MosaicTiles, mosaic_backward_shared_memory_bytes, row_chunks,
 )
-from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2
+from msa_pallas.kernels.constants import FLOAT32_PIECES, LOG2E, MASKED_LOGIT_LOG2
 from msa_pallas.kernels.mosaic.common import (
-    FLOAT32_PIECES, MAX_SHARED_MEMORY, WGMMA, WGMMA_COL, WGMMA_ROW, PingPong,
+    MAX_SHARED_MEMORY, WGMMA, WGMMA_COL, WGMMA_ROW, PingPong,
     accumulate_products, accumulator_bias, aligned_residues, batch_head_and_warpgroup,
     bias_tile, check_kernel_inputs, consumer_registers, copy_tiles, launch, operand_at,
     pad_residues, produce, producer_registers, smem_products, smem_tile, smem_vectors,
@@ -304,7 +304,7 @@ def _dq_kernel(
 
 def _dbias_kernel(
     gmem, smem, produced, consumed, *, scale: float, tiles: MosaicTiles, consumers: int,
-    rows_per_chunk: int, batch_heads: int, heads: int, pieces: int, interpret: bool,
+    rows_per_chunk: int, batch_heads: int, heads: int, interpret: bool,
 ):
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     has_mask = "mask" in gmem
@@ -535,16 +535,16 @@ def backward_dbias(
     dbias_shape = (chunks, batch, heads, n_res, aligned_residues(n_res, jnp.float32, True))
     out_types = {"dbias": jax.ShapeDtypeStruct(dbias_shape, jnp.float32)}
     operand_tiles = lambda shape: split_tiles(shape, q.dtype, pieces)  # noqa: E731
-    smem = {
-        "bias": smem_tile((consumers, block_q, block_k), bias.dtype),
+    smem = {"bias": smem_tile((consumers, block_q, block_k), bias.dtype)}
+    if not dbias_in_bias_tile(pieces, bias.dtype):
+        smem["dbias"] = smem_tile((consumers, block_q, block_k), jnp.float32)
+    smem |= {
         "q": operand_tiles((stages, consumers, block_q, head_dim)),
         "do": operand_tiles((stages, consumers, block_q, head_dim)),
         "stats": smem_vectors((stages, consumers, 3, block_q), jnp.float32),
         "k": operand_tiles((stages, block_k, head_dim)),
         "v": operand_tiles((stages, block_k, head_dim)),
     }
-    if not dbias_in_bias_tile(pieces, bias.dtype):
-        smem["dbias"] = smem_tile((consumers, block_q, block_k), jnp.float32)
     copies = (2 * consumers + 2) * pieces + consumers
     if mask is not None:
         smem["mask"] = smem_vectors((stages, 1, block_k), mask.dtype)
@@ -557,7 +557,7 @@ def backward_dbias(
     body = functools.partial(
         _dbias_kernel, scale=scale, tiles=tiles,
         consumers=consumers, rows_per_chunk=rows // chunks, batch_heads=batch * heads,
-        heads=heads, pieces=pieces, interpret=interpret,
+        heads=heads, interpret=interpret,
     )
     (partial_sums,) = launch(
         body, name="msa_mosaic_dbias", scratch=(smem, produced, consumed),

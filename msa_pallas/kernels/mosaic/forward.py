@@ -46,9 +46,9 @@ from msa_pallas.block_sizes import MosaicTiles, mosaic_shared_memory_bytes
 from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2
 from msa_pallas.kernels.mosaic.common import (
     MAX_SHARED_MEMORY, WGMMA, WGMMA_COL, WGMMA_ROW, PingPong, accumulate_products,
-    accumulator_bias, batch_head_and_warpgroup, bias_tile,
-    check_kernel_inputs, consumer_registers, launch, masked_accumulator_logit, pad_residues,
-    producer_registers, sigmoid, smem_products, smem_tile, smem_vectors,
+    accumulator_bias, batch_head_and_warpgroup, bias_tile, check_kernel_inputs,
+    consumer_registers, launch, masked_accumulator_logit, pad_residues, producer_registers,
+    sigmoid, smem_products, smem_tile, smem_vectors,
 )
 
 
