@@ -69,9 +69,9 @@ def resolve_implementation(implementation, q, dropout_rate: float, bias=None) ->
 
     `implementation` when given; else, when q's dtype and head dim fit the
     kernels and no attention dropout is asked for: `"mosaic"` on a Hopper GPU
-    for N > 256, N a multiple of 128, where the Mosaic kernels take the inputs
-    (`mosaic.common.supports`; d < 16 is zero-padded to 16), `"pallas"` (the
-    Triton kernels) otherwise on a GPU; `"xla"` elsewhere.
+    for 16-bit inputs with N > 256, N a multiple of 128, where the Mosaic
+    kernels take them (`mosaic.common.supports`; d < 16 is zero-padded to
+    16), `"pallas"` (the Triton kernels) otherwise on a GPU; `"xla"` elsewhere.
     """
     if implementation is not None:
         return implementation
@@ -92,6 +92,7 @@ def resolve_implementation(implementation, q, dropout_rate: float, bias=None) ->
         and len(shape) >= 5
         and shape[-3] > MOSAIC_MIN_RESIDUES
         and shape[-3] % MOSAIC_DEFAULT_RESIDUE_MULTIPLE == 0
+        and jnp.dtype(dtype).itemsize == 2
         and bias_dtype is not None
         and mosaic_supports(shape[-5:], dtype, bias_dtype) is None
     ):
@@ -144,9 +145,11 @@ def msa_row_attention(
       implementation: `"pallas"`: the Triton kernels (any CUDA GPU; float32
         too). `"mosaic"`: the Mosaic GPU kernels, forward and backward (Hopper,
         bfloat16 / float16, d in 16, 32, 64, 128 or d < 16, zero-padded to 16;
-        N a multiple of 8). `"xla"`: the plain-`jnp` path. None picks `"mosaic"` on a
-        Hopper GPU where it takes the inputs and N > 256 is a multiple of
-        128, `"pallas"` on other GPUs and `"xla"` elsewhere.
+        N a multiple of 8; float32 with d <= 64: the Triton forward and the
+        Mosaic backward, its operands split into three bf16 pieces). `"xla"`:
+        the plain-`jnp` path. None picks `"mosaic"` on a Hopper GPU for 16-bit
+        inputs it takes with N > 256 a multiple of 128, `"pallas"` on other
+        GPUs and `"xla"` elsewhere.
         `"pallas"` and `"mosaic"` on a machine without a GPU run the same
         kernels in their interpreters (slow; for tests).
       block_config: tiles for the Pallas kernels; default chosen by
@@ -215,11 +218,16 @@ def msa_row_attention(
                 pad = lambda x: jnp.pad(x, ((0, 0),) * 4 + ((0, padding),))  # noqa: E731
                 q, k, v = pad(q), pad(k), pad(v)
                 gate = None if gate is None else pad(gate)
+            # float32: the Triton forward (three TF32 products), whose
+            # residuals the Mosaic backward follows.
+            forward_tiles = None
+            if jnp.dtype(q.dtype).itemsize == 2:
+                forward_tiles = block_config.mosaic_forward or mosaic_forward.default_tiles(
+                    q.shape, q.dtype, read_bias_dtype, save_stats=True, has_gate=gate is not None
+                )
             block_config = dataclasses.replace(
                 block_config,
-                mosaic_forward=block_config.mosaic_forward or mosaic_forward.default_tiles(
-                    q.shape, q.dtype, read_bias_dtype, save_stats=True, has_gate=gate is not None
-                ),
+                mosaic_forward=forward_tiles,
                 mosaic_backward=block_config.mosaic_backward or mosaic_backward.default_tiles(
                     q.shape, q.dtype, read_bias_dtype
                 ),

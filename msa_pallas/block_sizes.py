@@ -177,8 +177,9 @@ def mosaic_backward_shared_memory_bytes(
     kernel: str, tiles: MosaicTiles, head_dim: int, dtype, bias_dtype
 ) -> int:
     """Shared memory the backward kernel `kernel` ("dkdv", "dq" or
-    "dbias") allocates with `tiles`. float32 operands (dbias only) take
-    three bf16 pieces each (`kernels.mosaic.common.split_float32`)."""
+    "dbias") allocates with `tiles`. float32 operands take three bf16
+    pieces each (`kernels.mosaic.common.split_float32`), and the float32
+    gradients of q, k and v their own output tiles."""
     rows, stages = tiles.msa_rows, tiles.num_stages
     item, bias_item = jnp.dtype(dtype).itemsize, jnp.dtype(bias_dtype).itemsize
     float32 = item == 4
@@ -189,9 +190,11 @@ def mosaic_backward_shared_memory_bytes(
     mask = max(tiles.block_k, 128)
     if kernel == "dkdv":
         used = 2 * rows * tiles.block_k * head_dim * item + rows * mask  # K, V, mask
+        used += 2 * rows * tiles.block_k * head_dim * 4 if float32 else 0  # dK, dV
         used += stages * (2 * rows * tiles.block_q * head_dim * item + rows * stats + bias_tile)
     elif kernel == "dq":
         used = 2 * rows * tiles.block_q * head_dim * item + rows * stats  # q, do
+        used += rows * tiles.block_q * head_dim * 4 if float32 else 0  # dq
         used += stages * (2 * rows * tiles.block_k * head_dim * item + rows * mask + bias_tile)
     elif kernel == "dbias":
         # The bias tiles, then the float32 result tiles (for float32 q with a

@@ -75,7 +75,9 @@ def run_backward(operands, scale, tiles: MosaicBackwardTiles):
 # and key tiles, an odd S (one row per CTA) with a 16-bit bias and the
 # default dk/dv and dq tiles of d = 16, d = 128 with its default tiles, and
 # an N that is no whole number of tiles nor of TMA rows (N = 72: the last
-# query and key tiles run past N, the bias and mask rows are padded).
+# query and key tiles run past N, the bias and mask rows are padded), and
+# float32 inputs split into bf16 pieces, with MSA-row pairs and with the
+# float32 default tiles at an odd S.
 # Turns on and off: test_ping_pong_changes_nothing; other head dims' tiles:
 # test_lowers_for_the_gpu_on_a_cpu.
 CASES = {
@@ -83,6 +85,9 @@ CASES = {
     "odd-S-fp16": (3, 128, 16, jnp.float16, jnp.float16, ONE_DBIAS_CONSUMER),
     "d128-defaults": (2, 128, 128, jnp.float16, jnp.float32, None),
     "tails-N72": (2, 72, 32, jnp.bfloat16, jnp.float32, SMALL_TILES),
+    # float32: three bf16 pieces per operand, six products per product.
+    "float32-pieces": (2, 72, 32, jnp.float32, jnp.float32, SMALL_TILES),
+    "float32-defaults-d16": (3, 64, 16, jnp.float32, jnp.float32, None),
 }
 
 
@@ -232,11 +237,11 @@ def test_keys_past_n_pass_no_gradient(seed):
         assert error <= helpers.tolerance(jnp.bfloat16), (name, error)
 
 
-@pytest.mark.parametrize("consumers, n_res", [(2, 128), (1, 72)])
+@pytest.mark.parametrize("consumers, n_res", [(1, 72)])
 def test_float32_bias_gradient_in_bf16_pieces(consumers, n_res, seed):
-    """float32 q, k, v and do: the dbias kernel multiplies three bf16 pieces
-    of each (six products per product) and matches float64 to float32
-    accuracy; with one piece (bf16 operands) the error is about 1e-3."""
+    """float32 q, k, v and do with one dbias consumer (two: CASES): the
+    kernel multiplies three bf16 pieces of each (six products per product)
+    and matches float64 to float32 accuracy."""
     inputs = helpers.random_inputs(
         seed, 1, 3, n_res, 1, 32, jnp.float32, gate=False, fully_masked_row=(0, 1)
     )
@@ -278,19 +283,32 @@ def test_triton_backward_with_the_mosaic_float32_dbias(seed):
     )
 
 
-@pytest.mark.parametrize("head_dim, consumers", [(32, 2), (64, 1)])
-def test_float32_dbias_lowers_for_the_gpu_on_a_cpu(head_dim, consumers):
-    """The float32 dbias kernel (three bf16 pieces per operand, the result
-    through the float32 bias tile) lowers for CUDA and fits in shared memory."""
+@pytest.mark.parametrize("head_dim", [16, 32, 64])
+def test_float32_kernels_lower_for_the_gpu_on_a_cpu(head_dim):
+    """The three kernels with float32 inputs (three bf16 pieces per operand,
+    float32 output tiles) lower for CUDA with their default tiles, which
+    fit in shared memory (Mosaic GPU checks it at lowering)."""
     shape = (1, 4, 384, 8, head_dim)
     q = jax.ShapeDtypeStruct(shape, jnp.float32)
     bias = jax.ShapeDtypeStruct((1, 8, 384, 384), jnp.float32)
     mask = jax.ShapeDtypeStruct((1, 4, 384), jnp.int8)
     stats = jax.ShapeDtypeStruct((1, 4, 8, 3, 384), jnp.float32)
-    tiles = MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=consumers)
-    used = mosaic_backward_shared_memory_bytes("dbias", tiles, head_dim, jnp.float32, jnp.float32)
-    assert used <= MAX_SHARED_MEMORY, used
-    lowered = jax.jit(
-        lambda *args: mosaic_backward.backward_dbias(*args, scale=0.2, tiles=tiles, interpret=False)
-    ).trace(q, q, q, bias, mask, q, stats).lower(lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in lowered.as_text()
+    tiles = mosaic_backward.default_tiles(shape, jnp.float32, jnp.float32)
+    for kernel in ("dkdv", "dq", "dbias"):
+        kernel_tiles = getattr(tiles, kernel)
+        used = mosaic_backward_shared_memory_bytes(
+            kernel, kernel_tiles, head_dim, jnp.float32, jnp.float32
+        )
+        assert used <= MAX_SHARED_MEMORY, (kernel, used)
+        function = getattr(mosaic_backward, f"backward_{kernel}")
+        lowered = jax.jit(
+            lambda *args: function(  # noqa: B023
+                *args, scale=0.2, tiles=kernel_tiles, interpret=False  # noqa: B023
+            )
+        ).trace(q, q, q, bias, mask, q, stats).lower(lowering_platforms=("cuda",))
+        assert "mosaic_gpu" in lowered.as_text(), kernel
+
+
+def test_float32_head_dims_above_64_raise():
+    with pytest.raises(ValueError, match="d <= 64"):
+        mosaic_backward.default_tiles((1, 4, 384, 8, 128), jnp.float32, jnp.float32)

@@ -141,13 +141,16 @@ def test_nan_stays_in_its_row(seed):
     assert not bad.any()
 
 
-def test_op_gradients_through_the_mosaic_kernels(seed):
+@pytest.mark.parametrize("dtype, n_res", [(jnp.bfloat16, 128), (jnp.float32, 72)])
+def test_op_gradients_through_the_mosaic_kernels(dtype, n_res, seed):
     """`implementation="mosaic"`: the Mosaic forward's residuals feed the
-    Mosaic backward kernels; the gradients match float64."""
-    inputs = helpers.random_inputs(seed, 1, 2, 128, 1, 32, jnp.bfloat16, fully_masked_row=True)
+    Mosaic backward kernels; the gradients match float64. float32: the
+    Triton forward and the Mosaic backward on bf16 pieces, within float32's
+    tolerance."""
+    inputs = helpers.random_inputs(seed, 1, 2, n_res, 1, 32, dtype, fully_masked_row=True)
     result = helpers.fwd_bwd("mosaic")(*inputs.args)
     helpers.assert_shapes_dtypes_finite(result, inputs)
-    helpers.compare(result, helpers.numpy_results(inputs), helpers.tolerance(jnp.bfloat16), "mosaic")
+    helpers.compare(result, helpers.numpy_results(inputs), helpers.tolerance(dtype), "mosaic")
     # The fully masked row passes no gradient to its q and k.
     _, (dq, dk, *_) = result
     assert not np.asarray(dq[0, 0]).any() and not np.asarray(dk[0, 0]).any()
@@ -190,7 +193,7 @@ def test_default_tiles_fit_shared_memory(head_dim, bias_dtype, save_stats):
 @pytest.mark.parametrize(
     "shape, dtype, bias_dtype, fragment",
     [
-        ((1, 2, 64, 4, 32), jnp.float32, jnp.float32, "q dtype float32"),
+        ((1, 2, 64, 4, 128), jnp.float32, jnp.float32, "head dim 128 in float32"),
         ((1, 2, 128, 4, 24), jnp.bfloat16, jnp.float32, "head dim 24"),
         ((1, 2, 100, 4, 32), jnp.bfloat16, jnp.bfloat16, "N=100"),
     ],
@@ -208,6 +211,17 @@ def test_n_a_multiple_of_8_is_supported():
     for n_res in (0, 1, 100, 333):
         assert "multiple of 8" in supports((1, 2, n_res, 4, 32), jnp.bfloat16, jnp.float32)
     assert "bias dtype int8" in supports((1, 2, 64, 4, 32), jnp.bfloat16, jnp.int8)
+
+
+def test_forward_kernel_refuses_float32():
+    """float32 runs the Triton forward; the Mosaic forward kernel says so."""
+    q = jnp.ones((1, 2, 64, 1, 32), jnp.float32)
+    bias = jnp.ones((1, 1, 64, 64), jnp.float32)
+    with pytest.raises(ValueError, match="takes bfloat16 / float16"):
+        mosaic_forward.attention_forward(
+            q, q, q, bias, None, None, scale=0.2, tiles=SMALL_TILES, interpret=True,
+            save_stats=False,
+        )
 
 
 def test_tiles_validate_their_fields():

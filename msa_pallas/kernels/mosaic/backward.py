@@ -55,11 +55,11 @@ from msa_pallas.block_sizes import (
 )
 from msa_pallas.kernels.constants import FLOAT32_PIECES, LOG2E, MASKED_LOGIT_LOG2
 from msa_pallas.kernels.mosaic.common import (
-    MAX_SHARED_MEMORY, WGMMA, WGMMA_COL, WGMMA_ROW, PingPong,
+    FLOAT32_MAX_HEAD_DIM, MAX_SHARED_MEMORY, WGMMA, WGMMA_COL, WGMMA_ROW, PingPong,
     accumulate_products, accumulator_bias, aligned_residues, batch_head_and_warpgroup,
     bias_tile, check_kernel_inputs, consumer_registers, copy_tiles, launch, operand_at,
-    pad_residues, produce, producer_registers, smem_products, smem_tile, smem_vectors,
-    split_float32, split_tiles, transposed, zeros,
+    matrix_operand, pad_residues, produce, producer_registers, smem_products, smem_tile,
+    smem_vectors, split_float32, split_tiles, transposed, zeros,
 )
 
 def default_tiles(q_shape, q_dtype, bias_dtype) -> MosaicBackwardTiles:
@@ -68,13 +68,22 @@ def default_tiles(q_shape, q_dtype, bias_dtype) -> MosaicBackwardTiles:
     The tiles of d <= 32 are the fastest of an H200 sweep (benchmarks/RESULTS.md);
     larger head dims take smaller tiles, for the registers their accumulators
     need (not swept yet). The consumers take turns (ping-pong) with a 16-bit
-    bias; with a float32 bias that measured slower."""
+    bias; with a float32 bias that measured slower.
+
+    float32 inputs (three bf16 pieces per operand in shared memory, the
+    split products' registers) take 64 x 64 tiles, not timed yet."""
     *_, head_dim = q_shape
+    if jnp.dtype(q_dtype) == jnp.float32 and head_dim > FLOAT32_MAX_HEAD_DIM:
+        raise ValueError(
+            f"head dim {head_dim} in float32: the Mosaic backward takes d <= {FLOAT32_MAX_HEAD_DIM}"
+        )
     preferred = {
         "dkdv": {32: [(64, 128)], 64: [(128, 64)], 128: [(64, 64)]},
         "dq": {32: [(128, 64)], 64: [(128, 64)], 128: [(64, 64)]},
         "dbias": {32: [(64, 128)], 64: [(64, 128), (64, 64)], 128: [(64, 128), (64, 64)]},
     }
+    if jnp.dtype(q_dtype) == jnp.float32:
+        preferred = {kernel: {64: [(64, 64)]} for kernel in preferred}
     chosen = {}
     for kernel, by_head_dim in preferred.items():
         blocks = by_head_dim[min(d for d in by_head_dim if d >= head_dim)]
@@ -143,7 +152,7 @@ def _dkdv_kernel(
     def _consumer():
         consumer_registers(msa_rows)
         row = row_group * msa_rows + wg
-        k_smem, v_smem = smem["k"].at[wg], smem["v"].at[wg]
+        k_smem, v_smem = operand_at(smem["k"], wg), operand_at(smem["v"], wg)
         copy_tiles(gmem, smem, ("k", "v"), (batch, row, keys, head), wg, produced["kv"].at[wg])
         keep = None
         if has_mask:
@@ -161,9 +170,9 @@ def _dkdv_kernel(
             dk, dv = carry
             slot = lax.rem(query_tile, stages)
             plgpu.barrier_wait(produced["step"].at[slot])
-            q_smem, do_smem = smem["q"].at[slot, wg], smem["do"].at[slot, wg]
+            q_smem, do_smem = operand_at(smem["q"], slot, wg), operand_at(smem["do"], slot, wg)
             s_t, dp_t = smem_products(
-                ((k_smem, q_smem.T), (v_smem, do_smem.T)), turns.hand_over,
+                ((k_smem, transposed(q_smem)), (v_smem, transposed(do_smem))), turns.hand_over,
                 inits=(bias_tile(smem["bias"][slot], scale), None), interpret=interpret,
             )
             stats = _load_stats(smem["stats"].at[slot, wg], WGMMA_COL)
@@ -171,7 +180,9 @@ def _dkdv_kernel(
                 s_t, dp_t, keep, stats, scale=scale, query_axis=1, with_p=True
             )
             # Finish the elementwise work before handing the turn over.
-            p_t, ds_t = lax.optimization_barrier((p_t.astype(dtype), ds_t.astype(dtype)))
+            p_t, ds_t = lax.optimization_barrier(
+                (matrix_operand(p_t, dtype), matrix_operand(ds_t, dtype))
+            )
             turns.release()
             turns.take_turn()
             dv, dk = accumulate_products(
@@ -180,18 +191,21 @@ def _dkdv_kernel(
             plgpu.barrier_arrive(consumed.at[slot])
             return dk, dv
 
-        head_dim = k_smem.shape[-1]
+        head_dim = gmem["dk"].shape[-1]
         dk, dv = lax.fori_loop(
             0, query_tiles, visit_query_tile,
             (zeros((block_k, head_dim)), zeros((block_k, head_dim))),
         )
         turns.finish()
-        # K's and V's tiles are free again: they hold the gradients on their way out.
-        k_smem[...] = (dk * scale).astype(dtype)
-        v_smem[...] = dv.astype(dtype)
+        # 16-bit: K's and V's tiles are free again and hold the gradients on their way out.
+        dk_smem, dv_smem = (
+            (smem["dk"].at[wg], smem["dv"].at[wg]) if "dk" in smem else (k_smem, v_smem)
+        )
+        dk_smem[...] = (dk * scale).astype(dtype)
+        dv_smem[...] = dv.astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(k_smem, gmem["dk"].at[batch, row, keys, head])
-        plgpu.copy_smem_to_gmem(v_smem, gmem["dv"].at[batch, row, keys, head])
+        plgpu.copy_smem_to_gmem(dk_smem, gmem["dk"].at[batch, row, keys, head])
+        plgpu.copy_smem_to_gmem(dv_smem, gmem["dv"].at[batch, row, keys, head])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == msa_rows)
@@ -231,7 +245,7 @@ def _dq_kernel(
     def _consumer():
         consumer_registers(msa_rows)
         row = row_group * msa_rows + wg
-        q_smem, do_smem = smem["q"].at[wg], smem["do"].at[wg]
+        q_smem, do_smem = operand_at(smem["q"], wg), operand_at(smem["do"], wg)
         copy_tiles(gmem, smem, ("q", "do"), (batch, row, queries, head), wg, produced["q"].at[wg])
         plgpu.copy_gmem_to_smem(
             gmem["stats"].at[batch, row, head, :, queries], smem["stats"].at[wg],
@@ -245,9 +259,9 @@ def _dq_kernel(
         def visit_key_tile(key_tile, dq):
             slot = lax.rem(key_tile, stages)
             plgpu.barrier_wait(produced["step"].at[slot])
-            k_smem, v_smem = smem["k"].at[slot, wg], smem["v"].at[slot, wg]
+            k_smem, v_smem = operand_at(smem["k"], slot, wg), operand_at(smem["v"], slot, wg)
             s, dp = smem_products(
-                ((q_smem, k_smem.T), (do_smem, v_smem.T)), turns.hand_over,
+                ((q_smem, transposed(k_smem)), (do_smem, transposed(v_smem))), turns.hand_over,
                 inits=(bias_tile(smem["bias"][slot], scale), None), interpret=interpret,
             )
             keep = None
@@ -264,19 +278,21 @@ def _dq_kernel(
                     jnp.int32, ds.shape, 1, layout=WGMMA
                 )
                 ds = jnp.where(key_ids < n_res, ds, 0.0)
-            ds = lax.optimization_barrier(ds.astype(dtype))
+            ds = lax.optimization_barrier(matrix_operand(ds, dtype))
             turns.release()
             turns.take_turn()
             (dq,) = accumulate_products((dq,), (ds,), (k_smem,), interpret)
             plgpu.barrier_arrive(consumed.at[slot])
             return dq
 
-        dq = lax.fori_loop(0, key_tiles, visit_key_tile, zeros((block_q, q_smem.shape[-1])))
+        head_dim = gmem["dq"].shape[-1]
+        dq = lax.fori_loop(0, key_tiles, visit_key_tile, zeros((block_q, head_dim)))
         turns.finish()
-        # q's tile is free again: it holds dq on its way out.
-        q_smem[...] = (dq * scale).astype(dtype)
+        # 16-bit: q's tile is free again and holds dq on its way out.
+        out_smem = smem["dq"].at[wg] if "dq" in smem else q_smem
+        out_smem[...] = (dq * scale).astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem, gmem["dq"].at[batch, row, queries, head])
+        plgpu.copy_smem_to_gmem(out_smem, gmem["dq"].at[batch, row, queries, head])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == msa_rows)
@@ -391,6 +407,15 @@ def dbias_in_bias_tile(pieces: int, bias_dtype) -> bool:
     return pieces > 1 and jnp.dtype(bias_dtype).itemsize == 4
 
 
+def _split_operands(*operands):
+    """(pieces, operands): 1 and the operands as they are for 16-bit inputs;
+    for float32 ones `FLOAT32_PIECES` and each operand's bf16 pieces stacked
+    on a new leading axis (`common.split_float32`, one XLA pass each)."""
+    if operands[0].dtype != jnp.float32:
+        return 1, operands
+    return FLOAT32_PIECES, tuple(jnp.stack(split_float32(x, FLOAT32_PIECES)) for x in operands)
+
+
 def _operands(**named):
     """The kernel's inputs by name, the bias and mask rows padded to whole
     TMA rows (`common.pad_residues`); None entries dropped."""
@@ -412,30 +437,37 @@ def backward_dkdv(
     q, k, v, bias, mask, do, stats, *, scale: float, tiles: MosaicTiles, interpret: bool,
     ping_pong: bool = True,
 ):
-    """dk, dv `[B, S, N, H, d]` in q's dtype (arguments as in the module docstring)."""
-    check_kernel_inputs(q, bias)
+    """dk, dv `[B, S, N, H, d]` in q's dtype (arguments as in the module
+    docstring; float32 q, k, v and do as in `backward_dbias`)."""
+    check_kernel_inputs(q, bias, float32=True)
     batch, rows, n_res, heads, head_dim = q.shape
     msa_rows = tiles.msa_rows_for(rows)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
+    pieces, (q_in, k, v, do) = _split_operands(q, k, v, do)
     inputs = _operands(
-        q=q, k=k, v=v, bias_t=jnp.swapaxes(accumulator_bias(bias, scale), -1, -2),
+        q=q_in, k=k, v=v, bias_t=jnp.swapaxes(accumulator_bias(bias, scale), -1, -2),
         mask=mask, do=do, stats=stats,
     )
     out_types = {"dk": jax.ShapeDtypeStruct(q.shape, q.dtype),
                  "dv": jax.ShapeDtypeStruct(q.shape, q.dtype)}
+    operand_tiles = lambda shape: split_tiles(shape, q.dtype, pieces)  # noqa: E731
     smem = {
-        "k": smem_tile((msa_rows, block_k, head_dim), q.dtype),
-        "v": smem_tile((msa_rows, block_k, head_dim), q.dtype),
-        "q": smem_tile((stages, msa_rows, block_q, head_dim), q.dtype),
-        "do": smem_tile((stages, msa_rows, block_q, head_dim), q.dtype),
+        "k": operand_tiles((msa_rows, block_k, head_dim)),
+        "v": operand_tiles((msa_rows, block_k, head_dim)),
+        "q": operand_tiles((stages, msa_rows, block_q, head_dim)),
+        "do": operand_tiles((stages, msa_rows, block_q, head_dim)),
         "stats": smem_vectors((stages, msa_rows, 3, block_q), jnp.float32),
         "bias": smem_tile((stages, block_k, block_q), bias.dtype),
     }
+    if pieces > 1:
+        smem["dk"] = smem_tile((msa_rows, block_k, head_dim), jnp.float32)
+        smem["dv"] = smem_tile((msa_rows, block_k, head_dim), jnp.float32)
     if mask is not None:
         smem["mask"] = smem_vectors((msa_rows, 1, block_k), mask.dtype)
-    produced_step, consumed = _step_scratch(3 * msa_rows + 1, stages, msa_rows)
+    produced_step, consumed = _step_scratch((2 * pieces + 1) * msa_rows + 1, stages, msa_rows)
+    kv_copies = 2 * pieces + (1 if mask is not None else 0)
     produced = {
-        "kv": plgpu.Barrier(num_arrivals=3 if mask is not None else 2, num_barriers=msa_rows),
+        "kv": plgpu.Barrier(num_arrivals=kv_copies, num_barriers=msa_rows),
         "step": produced_step,
     }
     body = functools.partial(
@@ -458,31 +490,36 @@ def backward_dq(
     q, k, v, bias, mask, do, stats, *, scale: float, tiles: MosaicTiles, interpret: bool,
     ping_pong: bool = True,
 ):
-    """dq `[B, S, N, H, d]` in q's dtype (arguments as in the module docstring)."""
-    check_kernel_inputs(q, bias)
+    """dq `[B, S, N, H, d]` in q's dtype (arguments as in the module
+    docstring; float32 q, k, v and do as in `backward_dbias`)."""
+    check_kernel_inputs(q, bias, float32=True)
     batch, rows, n_res, heads, head_dim = q.shape
     msa_rows = tiles.msa_rows_for(rows)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
+    pieces, (q_in, k, v, do) = _split_operands(q, k, v, do)
     inputs = _operands(
-        q=q, k=k, v=v, bias=accumulator_bias(bias, scale), mask=mask, do=do,
+        q=q_in, k=k, v=v, bias=accumulator_bias(bias, scale), mask=mask, do=do,
         stats=stats,
     )
     out_types = {"dq": jax.ShapeDtypeStruct(q.shape, q.dtype)}
+    operand_tiles = lambda shape: split_tiles(shape, q.dtype, pieces)  # noqa: E731
     smem = {
-        "q": smem_tile((msa_rows, block_q, head_dim), q.dtype),
-        "do": smem_tile((msa_rows, block_q, head_dim), q.dtype),
+        "q": operand_tiles((msa_rows, block_q, head_dim)),
+        "do": operand_tiles((msa_rows, block_q, head_dim)),
         "stats": smem_vectors((msa_rows, 3, block_q), jnp.float32),
-        "k": smem_tile((stages, msa_rows, block_k, head_dim), q.dtype),
-        "v": smem_tile((stages, msa_rows, block_k, head_dim), q.dtype),
+        "k": operand_tiles((stages, msa_rows, block_k, head_dim)),
+        "v": operand_tiles((stages, msa_rows, block_k, head_dim)),
         "bias": smem_tile((stages, block_q, block_k), bias.dtype),
     }
-    copies = 2 * msa_rows + 1
+    if pieces > 1:
+        smem["dq"] = smem_tile((msa_rows, block_q, head_dim), jnp.float32)
+    copies = 2 * msa_rows * pieces + 1
     if mask is not None:
         smem["mask"] = smem_vectors((stages, msa_rows, 1, block_k), mask.dtype)
         copies += msa_rows
     produced_step, consumed = _step_scratch(copies, stages, msa_rows)
     produced = {
-        "q": plgpu.Barrier(num_arrivals=3, num_barriers=msa_rows),
+        "q": plgpu.Barrier(num_arrivals=2 * pieces + 1, num_barriers=msa_rows),
         "step": produced_step,
     }
     body = functools.partial(
@@ -517,7 +554,6 @@ def backward_dbias(
     the sum of the pieces' products (`common.piece_pairs`): float32
     accuracy from the 16-bit `wgmma`.
     """
-    pieces = FLOAT32_PIECES if q.dtype == jnp.float32 else 1
     check_kernel_inputs(q, bias, float32=True)
     batch, rows, n_res, heads, head_dim = q.shape
     consumers = tiles.msa_rows
@@ -525,8 +561,7 @@ def backward_dbias(
     query_tiles = pl.cdiv(n_res, block_q * consumers)
     key_tiles = pl.cdiv(n_res, block_k)
     chunks = row_chunks(query_tiles * key_tiles * batch * heads, rows)
-    if pieces > 1:
-        q, k, v, do = (jnp.stack(split_float32(x, pieces)) for x in (q, k, v, do))
+    pieces, (q, k, v, do) = _split_operands(q, k, v, do)
     inputs = _operands(
         q=q, k=k, v=v, bias=accumulator_bias(bias, scale), mask=mask, do=do,
         stats=stats,

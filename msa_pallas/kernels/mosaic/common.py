@@ -22,6 +22,9 @@ from msa_pallas.kernels.constants import FLOAT32_PIECES, LOG2E
 from msa_pallas.reference import MASKED_LOGIT
 
 HEAD_DIMS = (16, 32, 64, 128)
+SIXTEEN_BIT = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# float32 operands take three bf16 pieces each in shared memory: d <= 64 fits.
+FLOAT32_MAX_HEAD_DIM = 64
 # N must be a multiple of this (`supports`): Mosaic GPU's TMA descriptors
 # view each array in GMEM as the 8-row tiles of its swizzled shared-memory
 # tiles, so an array's residue axis must hold whole tiles of rows.
@@ -48,6 +51,10 @@ def supports(q_shape, q_dtype, bias_dtype) -> str | None:
     """None when `msa_row_attention` can run these inputs on the Mosaic
     kernels, else the reason it cannot.
 
+    float32 inputs run the Triton forward (its three-TF32 products) and the
+    Mosaic backward, whose kernels read each float32 operand as three bf16
+    pieces (`split_float32`).
+
     Head dims below 16 are accepted: the op zero-pads them to 16
     (`kernel_head_dim`); the kernels themselves take `HEAD_DIMS`.
 
@@ -56,10 +63,16 @@ def supports(q_shape, q_dtype, bias_dtype) -> str | None:
       q_dtype, bias_dtype: dtypes of q (and k, v, gate) and of the bias.
     """
     *_, n_res, _, head_dim = q_shape
-    if jnp.dtype(q_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return f"q dtype {jnp.dtype(q_dtype).name}: the Mosaic kernels take bfloat16 / float16"
+    q_dtype = jnp.dtype(q_dtype)
+    if q_dtype not in (*SIXTEEN_BIT, jnp.dtype(jnp.float32)):
+        return f"q dtype {q_dtype.name}: the Mosaic kernels take bfloat16 / float16 / float32"
     if kernel_head_dim(head_dim) not in HEAD_DIMS:
         return f"head dim {head_dim}: the Mosaic kernels take {HEAD_DIMS} (or d < 16, padded)"
+    if q_dtype == jnp.float32 and kernel_head_dim(head_dim) > FLOAT32_MAX_HEAD_DIM:
+        return (
+            f"head dim {head_dim} in float32: the Mosaic backward holds three bf16 pieces "
+            f"of each operand in shared memory, which fits d <= {FLOAT32_MAX_HEAD_DIM}"
+        )
     bias_itemsize = jnp.dtype(bias_dtype).itemsize
     if bias_itemsize not in (2, 4):
         return f"bias dtype {jnp.dtype(bias_dtype).name}: the Mosaic kernels take 16- or 32-bit"
@@ -101,9 +114,10 @@ def kernel_head_dim(head_dim: int) -> int:
 
 def check_kernel_inputs(q, bias, float32: bool = False) -> None:
     """Raises ValueError unless a Mosaic kernel can take these operands as
-    they are; `float32`: the kernel also takes float32 q (in bf16 pieces)."""
-    q_dtype = jnp.bfloat16 if float32 and q.dtype == jnp.float32 else q.dtype
-    reason = supports(q.shape, q_dtype, bias.dtype)
+    they are; `float32`: the kernel takes float32 q (in bf16 pieces) too."""
+    reason = supports(q.shape, q.dtype, bias.dtype)
+    if reason is None and q.dtype == jnp.float32 and not float32:
+        reason = "q dtype float32: this Mosaic kernel takes bfloat16 / float16"
     if reason is None and q.shape[-1] not in HEAD_DIMS:
         reason = f"head dim {q.shape[-1]}: pad it to {kernel_head_dim(q.shape[-1])} first"
     if reason is not None:
@@ -185,6 +199,14 @@ def split_float32(x, pieces: int = FLOAT32_PIECES) -> tuple:
     return tuple(split)
 
 
+def matrix_operand(x, dtype):
+    """A float32 register tile as the left operand of a 16-bit `wgmma`: `x`
+    rounded to `dtype`, or for float32 inputs its `split_float32` pieces."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return split_float32(x)
+    return x.astype(dtype)
+
+
 def piece_pairs(a, b) -> list:
     """The `(a_i, b_j)` products whose sum is `a @ b` to float32 accuracy.
 
@@ -255,6 +277,8 @@ def accumulate_products(
 ):
     """`acc + lhs @ rhs` for each triple, `lhs` 16-bit in registers and `rhs`
     in shared memory, running `while_they_run()` while the matrix units work.
+    `lhs` and `rhs` may be tuples of bf16 pieces of float32 operands
+    (`matrix_operand`, `operand_at`): their `piece_pairs` products are summed.
 
     On the GPU each wgmma accumulates into its `acc` in place. The
     interpreter's wgmma takes both operands from shared memory, so there the
@@ -262,7 +286,10 @@ def accumulate_products(
     """
     if interpret:
         products = [
-            jnp.dot(lhs, rhs[...], preferred_element_type=jnp.float32)
+            sum(
+                jnp.dot(lhs_piece, rhs_piece[...], preferred_element_type=jnp.float32)
+                for lhs_piece, rhs_piece in piece_pairs(lhs, rhs)
+            )
             for lhs, rhs in zip(lhss, rhs_smems)
         ]
         if while_they_run is not None:
@@ -271,7 +298,8 @@ def accumulate_products(
 
     def accumulate(acc_refs):
         for acc_ref, lhs, rhs in zip(acc_refs, lhss, rhs_smems):
-            plgpu.wgmma(acc_ref, lhs, rhs)
+            for lhs_piece, rhs_piece in piece_pairs(lhs, rhs):
+                plgpu.wgmma(acc_ref, lhs_piece, rhs_piece)
         if while_they_run is not None:
             while_they_run()
 
