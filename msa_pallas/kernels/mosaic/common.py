@@ -187,15 +187,27 @@ def sigmoid(x):
     return 1.0 / (1.0 + jnp.exp2(x * -LOG2E))
 
 
-def split_float32(x, pieces: int = FLOAT32_PIECES) -> tuple:
+def split_float32(x, pieces: int = FLOAT32_PIECES, in_kernel: bool = False) -> tuple:
     """float32 `x` as `pieces` bfloat16 arrays whose float32 sum is `x`
     (to 24 bits with 3 pieces): each piece is the rounding of what the
-    previous ones left."""
+    previous ones left.
+
+    In XLA the rounding is a `reduce_precision`: XLA on GPU may drop a
+    bf16 -> float32 convert pair (excess precision is allowed by default),
+    which would leave every later piece zero. Inside a kernel
+    (`in_kernel`), where Mosaic GPU has no `reduce_precision`, the convert
+    pair is kept as written.
+    """
     split, rest = [], x.astype(jnp.float32)
     for _ in range(pieces):
-        piece = rest.astype(jnp.bfloat16)
+        if in_kernel:
+            piece = rest.astype(jnp.bfloat16)
+            rounded = piece.astype(jnp.float32)
+        else:
+            rounded = lax.reduce_precision(rest, exponent_bits=8, mantissa_bits=7)
+            piece = rounded.astype(jnp.bfloat16)
         split.append(piece)
-        rest = rest - piece.astype(jnp.float32)
+        rest = rest - rounded
     return tuple(split)
 
 
@@ -203,7 +215,7 @@ def matrix_operand(x, dtype):
     """A float32 register tile as the left operand of a 16-bit `wgmma`: `x`
     rounded to `dtype`, or for float32 inputs its `split_float32` pieces."""
     if jnp.dtype(dtype) == jnp.float32:
-        return split_float32(x)
+        return split_float32(x, in_kernel=True)
     return x.astype(dtype)
 
 
