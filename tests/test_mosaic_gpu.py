@@ -65,7 +65,7 @@ def test_shapes_against_float64(shape_id, dtype_id, bias_id, seed):
     check(inputs, f"mosaic {shape_id} {dtype_id} {bias_id}")
 
 
-@pytest.mark.parametrize("shape_id", ["train", "finetune", "long-S16"])
+@pytest.mark.parametrize("shape_id", ["train", "finetune", "long-S16", "longer-S16"])
 def test_float32_backward_against_float64(shape_id, seed):
     """float32: the Triton forward and the Mosaic backward on three bf16
     pieces per operand, within float32's 1e-5 of float64."""
