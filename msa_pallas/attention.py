@@ -33,6 +33,10 @@ MOSAIC_MIN_RESIDUES = 256
 # the H200 runs have covered N (whole 128-residue tiles). Other N:
 # `implementation="mosaic"`.
 MOSAIC_DEFAULT_RESIDUE_MULTIPLE = 128
+# float32 with a float32 bias: the Triton forward and the Mosaic backward
+# (bf16 pieces) were faster than the Triton kernels from N = 256 (the train
+# crop) up (benchmarks/RESULTS.md).
+MOSAIC_FLOAT32_MIN_RESIDUES = 256
 
 
 def target_platform() -> str:
@@ -68,10 +72,12 @@ def resolve_implementation(implementation, q, dropout_rate: float, bias=None) ->
     """The implementation `msa_row_attention` runs.
 
     `implementation` when given; else, when q's dtype and head dim fit the
-    kernels and no attention dropout is asked for: `"mosaic"` on a Hopper GPU
-    for 16-bit inputs with N > 256, N a multiple of 128, where the Mosaic
-    kernels take them (`mosaic.common.supports`; d < 16 is zero-padded to
-    16), `"pallas"` (the Triton kernels) otherwise on a GPU; `"xla"` elsewhere.
+    kernels and no attention dropout is asked for: `"mosaic"` on a Hopper GPU,
+    for N a multiple of 128 where the Mosaic kernels take the inputs
+    (`mosaic.common.supports`; d < 16 is zero-padded to 16), for 16-bit
+    inputs with N > 256 and for float32 inputs with a float32 bias and
+    N >= 256; `"pallas"` (the Triton kernels) otherwise on a GPU; `"xla"`
+    elsewhere.
     """
     if implementation is not None:
         return implementation
@@ -87,13 +93,18 @@ def resolve_implementation(implementation, q, dropout_rate: float, bias=None) ->
     if not (on_gpu() and kernel_fits):
         return "xla"
     bias_dtype = getattr(bias, "dtype", None)
+    if not (on_hopper() and len(shape) >= 5 and bias_dtype is not None):
+        return "pallas"
+    n_res = shape[-3]
+    if jnp.dtype(dtype) == jnp.float32:
+        measured = (
+            jnp.dtype(bias_dtype) == jnp.float32 and n_res >= MOSAIC_FLOAT32_MIN_RESIDUES
+        )
+    else:
+        measured = n_res > MOSAIC_MIN_RESIDUES
     if (
-        on_hopper()
-        and len(shape) >= 5
-        and shape[-3] > MOSAIC_MIN_RESIDUES
-        and shape[-3] % MOSAIC_DEFAULT_RESIDUE_MULTIPLE == 0
-        and jnp.dtype(dtype).itemsize == 2
-        and bias_dtype is not None
+        measured
+        and n_res % MOSAIC_DEFAULT_RESIDUE_MULTIPLE == 0
         and mosaic_supports(shape[-5:], dtype, bias_dtype) is None
     ):
         return "mosaic"
@@ -147,9 +158,10 @@ def msa_row_attention(
         bfloat16 / float16, d in 16, 32, 64, 128 or d < 16, zero-padded to 16;
         N a multiple of 8; float32 with d <= 64: the Triton forward and the
         Mosaic backward, its operands split into three bf16 pieces). `"xla"`:
-        the plain-`jnp` path. None picks `"mosaic"` on a Hopper GPU for 16-bit
-        inputs it takes with N > 256 a multiple of 128, `"pallas"` on other
-        GPUs and `"xla"` elsewhere.
+        the plain-`jnp` path. None picks `"mosaic"` on a Hopper GPU for
+        inputs it takes with N a multiple of 128: 16-bit with N > 256,
+        float32 with a float32 bias and N >= 256; `"pallas"` on other GPUs
+        and `"xla"` elsewhere.
         `"pallas"` and `"mosaic"` on a machine without a GPU run the same
         kernels in their interpreters (slow; for tests).
       block_config: tiles for the Pallas kernels; default chosen by

@@ -239,3 +239,27 @@ def test_cpu_default_is_xla_and_pallas_means_triton():
     bias = jnp.ones((1, 4, 512, 512), jnp.float32)
     assert resolve_implementation(None, q, 0.0, bias) == "xla"
     assert resolve_implementation("pallas", q, 0.0, bias) == "pallas"
+
+
+def test_default_dispatch_on_hopper(monkeypatch):
+    """The rule `implementation=None` follows on an sm90 GPU (platform
+    patched): the Mosaic kernels where they were measured faster."""
+    from msa_pallas import attention
+
+    monkeypatch.setattr(attention, "on_gpu", lambda: True)
+    monkeypatch.setattr(attention, "on_hopper", lambda: True)
+
+    def picks(n_res, head_dim, dtype, bias_dtype=jnp.float32):
+        q = jax.ShapeDtypeStruct((1, 2, n_res, 4, head_dim), dtype)
+        bias = jax.ShapeDtypeStruct((1, 4, n_res, n_res), bias_dtype)
+        return resolve_implementation(None, q, 0.0, bias)
+
+    # 16-bit: N > 256, whole 128-residue tiles (d = 8 padded to 16).
+    assert picks(384, 32, jnp.bfloat16) == picks(384, 8, jnp.float16) == "mosaic"
+    assert picks(256, 32, jnp.bfloat16) == picks(320, 32, jnp.bfloat16) == "pallas"
+    # float32 with a float32 bias: the Mosaic backward from N = 256, d <= 64.
+    assert picks(256, 32, jnp.float32) == picks(1024, 64, jnp.float32) == "mosaic"
+    assert picks(384, 8, jnp.float32) == "mosaic"
+    assert picks(128, 32, jnp.float32) == picks(320, 32, jnp.float32) == "pallas"
+    assert picks(384, 128, jnp.float32) == "pallas"
+    assert picks(384, 32, jnp.float32, jnp.bfloat16) == "pallas"

@@ -152,12 +152,12 @@ def test_default_picks_mosaic_above_256_residues():
         assert msa_pallas.resolve_implementation(None, q, 0.0, bias) == MOSAIC, (n_res, head_dim)
     short = jnp.ones((1, 2, 256, 4, 32), jnp.bfloat16)
     assert msa_pallas.resolve_implementation(None, short, 0.0, bias) == "pallas"
-    # N not a multiple of 128 (the Mosaic kernels take it when asked), or
-    # float32: the Triton kernels.
+    # N not a multiple of 128 (the Mosaic kernels take it when asked): the
+    # Triton kernels. float32 with a float32 bias: the Mosaic backward.
     odd = jnp.ones((1, 2, 320, 4, 32), jnp.bfloat16)
     assert msa_pallas.resolve_implementation(None, odd, 0.0, bias) == "pallas"
     wide = jnp.ones((1, 2, 384, 4, 32), jnp.float32)
-    assert msa_pallas.resolve_implementation(None, wide, 0.0, bias) == "pallas"
+    assert msa_pallas.resolve_implementation(None, wide, 0.0, bias) == MOSAIC
 
 
 def test_head_dim_8_padded(seed):
