@@ -23,6 +23,12 @@ into a shared-memory ring; consumer warpgroups compute with `wgmma`).
   looping over the S MSA rows (or a chunk of them); its two consumer
   warpgroups split the query tile, and the sum over S stays in registers.
 
+float32 inputs (d <= 64): q, k, v and `do` enter as three bf16 pieces each
+(`common.split_float32`, one XLA pass), `p` and `ds` are split in registers,
+and every product is the sum of six bf16 `wgmma` products
+(`common.piece_pairs`), each loop step's added to the running sum in float32;
+the float32 gradients leave through float32 tiles of their own.
+
 Inputs shared by all: q, k, v and `do` (the cotangent of the ungated
 output, in q's dtype) `[B, S, N, H, d]`; bias `[B, H, N, N]` 16- or 32-bit;
 mask `[B, S, N]` int8 or None; `stats` `[B, S, H, 3, N]` float32: the
