@@ -157,7 +157,8 @@ def profile(name, shape, dtype_name, args, emit):
                 run(f"{KERNELS[kernel]} {tiles}", kernel_call(kernel, tiles))
 
     # The Mosaic dbias kernel (float32 q in bf16 pieces), fed the same residuals.
-    stats = jnp.stack([row_max, row_log2_sum, delta], axis=3)
+    if args.mosaic_dbias:
+        stats = jnp.stack([row_max, row_log2_sum, delta], axis=3)
     for tiles in args.mosaic_dbias:
         run(f"mosaic backward_dbias {tiles}", lambda tiles=tiles: mosaic_backward.backward_dbias(
             q, k, v, bias, mask, do, stats, scale=scale, tiles=tiles, interpret=INTERPRET))
@@ -181,15 +182,16 @@ def profile(name, shape, dtype_name, args, emit):
         changed = dataclasses.replace(
             config, **{KERNELS[kernel]: tiles[0][0] for kernel, tiles in args.op_tiles.items()},
             mosaic_dbias=args.mosaic_dbias[0] if args.mosaic_dbias else None)
-        if args.mosaic_dbias:
-            args.op_tiles_text = ";".join(
-                filter(None, [args.op_tiles_text, f"mosaic dbias {args.mosaic_dbias[0]}"]))
+        label = ";".join(filter(None, [
+            args.op_tiles_text,
+            f"mosaic dbias {args.mosaic_dbias[0]}" if args.mosaic_dbias else "",
+        ]))
         fwd_c = jax.jit(lambda *a: msa_row_attention(
             *a[:4], mask.astype(bool), a[4], implementation="pallas", block_config=changed))
         fwd_bwd_c = jax.jit(jax.grad(functools.partial(loss, block_config=changed),
                                      argnums=(0, 1, 2, 3, 4)))
-        run(f"op forward, {args.op_tiles_text}", lambda: fwd_c(q, k, v, bias, gate))
-        run(f"op forward+backward, {args.op_tiles_text}", lambda: fwd_bwd_c(q, k, v, bias, gate))
+        run(f"op forward, {label}", lambda: fwd_c(q, k, v, bias, gate))
+        run(f"op forward+backward, {label}", lambda: fwd_bwd_c(q, k, v, bias, gate))
     if bias.dtype != q.dtype:
         # The bias rounded to q's dtype inside the timed call (its gradient
         # comes back through the cast).

@@ -104,14 +104,10 @@ def _backward(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, c
         bind(backward_dq, config.backward_dq), operands, _BACKWARD_IN, (QUERY_ROWS,)
     )
     if config.mosaic_dbias is not None:
-        bound = functools.partial(
-            mosaic_backward.backward_dbias, scale=scale, tiles=config.mosaic_dbias,
-            interpret=interpret,
-        )
-        stats = jnp.stack([row_max, row_log2_sum, delta], axis=3)
-        (dbias,) = _mosaic_call(
-            bound, (q, k, v, bias, mask, do, stats), _MOSAIC_BACKWARD_IN, (BIAS,),
-            interpret=interpret,
+        operands = _mosaic_backward_operands(q, k, v, bias, mask, do, row_max, row_log2_sum, delta)
+        (dbias,) = _mosaic_backward_call(
+            mosaic_backward.backward_dbias, operands, config.mosaic_dbias, (BIAS,),
+            scale=scale, interpret=interpret,
         )
         return dq, dk, dv, dbias
     (dbias,) = partitioned_call(
@@ -124,27 +120,35 @@ def _backward(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, c
 def _mosaic_backward(
     q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, tiles, interpret
 ):
-    """`_backward` on the Mosaic GPU kernels (`kernels/mosaic/backward.py`),
-    which read the three row statistics stacked into one `[B, S, H, 3, N]`
-    array: one TMA copy per tile instead of three."""
-    stats = jnp.stack([row_max, row_log2_sum, delta], axis=3)
-    operands = (q, k, v, bias, mask, do, stats)
-
-    def call(kernel, kernel_tiles, out_layouts, **extra):
-        bound = functools.partial(
-            kernel, scale=scale, tiles=kernel_tiles, interpret=interpret, **extra
-        )
-        return _mosaic_call(
-            bound, operands, _MOSAIC_BACKWARD_IN, out_layouts, interpret=interpret
-        )
-
+    """`_backward` on the Mosaic GPU kernels (`kernels/mosaic/backward.py`)."""
+    operands = _mosaic_backward_operands(q, k, v, bias, mask, do, row_max, row_log2_sum, delta)
+    call = functools.partial(
+        _mosaic_backward_call, operands=operands, scale=scale, interpret=interpret
+    )
     dk, dv = call(
-        mosaic_backward.backward_dkdv, tiles.dkdv, (KEY_ROWS, KEY_ROWS),
+        mosaic_backward.backward_dkdv, kernel_tiles=tiles.dkdv, out_layouts=(KEY_ROWS, KEY_ROWS),
         ping_pong=tiles.ping_pong,
     )
-    (dq,) = call(mosaic_backward.backward_dq, tiles.dq, (QUERY_ROWS,), ping_pong=tiles.ping_pong)
-    (dbias,) = call(mosaic_backward.backward_dbias, tiles.dbias, (BIAS,))
+    (dq,) = call(
+        mosaic_backward.backward_dq, kernel_tiles=tiles.dq, out_layouts=(QUERY_ROWS,),
+        ping_pong=tiles.ping_pong,
+    )
+    (dbias,) = call(mosaic_backward.backward_dbias, kernel_tiles=tiles.dbias, out_layouts=(BIAS,))
     return dq, dk, dv, dbias
+
+
+def _mosaic_backward_operands(q, k, v, bias, mask, do, row_max, row_log2_sum, delta):
+    """The Mosaic backward kernels' operands: the three row statistics
+    stacked into one `[B, S, H, 3, N]` array, one TMA copy per tile instead
+    of three."""
+    return q, k, v, bias, mask, do, jnp.stack([row_max, row_log2_sum, delta], axis=3)
+
+
+def _mosaic_backward_call(kernel, operands, kernel_tiles, out_layouts, *, scale, interpret,
+                          **extra):
+    """One Mosaic backward kernel on `_mosaic_backward_operands` (`_mosaic_call`)."""
+    bound = functools.partial(kernel, scale=scale, tiles=kernel_tiles, interpret=interpret, **extra)
+    return _mosaic_call(bound, operands, _MOSAIC_BACKWARD_IN, out_layouts, interpret=interpret)
 
 
 def kernel_bias(bias, dtype):

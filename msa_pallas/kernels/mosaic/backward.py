@@ -61,11 +61,11 @@ from msa_pallas.block_sizes import (
 )
 from msa_pallas.kernels.constants import FLOAT32_PIECES, LOG2E, MASKED_LOGIT_LOG2
 from msa_pallas.kernels.mosaic.common import (
-    FLOAT32_MAX_HEAD_DIM, MAX_SHARED_MEMORY, WGMMA, WGMMA_COL, WGMMA_ROW, PingPong,
+    FLOAT32_MAX_HEAD_DIM, MAX_SHARED_MEMORY, WGMMA_COL, WGMMA_ROW, PingPong,
     accumulate_products, accumulator_bias, aligned_residues, batch_head_and_warpgroup,
-    bias_tile, check_kernel_inputs, consumer_registers, copy_tiles, launch, operand_at,
-    matrix_operand, pad_residues, produce, producer_registers, smem_products, smem_tile,
-    smem_vectors, split_float32, split_tiles, transposed, zeros,
+    bias_tile, check_kernel_inputs, consumer_registers, copy_tiles, keys_before, launch,
+    matrix_operand, operand_at, pad_residues, produce, producer_registers, smem_products,
+    smem_tile, smem_vectors, split_float32, split_tiles, transposed, zeros,
 )
 
 def default_tiles(q_shape, q_dtype, bias_dtype) -> MosaicBackwardTiles:
@@ -280,10 +280,7 @@ def _dq_kernel(
                 # Keys past N read zeros, whose probability is not 0: their
                 # ds must not reach dq (with a mask, the zeros read there
                 # mask them).
-                key_ids = key_tile * block_k + plgpu.broadcasted_iota(
-                    jnp.int32, ds.shape, 1, layout=WGMMA
-                )
-                ds = jnp.where(key_ids < n_res, ds, 0.0)
+                ds = jnp.where(keys_before(n_res, key_tile, block_k, ds.shape), ds, 0.0)
             ds = lax.optimization_barrier(matrix_operand(ds, dtype))
             turns.release()
             turns.take_turn()

@@ -418,6 +418,13 @@ def batch_head_and_warpgroup(heads: int):
     return lax.div(batch_head, heads), lax.rem(batch_head, heads), lax.axis_index("wg")
 
 
+def keys_before(n_res: int, key_tile, block_k: int, shape):
+    """`[rows, block_k]` bool in the wgmma layout: whether each column's key
+    (of key tile `key_tile`) lies before N. Keys past N read zeros."""
+    key_ids = key_tile * block_k + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WGMMA)
+    return key_ids < n_res
+
+
 def zeros(shape):
     """float32 zeros in the wgmma accumulator layout."""
     return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), WGMMA)

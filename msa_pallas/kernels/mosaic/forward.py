@@ -47,8 +47,8 @@ from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2
 from msa_pallas.kernels.mosaic.common import (
     MAX_SHARED_MEMORY, WGMMA, WGMMA_COL, WGMMA_ROW, PingPong, accumulate_products,
     accumulator_bias, batch_head_and_warpgroup, bias_tile, check_kernel_inputs,
-    consumer_registers, launch, masked_accumulator_logit, pad_residues, producer_registers,
-    sigmoid, smem_products, smem_tile, smem_vectors,
+    consumer_registers, keys_before, launch, masked_accumulator_logit, pad_residues,
+    producer_registers, sigmoid, smem_products, smem_tile, smem_vectors,
 )
 
 
@@ -135,10 +135,7 @@ def _kernel(
             if has_mask:
                 t = jnp.where(keep, t, masked)
             if n_res % block_k:
-                key_ids = key_tile * block_k + plgpu.broadcasted_iota(
-                    jnp.int32, logits.shape, 1, layout=WGMMA
-                )
-                t = jnp.where(key_ids < n_res, t, -jnp.inf)
+                t = jnp.where(keys_before(n_res, key_tile, block_k, t.shape), t, -jnp.inf)
 
             # Base 2 from the accumulator's units: one FMA per logit.
             new_max = jnp.maximum(row_max, t.max(axis=1))
