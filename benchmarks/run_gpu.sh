@@ -32,7 +32,9 @@
 # is in OUT_DIR/compare.log and in the summary.
 #
 # Environment: PYTHON (default python3), TEST_ARGS (extra pytest arguments,
-# split on spaces, e.g. "-x tests/test_gpu.py"; TESTS=0 skips the tests), LAYER_BENCH (0 skips the
+# split on spaces, e.g. "-x tests/test_gpu.py"; TESTS=0 skips the tests), BENCH (0 skips
+# the op benchmark and the comparison, e.g. to run the tests and the layer benchmark
+# in a call of their own), LAYER_BENCH (0 skips the
 # layer benchmark), BENCH_ARGS (extra arguments of
 # benchmarks/bench_attention.py, split on spaces), LAYER_ARGS (of
 # benchmarks/bench_layer.py), XLA_PYTHON_CLIENT_MEM_FRACTION
@@ -117,13 +119,18 @@ if [[ $CHECK_ALTERNATIVES != 0 ]]; then
 fi
 
 section "benchmark: $PYTHON benchmarks/bench_attention.py --out $OUT_DIR ${BENCH_ARGS:-}"
-PYTHONPATH=$BENCH_PYTHONPATH "$PYTHON" benchmarks/bench_attention.py --out "$OUT_DIR" \
-    ${BENCH_ARGV[@]+"${BENCH_ARGV[@]}"} 2>&1 | tee "$OUT_DIR/bench.log"
-bench_status=${PIPESTATUS[0]}
+if [[ ${BENCH:-1} != 0 ]]; then
+    PYTHONPATH=$BENCH_PYTHONPATH "$PYTHON" benchmarks/bench_attention.py --out "$OUT_DIR" \
+        ${BENCH_ARGV[@]+"${BENCH_ARGV[@]}"} 2>&1 | tee "$OUT_DIR/bench.log"
+    bench_status=${PIPESTATUS[0]}
+else
+    echo "skipped (BENCH=0)" | tee "$OUT_DIR/bench.log"
+    bench_status=0
+fi
 
 rm -f "$OUT_DIR/compare.log"
 compare_status=0
-if [[ -n ${COMPARE_WITH:-} ]]; then
+if [[ -n ${COMPARE_WITH:-} && ${BENCH:-1} != 0 ]]; then
     section "comparison: $PYTHON benchmarks/compare.py $COMPARE_WITH $OUT_DIR/results.json ${COMPARE_ARGS:-}"
     "$PYTHON" benchmarks/compare.py "$COMPARE_WITH" "$OUT_DIR/results.json" \
         ${COMPARE_ARGV[@]+"${COMPARE_ARGV[@]}"} 2>&1 | tee "$OUT_DIR/compare.log"
@@ -168,7 +175,7 @@ fi
 echo "layer benchmark: exit $layer_status"
 # The layer table and its notes: from the table's header to the end of the log.
 awk '/^\| shape /{found=1} found' "$OUT_DIR/bench_layer.log" | grep -v '^wrote ' | head -n 20
-if [[ -n ${COMPARE_WITH:-} ]]; then
+if [[ -n ${COMPARE_WITH:-} && ${BENCH:-1} != 0 ]]; then
     case $compare_status in
         0) echo "comparison with $COMPARE_WITH: no regression" ;;
         1) echo "comparison with $COMPARE_WITH: REGRESSED" ;;
