@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from msa_pallas.block_sizes import BlockConfig, default_block_config
 from msa_pallas.kernels.mosaic import backward as mosaic_backward
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
-from msa_pallas.kernels.mosaic.common import kernel_head_dim as mosaic_head_dim
+from msa_pallas.kernels.mosaic.common import pad_head_dim
 from msa_pallas.kernels.mosaic.common import supports as mosaic_supports
 from msa_pallas.kernels.vjp import fused_attention
 from msa_pallas.reference import msa_row_attention_xla
@@ -222,18 +222,16 @@ def msa_row_attention(
                 block_config, mosaic_forward=None, mosaic_backward=None
             )
         else:
-            # d < 16: zero columns of q, k, v and the gate change no logit and
-            # give zero output columns, sliced off below (their gradients are
-            # dropped by the pad's transpose).
-            padding = mosaic_head_dim(head_dim) - head_dim
-            if padding:
-                pad = lambda x: jnp.pad(x, ((0, 0),) * 4 + ((0, padding),))  # noqa: E731
-                q, k, v = pad(q), pad(k), pad(v)
-                gate = None if gate is None else pad(gate)
             # float32: the Triton forward (three TF32 products), whose
             # residuals the Mosaic backward follows.
             forward_tiles = None
             if jnp.dtype(q.dtype).itemsize == 2:
+                # d < 16 for the Mosaic forward: zero-padded to 16, the output
+                # sliced below (the padded columns' gradients are dropped by
+                # the pad's transpose). The float32 path's Triton forward takes
+                # d as it is; its Mosaic backward pads its own operands.
+                q, k, v = pad_head_dim(q), pad_head_dim(k), pad_head_dim(v)
+                gate = None if gate is None else pad_head_dim(gate)
                 forward_tiles = block_config.mosaic_forward or mosaic_forward.default_tiles(
                     q.shape, q.dtype, read_bias_dtype, save_stats=True, has_gate=gate is not None
                 )

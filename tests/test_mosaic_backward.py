@@ -157,6 +157,35 @@ def test_op_pads_head_dims_below_16(seed):
         mosaic_backward.backward_dq(*operands, scale=scale, tiles=SMALL, interpret=True)
 
 
+def test_float32_head_dim_8_pads_only_for_the_backward(seed, monkeypatch):
+    """float32 with d = 8 on `implementation="mosaic"`: the Triton forward
+    reads q as it is (d = 8, no padded copy), the Mosaic backward kernels
+    read it zero-padded to 16; gradients keep d = 8 and match float64 to
+    float32 accuracy."""
+    seen = []  # (kernel, head dim of its q) of every kernel call, in order
+
+    def spy(module, name):
+        kernel = getattr(module, name)
+
+        def spied(q, *args, **kwargs):
+            seen.append((name, q.shape[-1]))
+            return kernel(q, *args, **kwargs)
+
+        monkeypatch.setattr(module, name, spied)
+
+    spy(triton_forward, "attention_forward")
+    for name in ("backward_dkdv", "backward_dq", "backward_dbias"):
+        spy(mosaic_backward, name)
+    inputs = helpers.random_inputs(seed, 1, 2, 64, 1, 8, jnp.float32, fully_masked_row=True)
+    result = helpers.fwd_bwd("mosaic")(*inputs.args)
+    helpers.assert_shapes_dtypes_finite(result, inputs)
+    helpers.compare(
+        result, helpers.numpy_results(inputs), helpers.tolerance(jnp.float32), "mosaic f32 d=8"
+    )
+    assert seen == [("attention_forward", 8), ("backward_dkdv", 16), ("backward_dq", 16),
+                    ("backward_dbias", 16)], seen
+
+
 def test_ping_pong_changes_nothing(seed):
     """Taking turns reorders the consumers' work, never their arithmetic."""
     inputs = helpers.random_inputs(seed, 1, 2, 128, 1, 32, jnp.bfloat16, gate=False)

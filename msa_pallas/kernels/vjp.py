@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from msa_pallas.block_sizes import BlockConfig
 from msa_pallas.kernels.mosaic import backward as mosaic_backward
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
+from msa_pallas.kernels.mosaic.common import pad_head_dim
 from msa_pallas.kernels.triton import forward as triton_forward
 from msa_pallas.kernels.triton.backward import (
     backward_dbias, backward_dkdv, backward_dq, backward_dq_dbias,
@@ -134,13 +135,18 @@ def _mosaic_backward(
         ping_pong=tiles.ping_pong,
     )
     (dbias,) = call(mosaic_backward.backward_dbias, kernel_tiles=tiles.dbias, out_layouts=(BIAS,))
-    return dq, dk, dv, dbias
+    head_dim = q.shape[-1]
+    return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim], dbias
 
 
 def _mosaic_backward_operands(q, k, v, bias, mask, do, row_max, row_log2_sum, delta):
-    """The Mosaic backward kernels' operands: the three row statistics
+    """The Mosaic backward kernels' operands: q, k, v and `do` with d < 16
+    zero-padded to 16 (`common.pad_head_dim`: the Triton forward, which a
+    float32 Mosaic backward follows, takes d = 8 as it is; for the Mosaic
+    forward the op has padded them already), and the three row statistics
     stacked into one `[B, S, H, 3, N]` array, one TMA copy per tile instead
     of three."""
+    q, k, v, do = (pad_head_dim(x) for x in (q, k, v, do))
     return q, k, v, bias, mask, do, jnp.stack([row_max, row_log2_sum, delta], axis=3)
 
 

@@ -63,9 +63,9 @@ from msa_pallas.kernels.constants import FLOAT32_PIECES, LOG2E, MASKED_LOGIT_LOG
 from msa_pallas.kernels.mosaic.common import (
     FLOAT32_MAX_HEAD_DIM, MAX_SHARED_MEMORY, WGMMA_COL, WGMMA_ROW, PingPong,
     accumulate_products, accumulator_bias, aligned_residues, batch_head_and_warpgroup,
-    bias_tile, check_kernel_inputs, consumer_registers, copy_tiles, keys_before, launch,
-    matrix_operand, operand_at, pad_residues, produce, producer_registers, smem_products,
-    smem_tile, smem_vectors, split_float32, split_tiles, transposed, zeros,
+    bias_tile, check_kernel_inputs, consumer_registers, copy_tiles, kernel_head_dim,
+    keys_before, launch, matrix_operand, operand_at, pad_residues, produce, producer_registers,
+    smem_products, smem_tile, smem_vectors, split_float32, split_tiles, transposed, zeros,
 )
 
 def default_tiles(q_shape, q_dtype, bias_dtype) -> MosaicBackwardTiles:
@@ -77,8 +77,10 @@ def default_tiles(q_shape, q_dtype, bias_dtype) -> MosaicBackwardTiles:
     bias; with a float32 bias that measured slower.
 
     float32 inputs (three bf16 pieces per operand in shared memory, the
-    split products' registers) take 64 x 64 tiles, not timed yet."""
-    *_, head_dim = q_shape
+    split products' registers) take 64 x 64 tiles, not timed yet.
+
+    d < 16 is chosen for as the kernels see it, zero-padded to 16."""
+    head_dim = kernel_head_dim(q_shape[-1])
     if jnp.dtype(q_dtype) == jnp.float32 and head_dim > FLOAT32_MAX_HEAD_DIM:
         raise ValueError(
             f"head dim {head_dim} in float32: the Mosaic backward takes d <= {FLOAT32_MAX_HEAD_DIM}"

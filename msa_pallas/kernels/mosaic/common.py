@@ -112,6 +112,18 @@ def kernel_head_dim(head_dim: int) -> int:
     return max(head_dim, HEAD_DIMS[0])
 
 
+def pad_head_dim(x):
+    """`[..., d]` zero-padded to `kernel_head_dim(d)` (unchanged for d >= 16).
+
+    Zero columns of q, k, v, `do` and the gate change no logit and give zero
+    output and gradient columns, which the caller slices off.
+    """
+    padding = kernel_head_dim(x.shape[-1]) - x.shape[-1]
+    if not padding:
+        return x
+    return jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, padding),))
+
+
 def check_kernel_inputs(q, bias, float32: bool = False) -> None:
     """Raises ValueError unless a Mosaic kernel can take these operands as
     they are; `float32`: the kernel takes float32 q (in bf16 pieces) too."""
