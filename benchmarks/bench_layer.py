@@ -29,13 +29,15 @@ Shapes (benchmarks/shapes.py, with the AlphaFold2 layer's channels c_m and c_z):
   extra     B=1, S=1024, N=384, H=8, d=8,  c_m=64,  c_z=128   extra-MSA stack
   tiny      B=1, S=4,    N=64,  H=2, d=16, c_m=32,  c_z=16    CPU (Pallas in interpret mode)
 
-Writes `results.json` to `--out DIR` (rows: shape, core, fwd_ms, fwd_bwd_ms, temp_bytes,
-status, error) and prints a Markdown table.
+Writes `results.json` to `--out DIR` (meta: device, commit, date, ...; rows: shape, core,
+fwd_ms, fwd_bwd_ms, temp_bytes, status, error), rewritten after every row so that a run
+cut short keeps what it measured, and prints a Markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import pathlib
@@ -51,6 +53,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from alternatives import LAYER_CORES, Unavailable  # noqa: E402
+from bench_attention import commit_id  # noqa: E402
 from msa_pallas.layers import MSARowAttentionWithPairBias  # noqa: E402
 from msa_pallas.timing import batched_times_ms  # noqa: E402
 from shapes import DIMS, LAYER_CHANNELS  # noqa: E402
@@ -232,7 +235,10 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--iters", type=int, default=None, help="samples; default 10 on GPU, 3 elsewhere")
     p.add_argument("--reps", type=int, default=None,
                    help="back-to-back calls per sample; default 10 on GPU, 1 elsewhere")
-    p.add_argument("--out", default=None, help="directory for results.json")
+    p.add_argument("--out", default=None,
+                   help="directory for results.json (rewritten after every row)")
+    p.add_argument("--commit", default=None,
+                   help="commit id to record (default $MSA_PALLAS_COMMIT or git)")
     args = p.parse_args(argv)
 
     on_gpu = jax.default_backend() == "gpu"
@@ -259,6 +265,26 @@ def main(argv=None) -> list[dict]:
     if not on_gpu and "pallas" in cores:  # ("default" is the XLA path there)
         print("# no GPU: 'pallas' runs the kernels in interpret mode (slow; a smoke test only)",
               flush=True)
+    meta = dict(device=device.device_kind, backend=jax.default_backend(), jax=jax.__version__,
+                python=platform.python_version(), commit=commit_id(args.commit),
+                date_utc=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                warmup=warmup, iters=iters, reps=reps,
+                dtype=jnp.dtype(dtype).name, input_dtype=jnp.dtype(input_dtype).name,
+                layer="MSARowAttentionWithPairBias.alphafold2(dropout=0.0, "
+                      "zero_init_output=False)",
+                attention_fn_supported=supports_attention_fn(),
+                xla_flags=os.environ.get("XLA_FLAGS", ""))
+    out_dir = None
+    if args.out:
+        out_dir = pathlib.Path(args.out)
+        out_dir.mkdir(parents=True, exist_ok=True)
+
+    def save(table=None):
+        # After every row, so that a run cut short keeps the rows it measured.
+        if out_dir is not None:
+            (out_dir / "results.json").write_text(
+                json.dumps(dict(meta=meta, rows=rows, table=table), indent=2))
+
     rows = []
     for shape in shapes:
         reference, reference_core = None, None  # the first core's output at this shape
@@ -277,21 +303,13 @@ def main(argv=None) -> list[dict]:
                 + (f", rel.err vs {reference_core} {row['rel_err']:.1e}" if "rel_err" in row
                    else "") if row["status"] == "ok" else row["status"])
             print(f"  {shape:9s} {core:15s} {status}  ({row['wall_s']} s)", flush=True)
+            save()
     table = markdown(rows, cores)
     print()
     print(table)
-    if args.out:
-        out = pathlib.Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        meta = dict(device=device.device_kind, backend=jax.default_backend(), jax=jax.__version__,
-                    python=platform.python_version(), warmup=warmup, iters=iters, reps=reps,
-                    dtype=jnp.dtype(dtype).name, input_dtype=jnp.dtype(input_dtype).name,
-                    layer="MSARowAttentionWithPairBias.alphafold2(dropout=0.0, "
-                          "zero_init_output=False)",
-                    attention_fn_supported=supports_attention_fn(),
-                    xla_flags=os.environ.get("XLA_FLAGS", ""))
-        (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows, table=table), indent=2))
-        print(f"\nwrote {out / 'results.json'}")
+    if out_dir is not None:
+        save(table)
+        print(f"\nwrote {out_dir / 'results.json'}")
     return rows
 
 

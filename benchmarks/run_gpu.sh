@@ -118,15 +118,23 @@ if [[ $CHECK_ALTERNATIVES != 0 ]]; then
     esac
 fi
 
+# `run_benchmark SWITCH_NAME LOG SCRIPT ARGS...`: the script with the alternatives'
+# packages on PYTHONPATH, its output also in LOG, unless $SWITCH_NAME is 0; its exit status.
+run_benchmark() {
+    local switch=$1 log=$2
+    shift 2
+    if [[ ${!switch:-1} == 0 ]]; then
+        echo "skipped ($switch=0)" | tee "$log"
+        return 0
+    fi
+    PYTHONPATH=$BENCH_PYTHONPATH "$PYTHON" "$@" 2>&1 | tee "$log"
+    return "${PIPESTATUS[0]}"
+}
+
 section "benchmark: $PYTHON benchmarks/bench_attention.py --out $OUT_DIR ${BENCH_ARGS:-}"
-if [[ ${BENCH:-1} != 0 ]]; then
-    PYTHONPATH=$BENCH_PYTHONPATH "$PYTHON" benchmarks/bench_attention.py --out "$OUT_DIR" \
-        ${BENCH_ARGV[@]+"${BENCH_ARGV[@]}"} 2>&1 | tee "$OUT_DIR/bench.log"
-    bench_status=${PIPESTATUS[0]}
-else
-    echo "skipped (BENCH=0)" | tee "$OUT_DIR/bench.log"
-    bench_status=0
-fi
+run_benchmark BENCH "$OUT_DIR/bench.log" benchmarks/bench_attention.py --out "$OUT_DIR" \
+    ${BENCH_ARGV[@]+"${BENCH_ARGV[@]}"}
+bench_status=$?
 
 rm -f "$OUT_DIR/compare.log"
 compare_status=0
@@ -138,14 +146,9 @@ if [[ -n ${COMPARE_WITH:-} && ${BENCH:-1} != 0 ]]; then
 fi
 
 section "layer benchmark: $PYTHON benchmarks/bench_layer.py --out $OUT_DIR/layer ${LAYER_ARGS:-}"
-if [[ ${LAYER_BENCH:-1} != 0 ]]; then
-    PYTHONPATH=$BENCH_PYTHONPATH "$PYTHON" benchmarks/bench_layer.py --out "$OUT_DIR/layer" \
-        ${LAYER_ARGV[@]+"${LAYER_ARGV[@]}"} 2>&1 | tee "$OUT_DIR/bench_layer.log"
-    layer_status=${PIPESTATUS[0]}
-else
-    echo "skipped (LAYER_BENCH=0)" | tee "$OUT_DIR/bench_layer.log"
-    layer_status=0
-fi
+run_benchmark LAYER_BENCH "$OUT_DIR/bench_layer.log" benchmarks/bench_layer.py \
+    --out "$OUT_DIR/layer" ${LAYER_ARGV[@]+"${LAYER_ARGV[@]}"}
+layer_status=$?
 (( bench_status == 0 )) && bench_status=$layer_status
 
 # pytest exits 5 when no test was collected/selected: not a failure.

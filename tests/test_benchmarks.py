@@ -431,7 +431,7 @@ def test_bench_layer_times_each_core(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench_layer, "CORES", bench_layer.CORES + ("xla_swapped",))
     rows = bench_layer.main(
         ["--shapes", "tiny", "--cores", "xla,xla_swapped,cuequivariance", "--iters", "1",
-         "--warmup", "1", "--reps", "1", "--out", str(tmp_path)])
+         "--warmup", "1", "--reps", "1", "--out", str(tmp_path), "--commit", "abc1234"])
     by_core = {row["core"]: row for row in rows}
     assert by_core["xla"]["status"] == "ok" and by_core["xla"]["fwd_bwd_ms"] > 0
     assert by_core["xla"]["finite"]
@@ -447,5 +447,25 @@ def test_bench_layer_times_each_core(tmp_path, monkeypatch, capsys):
         assert "no attention_fn" in by_core["xla_swapped"]["status"]
     saved = json.loads((tmp_path / "results.json").read_text())
     assert [row["core"] for row in saved["rows"]] == ["xla", "xla_swapped", "cuequivariance"]
+    assert saved["meta"]["commit"] == "abc1234" and saved["meta"]["date_utc"].endswith(" UTC")
     assert "| xla_swapped fwd | xla_swapped f+b |" in saved["table"]
     assert "| tiny | 1, 4, 64, 2, 16 | 32, 16 |" in capsys.readouterr().out
+
+
+def test_bench_layer_keeps_the_rows_of_a_run_cut_short(tmp_path, monkeypatch):
+    measured = bench_layer.bench_one
+    calls = []
+
+    def cut_at_the_second_core(*args, **kwargs):
+        calls.append(args[1])
+        if len(calls) == 2:
+            raise TimeoutError("the call's time ran out")
+        return measured(*args, **kwargs)
+
+    monkeypatch.setattr(bench_layer, "bench_one", cut_at_the_second_core)
+    with pytest.raises(TimeoutError):
+        bench_layer.main(["--shapes", "tiny", "--cores", "xla,cuequivariance", "--iters", "1",
+                          "--warmup", "1", "--reps", "1", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert [(row["core"], row["status"]) for row in saved["rows"]] == [("xla", "ok")]
+    assert saved["table"] is None  # no table: the run did not finish
