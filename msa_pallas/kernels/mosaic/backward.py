@@ -79,7 +79,7 @@ def default_tiles(q_shape, q_dtype, bias_dtype) -> MosaicBackwardTiles:
     float32 inputs (three bf16 pieces per operand in shared memory, the
     split products' registers) take 64 x 64 tiles, not timed yet.
 
-    d < 16 is chosen for as the kernels see it, zero-padded to 16."""
+    Tiles for d < 16 are chosen for the head dim the kernels see, 16."""
     head_dim = kernel_head_dim(q_shape[-1])
     if jnp.dtype(q_dtype) == jnp.float32 and head_dim > FLOAT32_MAX_HEAD_DIM:
         raise ValueError(
