@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from measure import relative_error  # noqa: E402
-from profile_kernels import batched_ms, make_inputs  # noqa: E402
+from profile_kernels import batched_ms, make_inputs, parse_mosaic  # noqa: E402
 from shapes import DIMS as SHAPES, DTYPES  # noqa: E402
-from msa_pallas.block_sizes import MosaicTiles, default_block_config  # noqa: E402
+from msa_pallas.block_sizes import default_block_config  # noqa: E402
 from msa_pallas.kernels.mosaic import forward as mosaic_forward  # noqa: E402
 from msa_pallas.kernels.mosaic.common import supports  # noqa: E402
 from msa_pallas.kernels.triton import forward as triton_forward  # noqa: E402
@@ -57,15 +57,6 @@ def profile_cases(args):
             for bias_name in args.bias_dtypes.split(","):
                 bias_dtype = jnp.float32 if bias_name == "f32" else dtype
                 yield shape_name, shape, dtype_name, dtype, bias_name, bias_dtype, floor_ms
-
-
-def parse_mosaic(text: str) -> list[MosaicTiles]:
-    """`BQxBKxSTAGESxROWS[xPING_PONG]` candidates, comma-separated (PING_PONG 1 or 0)."""
-    tiles = []
-    for item in filter(None, text.split(",")):
-        block_q, block_k, stages, rows, *turns = (int(x) for x in item.split("x"))
-        tiles.append(MosaicTiles(block_q, block_k, stages, rows, *(bool(t) for t in turns)))
-    return tiles
 
 
 def main(argv=None) -> int:

@@ -79,6 +79,15 @@ KERNELS = {
 }
 
 
+def parse_mosaic(text: str) -> list[MosaicTiles]:
+    """`BQxBKxSTAGESxROWS[xPING_PONG]` candidates, comma-separated (PING_PONG 1 or 0)."""
+    tiles = []
+    for item in filter(None, text.split(",")):
+        block_q, block_k, stages, rows, *turns = (int(x) for x in item.split("x"))
+        tiles.append(MosaicTiles(block_q, block_k, stages, rows, *(bool(t) for t in turns)))
+    return tiles
+
+
 def parse_tiles(text: str) -> dict[str, list[tuple[KernelTiles, bool]]]:
     """`"dkdv=32x64x4x2,64x64x4x3;dq=64x32x4x2:bf16x6"` -> {kernel: [(KernelTiles,
     whether the float32 products were given), ...]}
@@ -236,9 +245,7 @@ def main(argv=None) -> int:
     args.op_tiles_text, args.op_tiles = args.op_tiles, parse_tiles(args.op_tiles)
     args.float32_products = args.float32_products.split(",")
     args.msa_rows = [int(r) for r in args.msa_rows.split(",") if r]
-    args.mosaic_dbias = [
-        MosaicTiles(*map(int, one.split("x"))) for one in args.mosaic_dbias.split(",") if one
-    ]
+    args.mosaic_dbias = parse_mosaic(args.mosaic_dbias)
     emit = lambda *fields: print(" | ".join(str(f) for f in fields), flush=True)
     for name in args.shapes.split(","):
         for dtype_name in args.dtypes.split(","):

@@ -173,6 +173,13 @@ class MosaicBackwardTiles:
     ping_pong: bool = True
 
 
+def dbias_in_bias_tile(pieces: int, bias_dtype) -> bool:
+    """Whether the Mosaic dbias kernel writes its result through the bias
+    tile's shared memory instead of a tile of its own: for float32 q (split
+    into `pieces` > 1, which need the room) with a float32 bias."""
+    return pieces > 1 and jnp.dtype(bias_dtype).itemsize == 4
+
+
 def mosaic_backward_shared_memory_bytes(
     kernel: str, tiles: MosaicTiles, head_dim: int, dtype, bias_dtype
 ) -> int:
@@ -200,7 +207,7 @@ def mosaic_backward_shared_memory_bytes(
         # The bias tiles, then the float32 result tiles (for float32 q with a
         # float32 bias, the result leaves through the bias tiles).
         used = rows * bias_tile
-        if not (float32 and bias_item == 4):
+        if not dbias_in_bias_tile(FLOAT32_PIECES if float32 else 1, bias_dtype):
             used += rows * tiles.block_q * tiles.block_k * 4
         used += stages * (
             2 * rows * tiles.block_q * head_dim * item + rows * stats

@@ -57,7 +57,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from msa_pallas.block_sizes import (
-    MosaicBackwardTiles, MosaicTiles, mosaic_backward_shared_memory_bytes, row_chunks,
+    MosaicBackwardTiles, MosaicTiles, dbias_in_bias_tile, mosaic_backward_shared_memory_bytes,
+    row_chunks,
 )
 from msa_pallas.kernels.constants import FLOAT32_PIECES, LOG2E, MASKED_LOGIT_LOG2
 from msa_pallas.kernels.mosaic.common import (
@@ -403,13 +404,6 @@ def _dbias_kernel(
                 )
 
         produce(rows_per_chunk, stages, issue_copies, consumed)
-
-
-def dbias_in_bias_tile(pieces: int, bias_dtype) -> bool:
-    """Whether the dbias kernel writes its result through the bias tile's
-    shared memory instead of a tile of its own: for float32 q (split into
-    `pieces`, which need the room) with a float32 bias."""
-    return pieces > 1 and jnp.dtype(bias_dtype).itemsize == 4
 
 
 def _split_operands(*operands):
