@@ -80,11 +80,12 @@ KERNELS = {
 
 
 def parse_mosaic(text: str) -> list[MosaicTiles]:
-    """`BQxBKxSTAGESxROWS[xPING_PONG]` candidates, comma-separated (PING_PONG 1 or 0)."""
+    """`BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT]]` candidates, comma-separated
+    (PING_PONG and PERSISTENT 1 or 0)."""
     tiles = []
     for item in filter(None, text.split(",")):
-        block_q, block_k, stages, rows, *turns = (int(x) for x in item.split("x"))
-        tiles.append(MosaicTiles(block_q, block_k, stages, rows, *(bool(t) for t in turns)))
+        block_q, block_k, stages, rows, *flags = (int(x) for x in item.split("x"))
+        tiles.append(MosaicTiles(block_q, block_k, stages, rows, *(bool(f) for f in flags)))
     return tiles
 
 

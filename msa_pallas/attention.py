@@ -25,18 +25,26 @@ from msa_pallas.validation import (
 
 
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
-# Up to this N the Triton kernels (with their fused dq+dbias kernel) are as
-# fast as the Mosaic ones in the gated layer's training step; above it the
-# Mosaic kernels are faster (benchmarks/RESULTS.md).
-MOSAIC_MIN_RESIDUES = 256
-# The Mosaic kernels take N a multiple of 8; the default picks them where
-# the H200 runs have covered N (whole 128-residue tiles). Other N:
-# `implementation="mosaic"`.
-MOSAIC_DEFAULT_RESIDUE_MULTIPLE = 128
+# 16-bit on Hopper, for N the Mosaic kernels take (a multiple of 8): from
+# this N the Mosaic forward is faster than the Triton forward (measured from
+# N = 200 up), and so are the Mosaic backward kernels, but where N is a
+# power of two up to 256 (the train crop): there the Triton backward, whose
+# tiles divide N and whose fused dq+dbias kernel recomputes the
+# probabilities once less, stays ahead and follows the Mosaic forward
+# (benchmarks/RESULTS.md).
+MOSAIC_MIN_RESIDUES = 192
+TRITON_BACKWARD_MAX_RESIDUES = 256
 # float32 with a float32 bias: the Triton forward and the Mosaic backward
 # (bf16 pieces) were faster than the Triton kernels from N = 256 (the train
-# crop) up (benchmarks/RESULTS.md).
+# crop) up, at N a multiple of 128 (benchmarks/RESULTS.md); other N were not
+# measured and run the Triton kernels.
 MOSAIC_FLOAT32_MIN_RESIDUES = 256
+MOSAIC_FLOAT32_RESIDUE_MULTIPLE = 128
+
+
+def triton_backward_is_faster(n_res: int) -> bool:
+    """16-bit on Hopper: whether the Triton backward beats the Mosaic one at N."""
+    return n_res <= TRITON_BACKWARD_MAX_RESIDUES and n_res & (n_res - 1) == 0
 
 
 def target_platform() -> str:
@@ -72,12 +80,14 @@ def resolve_implementation(implementation, q, dropout_rate: float, bias=None) ->
     """The implementation `msa_row_attention` runs.
 
     `implementation` when given; else, when q's dtype and head dim fit the
-    kernels and no attention dropout is asked for: `"mosaic"` on a Hopper GPU,
-    for N a multiple of 128 where the Mosaic kernels take the inputs
-    (`mosaic.common.supports`; d < 16 is zero-padded to 16), for 16-bit
-    inputs with N > 256 and for float32 inputs with a float32 bias and
-    N >= 256; `"pallas"` (the Triton kernels) otherwise on a GPU; `"xla"`
-    elsewhere.
+    kernels and no attention dropout is asked for: `"mosaic"` on a Hopper GPU
+    where the Mosaic kernels take the inputs (`mosaic.common.supports`: N a
+    multiple of 8; d < 16 is zero-padded to 16), for 16-bit inputs with
+    N >= 192 but N = 256 (`triton_backward_is_faster`), and for float32
+    inputs with a float32 bias, N >= 256 and a multiple of 128; `"pallas"`
+    (the Triton kernels) otherwise on a GPU; `"xla"` elsewhere. Where this
+    gives `"pallas"` for 16-bit inputs with N >= 192 on Hopper, the forward
+    still runs the Mosaic kernel (`resolve_forward_kernel`).
     """
     if implementation is not None:
         return implementation
@@ -98,17 +108,44 @@ def resolve_implementation(implementation, q, dropout_rate: float, bias=None) ->
     n_res = shape[-3]
     if jnp.dtype(dtype) == jnp.float32:
         measured = (
-            jnp.dtype(bias_dtype) == jnp.float32 and n_res >= MOSAIC_FLOAT32_MIN_RESIDUES
+            jnp.dtype(bias_dtype) == jnp.float32
+            and n_res >= MOSAIC_FLOAT32_MIN_RESIDUES
+            and n_res % MOSAIC_FLOAT32_RESIDUE_MULTIPLE == 0
         )
     else:
-        measured = n_res > MOSAIC_MIN_RESIDUES
-    if (
-        measured
-        and n_res % MOSAIC_DEFAULT_RESIDUE_MULTIPLE == 0
-        and mosaic_supports(shape[-5:], dtype, bias_dtype) is None
-    ):
+        measured = n_res >= MOSAIC_MIN_RESIDUES and not triton_backward_is_faster(n_res)
+    if measured and mosaic_supports(shape[-5:], dtype, bias_dtype) is None:
         return "mosaic"
     return "pallas"
+
+
+def resolve_forward_kernel(implementation, resolved: str, q_shape, q_dtype, bias_dtype) -> str:
+    """The forward kernel `msa_row_attention` runs: `"mosaic"` or `"triton"`
+    (or `"xla"` for the plain-jnp path).
+
+    `resolved` is `resolve_implementation(implementation, ...)`. `"mosaic"`
+    runs the Mosaic forward for 16-bit inputs, the Triton forward for
+    float32 (three TF32 products). `implementation=None` that resolved to
+    `"pallas"` still runs the Mosaic forward on a Hopper GPU for 16-bit
+    inputs it takes with N >= `MOSAIC_MIN_RESIDUES`: the Triton backward
+    follows it through the shared residuals. An explicit
+    `"pallas"` runs the Triton kernels only.
+    """
+    if resolved == "xla":
+        return "xla"
+    sixteen_bit = jnp.dtype(q_dtype).itemsize == 2
+    if resolved == "mosaic":
+        return "mosaic" if sixteen_bit else "triton"
+    if (
+        implementation is None
+        and sixteen_bit
+        and on_hopper()
+        and len(q_shape) >= 5
+        and q_shape[-3] >= MOSAIC_MIN_RESIDUES
+        and mosaic_supports(q_shape[-5:], q_dtype, bias_dtype) is None
+    ):
+        return "mosaic"
+    return "triton"
 
 
 def kernel_bias_dtype(q_dtype, bias_dtype, round_bias: bool) -> str | None:
@@ -159,9 +196,11 @@ def msa_row_attention(
         N a multiple of 8; float32 with d <= 64: the Triton forward and the
         Mosaic backward, its operands split into three bf16 pieces). `"xla"`:
         the plain-`jnp` path. None picks `"mosaic"` on a Hopper GPU for
-        inputs it takes with N a multiple of 128: 16-bit with N > 256,
-        float32 with a float32 bias and N >= 256; `"pallas"` on other GPUs
-        and `"xla"` elsewhere.
+        inputs it takes: 16-bit with N >= 192 but N = 256, float32 with a
+        float32 bias and N >= 256 a multiple of 128; `"pallas"` on other
+        GPUs and `"xla"` elsewhere. At N = 256 (16-bit, Hopper) the forward
+        runs the Mosaic kernel and the Triton backward follows it
+        (`resolve_implementation`, `resolve_forward_kernel`).
         `"pallas"` and `"mosaic"` on a machine without a GPU run the same
         kernels in their interpreters (slow; for tests).
       block_config: tiles for the Pallas kernels; default chosen by
@@ -189,7 +228,9 @@ def msa_row_attention(
         bias = jnp.zeros((2, 4, 32, 32), jnp.float32)
         out = msa_pallas.msa_row_attention(q, k, v, bias)   # [2, 8, 32, 4, 16]
     """
-    implementation = resolve_implementation(implementation, q, dropout_rate, bias)
+    requested, implementation = implementation, resolve_implementation(
+        implementation, q, dropout_rate, bias
+    )
     validate_arguments(q, k, v, bias, mask, gate, scale, implementation)
     validate_dropout(dropout_rate, dropout_rng, implementation)
     validate_block_config(block_config)
@@ -217,31 +258,29 @@ def msa_row_attention(
         read_bias_dtype = bias.dtype if bias_dtype is None else bias_dtype
         if block_config is None:
             block_config = default_block_config(n_res, head_dim, q.dtype, read_bias_dtype)
-        if implementation == "pallas":
-            block_config = dataclasses.replace(
-                block_config, mosaic_forward=None, mosaic_backward=None
+        forward_kernel = resolve_forward_kernel(
+            requested, implementation, q.shape, q.dtype, read_bias_dtype
+        )
+        forward_tiles = None
+        if forward_kernel == "mosaic":
+            # d < 16 for the Mosaic forward: zero-padded to 16, the output
+            # sliced below (the padded columns' gradients are dropped by the
+            # pad's transpose). The float32 path's Triton forward takes d as
+            # it is; its Mosaic backward pads its own operands.
+            q, k, v = pad_head_dim(q), pad_head_dim(k), pad_head_dim(v)
+            gate = None if gate is None else pad_head_dim(gate)
+            forward_tiles = block_config.mosaic_forward or mosaic_forward.default_tiles(
+                q.shape, q.dtype, read_bias_dtype, save_stats=True, has_gate=gate is not None,
+                persistent=on_gpu(),
             )
-        else:
-            # float32: the Triton forward (three TF32 products), whose
-            # residuals the Mosaic backward follows.
-            forward_tiles = None
-            if jnp.dtype(q.dtype).itemsize == 2:
-                # d < 16 for the Mosaic forward: zero-padded to 16, the output
-                # sliced below (the padded columns' gradients are dropped by
-                # the pad's transpose). The float32 path's Triton forward takes
-                # d as it is; its Mosaic backward pads its own operands.
-                q, k, v = pad_head_dim(q), pad_head_dim(k), pad_head_dim(v)
-                gate = None if gate is None else pad_head_dim(gate)
-                forward_tiles = block_config.mosaic_forward or mosaic_forward.default_tiles(
-                    q.shape, q.dtype, read_bias_dtype, save_stats=True, has_gate=gate is not None
-                )
-            block_config = dataclasses.replace(
-                block_config,
-                mosaic_forward=forward_tiles,
-                mosaic_backward=block_config.mosaic_backward or mosaic_backward.default_tiles(
-                    q.shape, q.dtype, read_bias_dtype
-                ),
+        backward_tiles = None
+        if implementation == "mosaic":
+            backward_tiles = block_config.mosaic_backward or mosaic_backward.default_tiles(
+                q.shape, q.dtype, read_bias_dtype
             )
+        block_config = dataclasses.replace(
+            block_config, mosaic_forward=forward_tiles, mosaic_backward=backward_tiles
+        )
         out = fused_attention(
             q, k, v, bias,
             None if mask is None else mask.astype(jnp.int8),

@@ -110,6 +110,10 @@ class MosaicTiles:
       ping_pong: with two consumers, the forward's consumers take turns
         (`kernels.mosaic.common.PingPong`). The backward kernels follow
         `MosaicBackwardTiles.ping_pong` instead.
+      persistent: the forward launches one CTA per SM, each looping over
+        its share of the (MSA-row group, query tile, batch-head) work items,
+        so that one item's epilogue overlaps the loads of the next. The
+        backward kernels ignore it.
     """
 
     block_q: int = 64
@@ -117,6 +121,7 @@ class MosaicTiles:
     num_stages: int = 2
     msa_rows: int = 2
     ping_pong: bool = True
+    persistent: bool = False
 
     def __post_init__(self):
         if self.block_q not in (64, 128):
@@ -147,6 +152,9 @@ def mosaic_shared_memory_bytes(
     used += stages * rows * max(tiles.block_k, 128) if has_mask else 0
     used += query_tile * item if has_gate else 0
     used += query_tile * 4 + 2 * rows * tiles.block_q * 4 if save_stats else 0
+    # Persistent: the output leaves through a tile of its own, as q's holds
+    # the next item's queries.
+    used += query_tile * item if tiles.persistent else 0
     return used + 2048  # barriers and alignment
 
 

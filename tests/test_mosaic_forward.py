@@ -13,9 +13,17 @@ head when the residuals are saved (the compiled kernel runs H = 8 in
 tests/test_mosaic_gpu.py), so the interpreted cases here have H = 1 and
 cover the other axes: several batch elements, MSA-row pairs and query and
 key tiles, an odd S (one MSA row per CTA), every head dim.
+
+The persistent grid (`MosaicTiles.persistent`, one CTA per SM looping over
+work items) is not run here: on a 2-core machine the interpreter stalls on
+it (each warpgroup is a thread whose barrier waits block; the warpgroups do
+not all make progress). It is lowered for CUDA here and checked bitwise
+against the grid of one CTA per item on the GPU (tests/test_mosaic_gpu.py).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +41,7 @@ from msa_pallas.kernels.mosaic.common import (
     HEAD_DIMS, MAX_SHARED_MEMORY, accumulator_bias, masked_accumulator_logit, supports,
 )
 from msa_pallas.kernels.triton import forward as triton_forward
+from msa_pallas.kernels.vjp import fused_attention
 from msa_pallas.reference import MASKED_LOGIT
 
 # Forward-only tolerances of the output against float64 (the issue's bar).
@@ -156,9 +165,32 @@ def test_op_gradients_through_the_mosaic_kernels(dtype, n_res, seed):
     assert not np.asarray(dq[0, 0]).any() and not np.asarray(dk[0, 0]).any()
 
 
+def test_triton_backward_follows_the_mosaic_forward(seed):
+    """What `implementation=None` runs on Hopper at 192 <= N <= 256: the
+    Mosaic forward and the Triton backward on its residuals;
+    the gradients match float64."""
+    inputs = helpers.random_inputs(seed, 1, 2, 128, 1, 32, jnp.bfloat16, fully_masked_row=True)
+    q, k, v, bias, mask, gate, dout = inputs.args
+    config = dataclasses.replace(
+        default_block_config(128, 32, q.dtype, bias.dtype), mosaic_forward=SMALL_TILES
+    )
+
+    def op(q, k, v, bias, gate):
+        return fused_attention(q, k, v, bias, mask.astype(jnp.int8), gate, 32**-0.5, config, True)
+
+    out, pullback = jax.vjp(op, q, k, v, bias, gate)
+    result = (out, pullback(dout))
+    helpers.assert_shapes_dtypes_finite(result, inputs)
+    helpers.compare(
+        result, helpers.numpy_results(inputs), helpers.tolerance(q.dtype), "mosaic fwd, triton bwd"
+    )
+
+
+@pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("n_res, bias_dtype", [(256, jnp.float32), (200, jnp.bfloat16)])
-def test_lowers_for_the_gpu_on_a_cpu(n_res, bias_dtype):
-    """The kernel lowers for CUDA on a machine without one (Mosaic GPU's own
+def test_lowers_for_the_gpu_on_a_cpu(n_res, bias_dtype, persistent):
+    """The kernel, with one CTA per work item and persistent, lowers for
+    CUDA on a machine without one (Mosaic GPU's own
     lowering, layouts and TMA descriptors included, runs at trace time): a
     shape error, an unsupported layout or a misaligned GMEM row fails here,
     not first on the GPU. N = 200 is no whole number of tiles, and its bias
@@ -168,6 +200,7 @@ def test_lowers_for_the_gpu_on_a_cpu(n_res, bias_dtype):
     bias = jax.ShapeDtypeStruct((1, 8, n_res, n_res), bias_dtype)
     mask = jax.ShapeDtypeStruct((1, 4, n_res), jnp.int8)
     tiles = mosaic_forward.default_tiles(shape, jnp.bfloat16, bias_dtype, save_stats=True)
+    tiles = dataclasses.replace(tiles, persistent=persistent)
     forward = lambda *args: mosaic_forward.attention_forward(  # noqa: E731
         *args, scale=0.2, tiles=tiles, interpret=False, save_stats=True
     )
@@ -185,9 +218,14 @@ def test_default_tiles_fit_shared_memory(head_dim, bias_dtype, save_stats):
         save_stats=save_stats,
     )
     assert used <= MAX_SHARED_MEMORY
-    # The preferred (largest) tiles are taken where they fit.
+    # The preferred (largest) tiles are taken where they fit, persistent.
     if head_dim <= 32 and jnp.dtype(bias_dtype).itemsize == 2:
-        assert tiles == MosaicTiles(128, 128, 2, 2)
+        assert tiles == MosaicTiles(128, 128, 2, 2, persistent=True)
+    if head_dim == 32 and jnp.dtype(bias_dtype).itemsize == 4 and save_stats:
+        assert tiles == MosaicTiles(128, 64, 2, 2, persistent=True)
+    assert not mosaic_forward.default_tiles(
+        (1, 4, 256, 8, head_dim), jnp.bfloat16, bias_dtype, save_stats, persistent=False
+    ).persistent
 
 
 @pytest.mark.parametrize(
@@ -254,12 +292,33 @@ def test_default_dispatch_on_hopper(monkeypatch):
         bias = jax.ShapeDtypeStruct((1, 4, n_res, n_res), bias_dtype)
         return resolve_implementation(None, q, 0.0, bias)
 
-    # 16-bit: N > 256, whole 128-residue tiles (d = 8 padded to 16).
+    def forward_kernel(n_res, head_dim, dtype, bias_dtype=jnp.float32, implementation=None):
+        q_shape = (1, 2, n_res, 4, head_dim)
+        resolved = attention.resolve_implementation(
+            implementation, jax.ShapeDtypeStruct(q_shape, dtype), 0.0,
+            jax.ShapeDtypeStruct((1, 4, n_res, n_res), bias_dtype),
+        )
+        return attention.resolve_forward_kernel(implementation, resolved, q_shape, dtype, bias_dtype)
+
+    # 16-bit: N >= 192 a multiple of 8 (d = 8 padded to 16), but N = 256,
+    # where the Triton backward is faster.
     assert picks(384, 32, jnp.bfloat16) == picks(384, 8, jnp.float16) == "mosaic"
-    assert picks(256, 32, jnp.bfloat16) == picks(320, 32, jnp.bfloat16) == "pallas"
+    assert picks(200, 32, jnp.bfloat16) == picks(320, 32, jnp.bfloat16) == "mosaic"
+    assert picks(256, 32, jnp.bfloat16) == picks(128, 32, jnp.bfloat16) == "pallas"
+    assert picks(250, 32, jnp.bfloat16) == "pallas"
     # float32 with a float32 bias: the Mosaic backward from N = 256, d <= 64.
     assert picks(256, 32, jnp.float32) == picks(1024, 64, jnp.float32) == "mosaic"
     assert picks(384, 8, jnp.float32) == "mosaic"
     assert picks(128, 32, jnp.float32) == picks(320, 32, jnp.float32) == "pallas"
     assert picks(384, 128, jnp.float32) == "pallas"
     assert picks(384, 32, jnp.float32, jnp.bfloat16) == "pallas"
+    # The forward: Mosaic for 16-bit from N = 192 where it takes N (a
+    # multiple of 8), also before the Triton backward; Triton for float32
+    # and where "pallas" is asked for.
+    for n_res in (200, 256, 320, 384):
+        assert forward_kernel(n_res, 32, jnp.bfloat16) == "mosaic", n_res
+    assert forward_kernel(256, 8, jnp.float16, jnp.float16) == "mosaic"
+    assert forward_kernel(128, 32, jnp.bfloat16) == forward_kernel(250, 32, jnp.bfloat16) == "triton"
+    assert forward_kernel(256, 32, jnp.bfloat16, implementation="pallas") == "triton"
+    assert forward_kernel(128, 32, jnp.bfloat16, implementation="mosaic") == "mosaic"
+    assert forward_kernel(384, 32, jnp.float32) == forward_kernel(256, 32, jnp.float32) == "triton"

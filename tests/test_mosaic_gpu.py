@@ -11,6 +11,7 @@ bitwise-repeatable gradients.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -43,9 +44,9 @@ DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 BIAS_DTYPES = {"bias-f32": jnp.float32, "bias-input": None}
 
 
-def check(inputs, label):
+def check(inputs, label, implementation=MOSAIC):
     start = time.perf_counter()
-    result = jax.block_until_ready(fwd_bwd(MOSAIC)(*inputs.args))
+    result = jax.block_until_ready(fwd_bwd(implementation)(*inputs.args))
     elapsed = time.perf_counter() - start
     helpers.assert_shapes_dtypes_finite(result, inputs)
     reference = helpers.jnp_reference_fwd_bwd(inputs, chunk_rows=chunk_rows(inputs.q.shape))
@@ -115,6 +116,37 @@ def test_statistics_past_n_match_triton(bias_dtype, seed):
     assert helpers.rel_err(mosaic[1], triton[1]) < 1e-2
 
 
+@pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "shape",
+    [SHAPES["train"], SHAPES["finetune"], (1, 3, 256, 4, 32), (2, 3, 328, 8, 32), (1, 4, 200, 8, 16)],
+    ids=lambda s: "x".join(map(str, s)),
+)
+def test_persistent_forward_equals_one_cta_per_item(shape, bias_dtype, seed):
+    """The persistent grid (one CTA per SM looping over work items) computes
+    each item as the grid of one CTA per item does: the outputs and
+    residuals are bitwise equal, at the train and finetune crops, an odd S,
+    and N past the last whole tile."""
+    inputs = device_inputs(seed, shape, jnp.bfloat16, bias_dtype=bias_dtype)
+    q, k, v, bias, mask, gate, _ = inputs.args
+    tiles = mosaic_forward.default_tiles(q.shape, q.dtype, bias.dtype, save_stats=True)
+    results = [
+        mosaic_forward.attention_forward(
+            q, k, v, bias, mask.astype(jnp.int8), gate, scale=shape[-1] ** -0.5,
+            tiles=dataclasses.replace(tiles, persistent=persistent), interpret=False,
+            save_stats=True,
+        )
+        for persistent in (False, True)
+    ]
+    for name, one_per_item, persistent in zip(
+        ("out", "attention", "row_max", "row_log2_sum"), *results
+    ):
+        np.testing.assert_array_equal(
+            np.asarray(persistent.astype(jnp.float32)),
+            np.asarray(one_per_item.astype(jnp.float32)), err_msg=name,
+        )
+
+
 def test_keys_past_n_pass_no_gradient(seed):
     """N = 200 without a mask, one query row's logits all near -430 (base
     2): the keys past N, read as zeros, get probability inf there, and must
@@ -144,20 +176,37 @@ def test_repeatable_bitwise(seed):
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_default_picks_mosaic_above_256_residues():
-    bias = jnp.ones((1, 4, 384, 384), jnp.float32)
+def test_default_picks_on_hopper():
+    """On this GPU, the rule of `resolve_implementation` and
+    `resolve_forward_kernel` (test_mosaic_forward.py checks it with the
+    platform patched)."""
+    from msa_pallas.attention import resolve_forward_kernel
+
+    def picks(n_res, head_dim, dtype=jnp.bfloat16):
+        q = jnp.ones((1, 2, n_res, 4, head_dim), dtype)
+        bias = jnp.ones((1, 4, n_res, n_res), jnp.float32)
+        resolved = msa_pallas.resolve_implementation(None, q, 0.0, bias)
+        return resolved, resolve_forward_kernel(None, resolved, q.shape, dtype, jnp.float32)
+
     # d = 8 (the extra-MSA stack) too: the op pads it to 16.
-    for n_res, head_dim in ((384, 32), (384, 8), (1024, 64)):
-        q = jnp.ones((1, 2, n_res, 4, head_dim), jnp.bfloat16)
-        assert msa_pallas.resolve_implementation(None, q, 0.0, bias) == MOSAIC, (n_res, head_dim)
-    short = jnp.ones((1, 2, 256, 4, 32), jnp.bfloat16)
-    assert msa_pallas.resolve_implementation(None, short, 0.0, bias) == "pallas"
-    # N not a multiple of 128 (the Mosaic kernels take it when asked): the
-    # Triton kernels. float32 with a float32 bias: the Mosaic backward.
-    odd = jnp.ones((1, 2, 320, 4, 32), jnp.bfloat16)
-    assert msa_pallas.resolve_implementation(None, odd, 0.0, bias) == "pallas"
-    wide = jnp.ones((1, 2, 384, 4, 32), jnp.float32)
-    assert msa_pallas.resolve_implementation(None, wide, 0.0, bias) == MOSAIC
+    for n_res, head_dim in ((384, 32), (384, 8), (1024, 64), (200, 32), (320, 32)):
+        assert picks(n_res, head_dim) == (MOSAIC, MOSAIC), (n_res, head_dim)
+    # The train crop: the Mosaic forward, the Triton backward.
+    assert picks(256, 32) == ("pallas", MOSAIC)
+    assert picks(128, 32) == ("pallas", "triton")
+    # float32 with a float32 bias: the Triton forward, the Mosaic backward.
+    assert picks(384, 32, jnp.float32) == (MOSAIC, "triton")
+
+
+@pytest.mark.parametrize("bias_id", list(BIAS_DTYPES))
+@pytest.mark.parametrize("shape_id", ["train", "finetune"])
+def test_default_against_float64(shape_id, bias_id, seed):
+    """`implementation=None`: at the train crop the Mosaic forward and the
+    Triton backward on its residuals, at finetune the Mosaic kernels, both
+    with the persistent forward."""
+    bias_dtype = BIAS_DTYPES[bias_id] or jnp.bfloat16
+    inputs = device_inputs(seed, SHAPES[shape_id], jnp.bfloat16, bias_dtype=bias_dtype)
+    check(inputs, f"default {shape_id} bf16 {bias_id}", implementation=None)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -43,6 +44,12 @@ WGMMA = plgpu.Layout.WGMMA
 # Vectors along a wgmma tile's rows (one value per row) and columns.
 WGMMA_ROW = plgpu.Layout.WGMMA.reduce(1)
 WGMMA_COL = plgpu.Layout.WGMMA.reduce(0)
+# Streaming multiprocessors of an H100 / H200 SXM: the persistent grid's
+# size when lowering for one from a host without a GPU.
+HOPPER_MULTIPROCESSORS = 132
+# CTAs of a persistent grid in the interpreter: few, and not dividing the
+# test cases' work items, so that CTAs run unequal numbers of items.
+INTERPRETED_CTAS = 3
 # The row reductions stay inside warps: no shared scratch for them.
 COMPILER_PARAMS = plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0)
 
@@ -465,6 +472,16 @@ def produce(num_steps: int, stages: int, issue_copies, consumed) -> None:
     # phase is left unobserved when the CTA ends.
     for step in range(max(0, num_steps - stages), num_steps):
         plgpu.barrier_wait(consumed.at[step % stages])
+
+
+def multiprocessors(interpret: bool) -> int:
+    """The CTAs of a persistent grid: one per SM of the GPU the kernel runs on."""
+    if interpret:
+        return INTERPRETED_CTAS
+    device = jax.devices()[0]
+    if device.platform == "gpu":
+        return device.core_count
+    return HOPPER_MULTIPROCESSORS
 
 
 def launch(body, *, name: str, scratch, inputs: dict, out_types: dict, grid, grid_names,

@@ -35,6 +35,7 @@ mask removes entirely, and attention dropout, will go.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -46,24 +47,32 @@ from msa_pallas.block_sizes import MosaicTiles, mosaic_shared_memory_bytes
 from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2
 from msa_pallas.kernels.mosaic.common import (
     MAX_SHARED_MEMORY, WGMMA, WGMMA_COL, WGMMA_ROW, PingPong, accumulate_products,
-    accumulator_bias, batch_head_and_warpgroup, bias_tile, check_kernel_inputs,
-    consumer_registers, keys_before, launch, masked_accumulator_logit, pad_residues,
-    producer_registers, sigmoid, smem_products, smem_tile, smem_vectors,
+    accumulator_bias, bias_tile, check_kernel_inputs, consumer_registers, keys_before,
+    launch, masked_accumulator_logit, multiprocessors, pad_residues, producer_registers,
+    sigmoid, smem_products, smem_tile, smem_vectors,
 )
 
 
-def default_tiles(q_shape, q_dtype, bias_dtype, save_stats: bool, has_gate: bool = True):
+def default_tiles(
+    q_shape, q_dtype, bias_dtype, save_stats: bool, has_gate: bool = True,
+    persistent: bool = True,
+):
     """The fastest configuration measured on an H200 that fits in shared memory.
 
     128-query tiles per warpgroup and 2 MSA rows per CTA win at every N
     (benchmarks/RESULTS.md); 128-key stages where they fit (a 16-bit bias),
-    else 64-key stages; one MSA row per CTA only for head dims too large for two.
+    else 64-key stages; one MSA row per CTA only for head dims too large for
+    two. The persistent grid (2-10% faster at the SPEC shapes) where its
+    output tile fits beside them, unless `persistent` is False (the Mosaic
+    GPU interpreter stalls on it on a machine with few cores).
     """
     *_, head_dim = q_shape
-    preferred = (
-        MosaicTiles(128, 128, 2, 2), MosaicTiles(128, 64, 2, 2), MosaicTiles(64, 64, 2, 2),
-        MosaicTiles(64, 64, 2, 1),
-    )
+    shapes = ((128, 128, 2, 2), (128, 64, 2, 2), (64, 64, 2, 2), (64, 64, 2, 1))
+    preferred = [
+        MosaicTiles(*shape, persistent=grid)
+        for shape in shapes
+        for grid in ((True, False) if persistent else (False,))
+    ]
     for tiles in preferred:
         used = mosaic_shared_memory_bytes(
             tiles, head_dim, q_dtype, bias_dtype, has_mask=True, has_gate=has_gate,
@@ -76,7 +85,7 @@ def default_tiles(q_shape, q_dtype, bias_dtype, save_stats: bool, has_gate: bool
 
 def _kernel(
     gmem, smem, produced, consumed, schedule, *, scale: float, n_res: int,
-    tiles: MosaicTiles, msa_rows: int, heads: int, dtype, interpret: bool,
+    tiles: MosaicTiles, msa_rows: int, heads: int, grid, dtype, interpret: bool,
 ):
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     key_tiles = pl.cdiv(n_res, block_k)
@@ -85,25 +94,30 @@ def _kernel(
     ping_pong = msa_rows == 2 and tiles.ping_pong
     to_log2 = scale * LOG2E
     masked = masked_accumulator_logit(scale)
+    wg = lax.axis_index("wg")
 
-    row_group = lax.axis_index("row_groups")
-    q_start = lax.axis_index("query_tiles") * block_q
-    batch, head, wg = batch_head_and_warpgroup(heads)
-    queries = pl.ds(q_start, block_q)
-
-    @pl.when(wg < msa_rows)
-    def _consumer():
-        consumer_registers(msa_rows)
-        row = row_group * msa_rows + wg
-        q_smem = smem["q"].at[wg]
+    def load_own(name, work):
+        """The consumer's own copy of its q or gate tile for item `work`.
+        Both complete the consumer's "q" barrier, which the consumer waits
+        for once per item: the gate copy is issued an item's epilogue later
+        than the q copy, but lands long before the next epilogue needs it."""
+        batch, head, row_group, q_start = work
         plgpu.copy_gmem_to_smem(
-            gmem["q"].at[batch, row, queries, head], q_smem, produced["q"].at[wg]
+            gmem[name].at[batch, row_group * msa_rows + wg, pl.ds(q_start, block_q), head],
+            smem[name].at[wg], produced["q"].at[wg],
         )
-        if has_gate:
-            plgpu.copy_gmem_to_smem(
-                gmem["gate"].at[batch, row, queries, head], smem["gate"].at[wg],
-                produced["q"].at[wg],
-            )
+
+    def consume_item(work, item, next_work, has_next):
+        """One work item `(batch, head, row_group, q_start)` for consumer
+        `wg`; `item` counts this CTA's items, so `item * key_tiles +
+        key_tile` is the ring's step. The consumer loads its own q and gate
+        tiles, those of `next_work` (when `has_next`) as soon as this item
+        is done with them."""
+        batch, head, row_group, q_start = work
+        row = row_group * msa_rows + wg
+        queries = pl.ds(q_start, block_q)
+        q_smem = smem["q"].at[wg]
+        first_step = item * key_tiles
         plgpu.barrier_wait(produced["q"].at[wg])
 
         head_dim = q_smem.shape[-1]
@@ -111,19 +125,24 @@ def _kernel(
         row_sum = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), WGMMA_ROW)
         acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), WGMMA)
 
-        plgpu.barrier_wait(produced["k"].at[0])
-        turns = PingPong(schedule, wg, enabled=ping_pong)
-        turns.start()
+        plgpu.barrier_wait(produced["k"].at[lax.rem(first_step, stages)])
 
         def visit_key_tile(key_tile, carry):
             acc, row_max, row_sum = carry
-            slot = lax.rem(key_tile, stages)
+            slot = lax.rem(first_step + key_tile, stages)
 
             # The product starts from the bias tile, so the matrix units add it.
             (logits,) = smem_products(
                 ((q_smem, smem["k"].at[slot, wg].T),), turns.hand_over,
                 inits=(bias_tile(smem["bias"][slot], scale),), interpret=interpret,
             )
+
+            # After the item's last product with q, its tile takes the next
+            # item's queries, while this one's last tile and epilogue run.
+            @pl.when(jnp.logical_and(has_next, key_tile == key_tiles - 1))
+            def _():
+                load_own("q", next_work)
+
             if has_mask:
                 keep = plgpu.load(
                     smem["mask"].at[slot, wg, 0, pl.ds(0, block_k)], layout=WGMMA_COL
@@ -156,7 +175,9 @@ def _kernel(
 
                 @pl.when(next_tile < key_tiles)
                 def _():
-                    plgpu.barrier_wait(produced["k"].at[lax.rem(next_tile, stages)])
+                    plgpu.barrier_wait(
+                        produced["k"].at[lax.rem(first_step + next_tile, stages)]
+                    )
 
             (acc,) = accumulate_products(
                 (acc,), (p16,), (smem["v"].at[slot, wg],), interpret, wait_for_next_keys
@@ -167,9 +188,10 @@ def _kernel(
         acc, row_max, row_sum = lax.fori_loop(
             0, key_tiles, visit_key_tile, (acc, row_max, row_sum)
         )
-        turns.finish()
 
         out = acc * lax.broadcast_in_dim(1.0 / row_sum, acc.shape, [0])
+        # The previous item's results have left the tiles written below.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         if save_stats:
             smem["attention"][wg] = out
             # The backward's masked logit (base 2) for a row whose keys are all
@@ -181,10 +203,12 @@ def _kernel(
             smem["row_log2_sum"][wg, 0] = jnp.log2(row_sum)
         if has_gate:
             out = out * sigmoid(smem["gate"][wg].astype(jnp.float32))
-        # q's tile is free again: it holds the output on its way out.
-        q_smem[...] = out.astype(dtype)
+            pl.when(has_next)(lambda: load_own("gate", next_work))
+        # Without a next item, q's tile is free: it holds the output on its way out.
+        out_smem = smem["out"].at[wg] if "out" in smem else q_smem
+        out_smem[...] = out.astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem, gmem["out"].at[batch, row, queries, head])
+        plgpu.copy_smem_to_gmem(out_smem, gmem["out"].at[batch, row, queries, head])
         if save_stats:
             plgpu.copy_smem_to_gmem(
                 smem["attention"].at[wg], gmem["attention"].at[batch, row, queries, head]
@@ -194,12 +218,14 @@ def _kernel(
                 plgpu.copy_smem_to_gmem(
                     smem[name].at[wg], gmem[name].at[batch, row, pl.ds(head, 1), queries]
                 )
-        plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == msa_rows)
-    def _producer():
-        producer_registers()
+    def produce_item(work, item, *_):
+        """The producer's copies for one work item, into the ring's steps
+        `item * key_tiles` on."""
+        batch, head, row_group, q_start = work
         first_row = row_group * msa_rows
+        queries = pl.ds(q_start, block_q)
+        first_step = item * key_tiles
 
         def copy_rows(name, keys, slot):
             for r in range(msa_rows):
@@ -208,10 +234,19 @@ def _kernel(
                     produced[name].at[slot],
                 )
 
-        def load(key_tile, slot, wait_for_slot: bool):
+        def load(key_tile, wait_for_slot):
+            """The copies of key tile `key_tile`; `wait_for_slot`: whether its
+            slot may still be in use (a bool, or a traced one)."""
+            slot = lax.rem(first_step + key_tile, stages)
             keys = pl.ds(key_tile * block_k, block_k)
-            if wait_for_slot:
-                plgpu.barrier_wait(consumed["k"].at[slot])
+
+            def wait(name):
+                if wait_for_slot is True:
+                    plgpu.barrier_wait(consumed[name].at[slot])
+                elif wait_for_slot is not False:
+                    pl.when(wait_for_slot)(lambda: plgpu.barrier_wait(consumed[name].at[slot]))
+
+            wait("k")
             copy_rows("k", keys, slot)
             # The mask vectors and the bias tile complete the "k" barrier too.
             for r in range(msa_rows if has_mask else 0):
@@ -223,22 +258,84 @@ def _kernel(
                 gmem["bias"].at[batch, head, queries, keys], smem["bias"].at[slot],
                 produced["k"].at[slot],
             )
-            if wait_for_slot:
-                plgpu.barrier_wait(consumed["v"].at[slot])
+            wait("v")
             copy_rows("v", keys, slot)
 
+        # The first `stages` steps of the CTA's first item find their slots free.
         for key_tile in range(min(stages, key_tiles)):
-            load(jnp.int32(key_tile), key_tile, wait_for_slot=False)
+            load(jnp.int32(key_tile), item > 0 if tiles.persistent else False)
+        if key_tiles > stages:
+            pl.loop(stages, key_tiles)(lambda key_tile: load(key_tile, True))
 
-        @pl.loop(stages, max(stages, key_tiles))
-        def _(key_tile):
-            load(key_tile, lax.rem(key_tile, stages), wait_for_slot=True)
+    def work_item(linear):
+        """(batch, head, row_group, q_start) of work item `linear` of
+        `grid` = (B * H, query tiles, row groups), the row groups fastest."""
+        batch_heads, query_tiles, row_groups = grid
+        row_group = lax.rem(linear, row_groups)
+        query_tile = lax.rem(lax.div(linear, row_groups), query_tiles)
+        batch_head = lax.div(linear, row_groups * query_tiles)
+        return lax.div(batch_head, heads), lax.rem(batch_head, heads), row_group, query_tile * block_q
 
+    if tiles.persistent:
+        # CTA `cta` takes items cta, cta + ctas, ...: the CTAs at work at the
+        # same time take neighbouring row groups, so they read the same bias
+        # tiles, as with one CTA per item.
+        ctas, cta = lax.axis_size("ctas"), lax.axis_index("ctas")
+        total = math.prod(grid)
+        items_here = total // ctas + (cta < total % ctas).astype(jnp.int32)
+        first_item = work_item(cta)
+    else:
+        batch_head = lax.axis_index("batch_heads")
+        items_here = 1
+        first_item = (
+            lax.div(batch_head, heads), lax.rem(batch_head, heads),
+            lax.axis_index("row_groups"), lax.axis_index("query_tiles") * block_q,
+        )
+
+    def for_each_item(work):
+        """`work(item_work, item, next_work, has_next)` for this CTA's items."""
+        if not tiles.persistent:
+            work(first_item, jnp.int32(0), first_item, False)
+            return
+
+        @pl.loop(0, items_here)
+        def _(item):
+            linear = item * ctas + cta
+            work(work_item(linear), item, work_item(linear + ctas), item + 1 < items_here)
+
+    # The consumers take turns across items too: the one whose epilogue runs
+    # leaves the units to the other.
+    turns = PingPong(schedule, wg, enabled=ping_pong)
+
+    @pl.when(wg < msa_rows)
+    def _consumer():
+        consumer_registers(msa_rows)
+        load_own("q", first_item)
+        if has_gate:
+            load_own("gate", first_item)
+        turns.start()
+        for_each_item(consume_item)
+        turns.finish()
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == msa_rows)
+    def _producer():
+        producer_registers()
+        for_each_item(produce_item)
         # Observe the consumers' last releases of every slot, so that no
-        # barrier phase is left unobserved when the CTA ends.
-        for key_tile in range(max(0, key_tiles - stages), key_tiles):
-            plgpu.barrier_wait(consumed["k"].at[key_tile % stages])
-            plgpu.barrier_wait(consumed["v"].at[key_tile % stages])
+        # barrier phase is left unobserved when the CTA ends: those of its
+        # last `stages` steps (every CTA has an item, so key_tiles steps).
+        steps = items_here * key_tiles
+        for back in range(stages, 0, -1):
+            def observe(back=back):
+                slot = lax.rem(steps - back, stages)
+                plgpu.barrier_wait(consumed["k"].at[slot])
+                plgpu.barrier_wait(consumed["v"].at[slot])
+
+            if back <= key_tiles:
+                observe()
+            else:
+                pl.when(steps >= back)(observe)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret", "save_stats"))
@@ -301,7 +398,10 @@ def attention_forward(
         smem["attention"] = smem_tile((msa_rows, block_q, head_dim), jnp.float32)
         smem["row_max"] = plgpu.SMEM((msa_rows, 1, block_q), jnp.float32)
         smem["row_log2_sum"] = plgpu.SMEM((msa_rows, 1, block_q), jnp.float32)
+    if tiles.persistent:
+        smem["out"] = smem_tile((msa_rows, block_q, head_dim), q.dtype)
     produced = {
+        # q's and the gate's copies.
         "q": plgpu.Barrier(num_arrivals=2 if gate is not None else 1, num_barriers=msa_rows),
         "k": plgpu.Barrier(num_arrivals=k_copies, num_barriers=stages),
         "v": plgpu.Barrier(num_arrivals=msa_rows, num_barriers=stages),
@@ -311,16 +411,19 @@ def attention_forward(
     }
     schedule = plgpu.Barrier(num_arrivals=msa_rows)
 
+    # Work items, the MSA-row groups fastest.
+    items = (batch * heads, query_tiles, rows // msa_rows)
     body = functools.partial(
-        _kernel, scale=scale, n_res=n_res, tiles=tiles,
-        msa_rows=msa_rows, heads=heads, dtype=q.dtype, interpret=interpret,
+        _kernel, scale=scale, n_res=n_res, tiles=tiles, msa_rows=msa_rows, heads=heads,
+        grid=items, dtype=q.dtype, interpret=interpret,
     )
-
+    if tiles.persistent:
+        grid, grid_names = (min(math.prod(items), multiprocessors(interpret)),), ("ctas",)
+    else:
+        grid, grid_names = items[::-1], ("row_groups", "query_tiles", "batch_heads")
     outs = launch(
         body, name="msa_mosaic_forward", scratch=(smem, produced, consumed, schedule),
-        inputs=inputs, out_types=out_types,
-        grid=(rows // msa_rows, query_tiles, batch * heads),
-        grid_names=("row_groups", "query_tiles", "batch_heads"),
+        inputs=inputs, out_types=out_types, grid=grid, grid_names=grid_names,
         consumers=msa_rows, interpret=interpret,
     )
     if not save_stats:
