@@ -77,9 +77,7 @@ def _msa_pallas_builder(implementation: str | None) -> Callable[[Case], Callable
             )
 
         config = msa_pallas.default_block_config(n, d, case.dtype, case.bias_dtype)
-        forward_kernel = msa_pallas.attention.resolve_forward_kernel(
-            chosen, resolved, q_like.shape, case.dtype, case.bias_dtype
-        )
+        forward_kernel = msa_pallas.attention.resolve_forward_kernel(resolved, case.dtype)
         info = {"interpret": not on_gpu(), "implementation": resolved,
                 "forward_kernel": forward_kernel,
                 "block_config": dataclasses.asdict(config)}

@@ -26,25 +26,16 @@ from msa_pallas.validation import (
 
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 # 16-bit on Hopper, for N the Mosaic kernels take (a multiple of 8): from
-# this N the Mosaic forward is faster than the Triton forward (measured from
-# N = 200 up), and so are the Mosaic backward kernels, but where N is a
-# power of two up to 256 (the train crop): there the Triton backward, whose
-# tiles divide N and whose fused dq+dbias kernel recomputes the
-# probabilities once less, stays ahead and follows the Mosaic forward
-# (benchmarks/RESULTS.md).
+# this N the Mosaic kernels, forward and backward, are faster than the Triton
+# ones (measured from N = 200 up, the train crop N = 256 included;
+# benchmarks/RESULTS.md).
 MOSAIC_MIN_RESIDUES = 192
-TRITON_BACKWARD_MAX_RESIDUES = 256
 # float32 with a float32 bias: the Triton forward and the Mosaic backward
 # (bf16 pieces) were faster than the Triton kernels from N = 256 (the train
 # crop) up, at N a multiple of 128 (benchmarks/RESULTS.md); other N were not
 # measured and run the Triton kernels.
 MOSAIC_FLOAT32_MIN_RESIDUES = 256
 MOSAIC_FLOAT32_RESIDUE_MULTIPLE = 128
-
-
-def triton_backward_is_faster(n_res: int) -> bool:
-    """16-bit on Hopper: whether the Triton backward beats the Mosaic one at N."""
-    return n_res <= TRITON_BACKWARD_MAX_RESIDUES and n_res & (n_res - 1) == 0
 
 
 def target_platform() -> str:
@@ -83,11 +74,9 @@ def resolve_implementation(implementation, q, dropout_rate: float, bias=None) ->
     kernels and no attention dropout is asked for: `"mosaic"` on a Hopper GPU
     where the Mosaic kernels take the inputs (`mosaic.common.supports`: N a
     multiple of 8; d < 16 is zero-padded to 16), for 16-bit inputs with
-    N >= 192 but N = 256 (`triton_backward_is_faster`), and for float32
-    inputs with a float32 bias, N >= 256 and a multiple of 128; `"pallas"`
-    (the Triton kernels) otherwise on a GPU; `"xla"` elsewhere. Where this
-    gives `"pallas"` for 16-bit inputs with N >= 192 on Hopper, the forward
-    still runs the Mosaic kernel (`resolve_forward_kernel`).
+    N >= 192, and for float32 inputs with a float32 bias, N >= 256 and a
+    multiple of 128; `"pallas"` (the Triton kernels) otherwise on a GPU;
+    `"xla"` elsewhere.
     """
     if implementation is not None:
         return implementation
@@ -113,37 +102,21 @@ def resolve_implementation(implementation, q, dropout_rate: float, bias=None) ->
             and n_res % MOSAIC_FLOAT32_RESIDUE_MULTIPLE == 0
         )
     else:
-        measured = n_res >= MOSAIC_MIN_RESIDUES and not triton_backward_is_faster(n_res)
+        measured = n_res >= MOSAIC_MIN_RESIDUES
     if measured and mosaic_supports(shape[-5:], dtype, bias_dtype) is None:
         return "mosaic"
     return "pallas"
 
 
-def resolve_forward_kernel(implementation, resolved: str, q_shape, q_dtype, bias_dtype) -> str:
-    """The forward kernel `msa_row_attention` runs: `"mosaic"` or `"triton"`
-    (or `"xla"` for the plain-jnp path).
-
-    `resolved` is `resolve_implementation(implementation, ...)`. `"mosaic"`
-    runs the Mosaic forward for 16-bit inputs, the Triton forward for
-    float32 (three TF32 products). `implementation=None` that resolved to
-    `"pallas"` still runs the Mosaic forward on a Hopper GPU for 16-bit
-    inputs it takes with N >= `MOSAIC_MIN_RESIDUES`: the Triton backward
-    follows it through the shared residuals. An explicit
-    `"pallas"` runs the Triton kernels only.
-    """
+def resolve_forward_kernel(resolved: str, q_dtype) -> str:
+    """The forward kernel `msa_row_attention` runs for `resolved`
+    (`resolve_implementation`'s answer): `"xla"`, `"triton"`, or `"mosaic"`,
+    which runs the Mosaic forward for 16-bit inputs and the Triton forward
+    (three TF32 products) for float32 ones; either backward follows either
+    forward through the shared residuals."""
     if resolved == "xla":
         return "xla"
-    sixteen_bit = jnp.dtype(q_dtype).itemsize == 2
-    if resolved == "mosaic":
-        return "mosaic" if sixteen_bit else "triton"
-    if (
-        implementation is None
-        and sixteen_bit
-        and on_hopper()
-        and len(q_shape) >= 5
-        and q_shape[-3] >= MOSAIC_MIN_RESIDUES
-        and mosaic_supports(q_shape[-5:], q_dtype, bias_dtype) is None
-    ):
+    if resolved == "mosaic" and jnp.dtype(q_dtype).itemsize == 2:
         return "mosaic"
     return "triton"
 
@@ -196,11 +169,9 @@ def msa_row_attention(
         N a multiple of 8; float32 with d <= 64: the Triton forward and the
         Mosaic backward, its operands split into three bf16 pieces). `"xla"`:
         the plain-`jnp` path. None picks `"mosaic"` on a Hopper GPU for
-        inputs it takes: 16-bit with N >= 192 but N = 256, float32 with a
-        float32 bias and N >= 256 a multiple of 128; `"pallas"` on other
-        GPUs and `"xla"` elsewhere. At N = 256 (16-bit, Hopper) the forward
-        runs the Mosaic kernel and the Triton backward follows it
-        (`resolve_implementation`, `resolve_forward_kernel`).
+        inputs it takes: 16-bit with N >= 192, float32 with a float32 bias
+        and N >= 256 a multiple of 128; `"pallas"` on other GPUs and
+        `"xla"` elsewhere (`resolve_implementation`).
         `"pallas"` and `"mosaic"` on a machine without a GPU run the same
         kernels in their interpreters (slow; for tests).
       block_config: tiles for the Pallas kernels; default chosen by
@@ -228,9 +199,7 @@ def msa_row_attention(
         bias = jnp.zeros((2, 4, 32, 32), jnp.float32)
         out = msa_pallas.msa_row_attention(q, k, v, bias)   # [2, 8, 32, 4, 16]
     """
-    requested, implementation = implementation, resolve_implementation(
-        implementation, q, dropout_rate, bias
-    )
+    implementation = resolve_implementation(implementation, q, dropout_rate, bias)
     validate_arguments(q, k, v, bias, mask, gate, scale, implementation)
     validate_dropout(dropout_rate, dropout_rng, implementation)
     validate_block_config(block_config)
@@ -258,11 +227,8 @@ def msa_row_attention(
         read_bias_dtype = bias.dtype if bias_dtype is None else bias_dtype
         if block_config is None:
             block_config = default_block_config(n_res, head_dim, q.dtype, read_bias_dtype)
-        forward_kernel = resolve_forward_kernel(
-            requested, implementation, q.shape, q.dtype, read_bias_dtype
-        )
         forward_tiles = None
-        if forward_kernel == "mosaic":
+        if resolve_forward_kernel(implementation, q.dtype) == "mosaic":
             # d < 16 for the Mosaic forward: zero-padded to 16, the output
             # sliced below (the padded columns' gradients are dropped by the
             # pad's transpose). The float32 path's Triton forward takes d as

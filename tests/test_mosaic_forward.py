@@ -166,9 +166,9 @@ def test_op_gradients_through_the_mosaic_kernels(dtype, n_res, seed):
 
 
 def test_triton_backward_follows_the_mosaic_forward(seed):
-    """What `implementation=None` runs on Hopper at 192 <= N <= 256: the
-    Mosaic forward and the Triton backward on its residuals;
-    the gradients match float64."""
+    """Either backward follows either forward (`kernels.vjp`): the Mosaic
+    forward and the Triton backward on its residuals; the gradients match
+    float64."""
     inputs = helpers.random_inputs(seed, 1, 2, 128, 1, 32, jnp.bfloat16, fully_masked_row=True)
     q, k, v, bias, mask, gate, dout = inputs.args
     config = dataclasses.replace(
@@ -292,33 +292,19 @@ def test_default_dispatch_on_hopper(monkeypatch):
         bias = jax.ShapeDtypeStruct((1, 4, n_res, n_res), bias_dtype)
         return resolve_implementation(None, q, 0.0, bias)
 
-    def forward_kernel(n_res, head_dim, dtype, bias_dtype=jnp.float32, implementation=None):
-        q_shape = (1, 2, n_res, 4, head_dim)
-        resolved = attention.resolve_implementation(
-            implementation, jax.ShapeDtypeStruct(q_shape, dtype), 0.0,
-            jax.ShapeDtypeStruct((1, 4, n_res, n_res), bias_dtype),
-        )
-        return attention.resolve_forward_kernel(implementation, resolved, q_shape, dtype, bias_dtype)
-
-    # 16-bit: N >= 192 a multiple of 8 (d = 8 padded to 16), but N = 256,
-    # where the Triton backward is faster.
+    # 16-bit: N >= 192 a multiple of 8 (d = 8 padded to 16).
     assert picks(384, 32, jnp.bfloat16) == picks(384, 8, jnp.float16) == "mosaic"
     assert picks(200, 32, jnp.bfloat16) == picks(320, 32, jnp.bfloat16) == "mosaic"
-    assert picks(256, 32, jnp.bfloat16) == picks(128, 32, jnp.bfloat16) == "pallas"
-    assert picks(250, 32, jnp.bfloat16) == "pallas"
+    assert picks(256, 32, jnp.bfloat16) == "mosaic"
+    assert picks(128, 32, jnp.bfloat16) == picks(250, 32, jnp.bfloat16) == "pallas"
     # float32 with a float32 bias: the Mosaic backward from N = 256, d <= 64.
     assert picks(256, 32, jnp.float32) == picks(1024, 64, jnp.float32) == "mosaic"
     assert picks(384, 8, jnp.float32) == "mosaic"
     assert picks(128, 32, jnp.float32) == picks(320, 32, jnp.float32) == "pallas"
     assert picks(384, 128, jnp.float32) == "pallas"
     assert picks(384, 32, jnp.float32, jnp.bfloat16) == "pallas"
-    # The forward: Mosaic for 16-bit from N = 192 where it takes N (a
-    # multiple of 8), also before the Triton backward; Triton for float32
-    # and where "pallas" is asked for.
-    for n_res in (200, 256, 320, 384):
-        assert forward_kernel(n_res, 32, jnp.bfloat16) == "mosaic", n_res
-    assert forward_kernel(256, 8, jnp.float16, jnp.float16) == "mosaic"
-    assert forward_kernel(128, 32, jnp.bfloat16) == forward_kernel(250, 32, jnp.bfloat16) == "triton"
-    assert forward_kernel(256, 32, jnp.bfloat16, implementation="pallas") == "triton"
-    assert forward_kernel(128, 32, jnp.bfloat16, implementation="mosaic") == "mosaic"
-    assert forward_kernel(384, 32, jnp.float32) == forward_kernel(256, 32, jnp.float32) == "triton"
+    # The forward: Mosaic for 16-bit, Triton for float32 (three TF32 products).
+    resolve = attention.resolve_forward_kernel
+    assert resolve("mosaic", jnp.bfloat16) == resolve("mosaic", jnp.float16) == "mosaic"
+    assert resolve("mosaic", jnp.float32) == resolve("pallas", jnp.bfloat16) == "triton"
+    assert resolve("xla", jnp.bfloat16) == "xla"

@@ -177,33 +177,28 @@ def test_repeatable_bitwise(seed):
 
 
 def test_default_picks_on_hopper():
-    """On this GPU, the rule of `resolve_implementation` and
-    `resolve_forward_kernel` (test_mosaic_forward.py checks it with the
-    platform patched)."""
-    from msa_pallas.attention import resolve_forward_kernel
+    """On this GPU, the rule of `resolve_implementation` (test_mosaic_forward.py
+    checks it with the platform patched)."""
 
     def picks(n_res, head_dim, dtype=jnp.bfloat16):
         q = jnp.ones((1, 2, n_res, 4, head_dim), dtype)
         bias = jnp.ones((1, 4, n_res, n_res), jnp.float32)
-        resolved = msa_pallas.resolve_implementation(None, q, 0.0, bias)
-        return resolved, resolve_forward_kernel(None, resolved, q.shape, dtype, jnp.float32)
+        return msa_pallas.resolve_implementation(None, q, 0.0, bias)
 
     # d = 8 (the extra-MSA stack) too: the op pads it to 16.
-    for n_res, head_dim in ((384, 32), (384, 8), (1024, 64), (200, 32), (320, 32)):
-        assert picks(n_res, head_dim) == (MOSAIC, MOSAIC), (n_res, head_dim)
-    # The train crop: the Mosaic forward, the Triton backward.
-    assert picks(256, 32) == ("pallas", MOSAIC)
-    assert picks(128, 32) == ("pallas", "triton")
+    for n_res, head_dim in ((256, 32), (384, 32), (384, 8), (1024, 64), (200, 32), (320, 32)):
+        assert picks(n_res, head_dim) == MOSAIC, (n_res, head_dim)
+    assert picks(128, 32) == picks(250, 32) == "pallas"
     # float32 with a float32 bias: the Triton forward, the Mosaic backward.
-    assert picks(384, 32, jnp.float32) == (MOSAIC, "triton")
+    assert picks(384, 32, jnp.float32) == MOSAIC
+    assert picks(320, 32, jnp.float32) == "pallas"
 
 
 @pytest.mark.parametrize("bias_id", list(BIAS_DTYPES))
 @pytest.mark.parametrize("shape_id", ["train", "finetune"])
 def test_default_against_float64(shape_id, bias_id, seed):
-    """`implementation=None`: at the train crop the Mosaic forward and the
-    Triton backward on its residuals, at finetune the Mosaic kernels, both
-    with the persistent forward."""
+    """`implementation=None` at the train and finetune crops: the Mosaic
+    kernels, with the persistent forward."""
     bias_dtype = BIAS_DTYPES[bias_id] or jnp.bfloat16
     inputs = device_inputs(seed, SHAPES[shape_id], jnp.bfloat16, bias_dtype=bias_dtype)
     check(inputs, f"default {shape_id} bf16 {bias_id}", implementation=None)
