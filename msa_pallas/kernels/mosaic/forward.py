@@ -14,9 +14,14 @@ built around:
 - with two consumers, a schedule barrier makes them alternate, so one's
   softmax (the exponential unit) overlaps the other's matrix products.
 
-The grid is (S / msa_rows, query tiles, B * H) with the MSA rows fastest, so
-the CTAs that run at the same time read the same bias tiles and find them in
-L2. N need not be a whole number of tiles (`common.supports`: a multiple of
+The work items are (B * H, query tiles, S / msa_rows), the MSA rows fastest,
+so the CTAs that run at the same time read the same bias tiles and find them
+in L2. With `MosaicTiles.persistent` one CTA per SM loops over its share of
+them: the ring's steps and barriers run on across items, so the producer
+streams the next item's first tiles while the consumers finish the last ones,
+and each consumer loads its next q tile once its last `q k^T` product of the
+item is done, and its next gate tile after the gating. Otherwise the grid has
+one CTA per item. N need not be a whole number of tiles (`common.supports`: a multiple of
 8): TMA reads past N as zeros, keys past N get a -inf logit and TMA stores
 of q's layout past N are dropped. q, k, v, the gate and the output are never
 padded; the bias and mask rows are padded to whole TMA rows
@@ -138,9 +143,11 @@ def _kernel(
             )
 
             # After the item's last product with q, its tile takes the next
-            # item's queries, while this one's last tile and epilogue run.
+            # item's queries, while this one's last tile and epilogue run;
+            # first every warp of the warpgroup is past its wait for it.
             @pl.when(jnp.logical_and(has_next, key_tile == key_tiles - 1))
             def _():
+                plgpu.commit_smem()
                 load_own("q", next_work)
 
             if has_mask:
@@ -203,11 +210,14 @@ def _kernel(
             smem["row_log2_sum"][wg, 0] = jnp.log2(row_sum)
         if has_gate:
             out = out * sigmoid(smem["gate"][wg].astype(jnp.float32))
-            pl.when(has_next)(lambda: load_own("gate", next_work))
-        # Without a next item, q's tile is free: it holds the output on its way out.
+        # With one CTA per item q's tile is free by now and holds the output on
+        # its way out; a persistent CTA's holds the next item's queries.
         out_smem = smem["out"].at[wg] if "out" in smem else q_smem
         out_smem[...] = out.astype(dtype)
+        # Every thread's reads of the gate and writes of the output are done.
         plgpu.commit_smem()
+        if has_gate:
+            pl.when(has_next)(lambda: load_own("gate", next_work))
         plgpu.copy_smem_to_gmem(out_smem, gmem["out"].at[batch, row, queries, head])
         if save_stats:
             plgpu.copy_smem_to_gmem(
