@@ -9,8 +9,9 @@ against a float32 XLA forward, and the time against the exponential floor
     python benchmarks/profile_forward.py --shapes train,finetune,long --dtypes bf16
     python benchmarks/profile_forward.py --shapes long --mosaic 64x128x2x2,64x64x3x2
 
-A candidate is BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT]] (`MosaicTiles`). Without a GPU both kernels
-run in their interpreters at the `seed` shape: only a check that it works.
+A candidate is BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT]] (`MosaicTiles`).
+Without a GPU both kernels run in their interpreters at the `seed` shape (the
+Mosaic one with one CTA per item): only a check that it works.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", default="bf16")
     parser.add_argument("--bias-dtypes", default="f32,input", help="f32 and/or input (q's dtype)")
     parser.add_argument("--mosaic", default="",
-                        help="candidates BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT]], comma-separated")
+                        help="candidates BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT]], "
+                        "comma-separated")
     parser.add_argument("--reps", type=int, default=1 if INTERPRET else 20)
     parser.add_argument("--samples", type=int, default=1 if INTERPRET else 7)
     args = parser.parse_args(argv)

@@ -469,3 +469,15 @@ def test_bench_layer_keeps_the_rows_of_a_run_cut_short(tmp_path, monkeypatch):
     saved = json.loads((tmp_path / "results.json").read_text())
     assert [(row["core"], row["status"]) for row in saved["rows"]] == [("xla", "ok")]
     assert saved["table"] is None  # no table: the run did not finish
+
+
+def test_parse_mosaic_candidates():
+    """`BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT]]`: the flags in that order,
+    left out meaning the defaults (ping-pong on, one CTA per item)."""
+    plain, turns_off, persistent = profile_kernels.parse_mosaic(
+        "128x64x2x2,128x128x2x2x0,64x64x3x1x1x1"
+    )
+    assert (plain.block_q, plain.block_k, plain.num_stages, plain.msa_rows) == (128, 64, 2, 2)
+    assert plain.ping_pong and not plain.persistent
+    assert not turns_off.ping_pong and not turns_off.persistent
+    assert persistent.ping_pong and persistent.persistent and persistent.num_stages == 3

@@ -47,8 +47,9 @@ WGMMA_COL = plgpu.Layout.WGMMA.reduce(0)
 # Streaming multiprocessors of an H100 / H200 SXM: the persistent grid's
 # size when lowering for one from a host without a GPU.
 HOPPER_MULTIPROCESSORS = 132
-# CTAs of a persistent grid in the interpreter: few, and not dividing the
-# test cases' work items, so that CTAs run unequal numbers of items.
+# CTAs of a persistent grid in the interpreter: few, so that each runs
+# several items (on a machine with few cores the interpreter stalls on the
+# persistent grid: the tests run it on the GPU).
 INTERPRETED_CTAS = 3
 # The row reductions stay inside warps: no shared scratch for them.
 COMPILER_PARAMS = plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0)

@@ -21,7 +21,9 @@ them: the ring's steps and barriers run on across items, so the producer
 streams the next item's first tiles while the consumers finish the last ones,
 and each consumer loads its next q tile once its last `q k^T` product of the
 item is done, and its next gate tile after the gating. Otherwise the grid has
-one CTA per item. N need not be a whole number of tiles (`common.supports`: a multiple of
+one CTA per item.
+
+N need not be a whole number of tiles (`common.supports`: a multiple of
 8): TMA reads past N as zeros, keys past N get a -inf logit and TMA stores
 of q's layout past N are dropped. q, k, v, the gate and the output are never
 padded; the bias and mask rows are padded to whole TMA rows
@@ -67,9 +69,10 @@ def default_tiles(
     128-query tiles per warpgroup and 2 MSA rows per CTA win at every N
     (benchmarks/RESULTS.md); 128-key stages where they fit (a 16-bit bias),
     else 64-key stages; one MSA row per CTA only for head dims too large for
-    two. The persistent grid (2-10% faster at the SPEC shapes) where its
-    output tile fits beside them, unless `persistent` is False (the Mosaic
-    GPU interpreter stalls on it on a machine with few cores).
+    two. The persistent grid (with the residuals 2-22% faster at the SPEC
+    shapes, within 1% at one) where its output tile fits beside them,
+    unless `persistent` is False (the Mosaic GPU interpreter stalls on it
+    on a machine with few cores).
     """
     *_, head_dim = q_shape
     shapes = ((128, 128, 2, 2), (128, 64, 2, 2), (64, 64, 2, 2), (64, 64, 2, 1))
