@@ -190,8 +190,8 @@ def test_triton_backward_follows_the_mosaic_forward(seed):
 @pytest.mark.parametrize("n_res, bias_dtype", [(256, jnp.float32), (200, jnp.bfloat16)])
 def test_lowers_for_the_gpu_on_a_cpu(n_res, bias_dtype, persistent):
     """The kernel, with one CTA per work item and persistent, lowers for
-    CUDA on a machine without one (Mosaic GPU's own
-    lowering, layouts and TMA descriptors included, runs at trace time): a
+    CUDA on a machine without one (Mosaic GPU's own lowering, layouts and
+    TMA descriptors included, runs at trace time): a
     shape error, an unsupported layout or a misaligned GMEM row fails here,
     not first on the GPU. N = 200 is no whole number of tiles, and its bias
     rows are no whole number of 128-byte TMA rows until padded."""
