@@ -54,9 +54,9 @@ from msa_pallas.block_sizes import MosaicTiles, mosaic_shared_memory_bytes
 from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2
 from msa_pallas.kernels.mosaic.common import (
     MAX_SHARED_MEMORY, WGMMA, WGMMA_COL, WGMMA_ROW, PingPong, accumulate_products,
-    accumulator_bias, bias_tile, check_kernel_inputs, consumer_registers, keys_before,
-    launch, masked_accumulator_logit, multiprocessors, pad_residues, producer_registers,
-    sigmoid, smem_products, smem_tile, smem_vectors,
+    accumulator_bias, batch_head_and_warpgroup, bias_tile, check_kernel_inputs,
+    consumer_registers, keys_before, launch, masked_accumulator_logit, multiprocessors,
+    pad_residues, producer_registers, sigmoid, smem_products, smem_tile, smem_vectors,
 )
 
 
@@ -298,11 +298,10 @@ def _kernel(
         items_here = total // ctas + (cta < total % ctas).astype(jnp.int32)
         first_item = work_item(cta)
     else:
-        batch_head = lax.axis_index("batch_heads")
+        batch, head, _ = batch_head_and_warpgroup(heads)
         items_here = 1
         first_item = (
-            lax.div(batch_head, heads), lax.rem(batch_head, heads),
-            lax.axis_index("row_groups"), lax.axis_index("query_tiles") * block_q,
+            batch, head, lax.axis_index("row_groups"), lax.axis_index("query_tiles") * block_q,
         )
 
     def for_each_item(work):
