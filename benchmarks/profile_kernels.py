@@ -80,17 +80,12 @@ KERNELS = {
 
 
 def parse_mosaic(text: str) -> list[MosaicTiles]:
-    """`BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT[xEXP2_TURNS[xMASK_IN_PRODUCTS]]]]`
-    candidates, comma-separated (each flag 1 or 0; EXP2_TURNS 1:
-    `turn_span="exp2"`)."""
+    """`BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT]]` candidates, comma-separated
+    (PING_PONG and PERSISTENT 1 or 0)."""
     tiles = []
     for item in filter(None, text.split(",")):
         block_q, block_k, stages, rows, *flags = (int(x) for x in item.split("x"))
-        names = ("ping_pong", "persistent", "turn_span", "mask_in_products")
-        given = dict(zip(names, map(bool, flags)))
-        if "turn_span" in given:
-            given["turn_span"] = "exp2" if given["turn_span"] else "softmax"
-        tiles.append(MosaicTiles(block_q, block_k, stages, rows, **given))
+        tiles.append(MosaicTiles(block_q, block_k, stages, rows, *(bool(f) for f in flags)))
     return tiles
 
 

@@ -21,11 +21,6 @@ MAX_FUSED_KEYS = 512
 # an H100 / H200 (132 SMs), and at most 16 float32 partial sums of the bias.
 TARGET_PROGRAMS = 512
 MAX_ROW_CHUNKS = 16
-# The width of the mask term in the Mosaic forward's logit product
-# (`MosaicTiles.mask_in_products`): a 16-bit wgmma's smallest K.
-MASK_TERM_WIDTH = 16
-# What a Mosaic forward consumer's turn covers (`MosaicTiles.turn_span`).
-TURN_SPANS = ("softmax", "exp2")
 
 
 def next_power_of_2(x: int) -> int:
@@ -119,15 +114,6 @@ class MosaicTiles:
         its share of the (MSA-row group, query tile, batch-head) work items,
         so that one item's epilogue overlaps the loads of the next. The
         backward kernels ignore it.
-      turn_span: what a forward consumer's turn covers when they take turns:
-        "softmax" (all the elementwise work of a key tile) or "exp2" (only
-        its exponentials: one consumer's masking and row max then run while
-        the other's exponentials keep the exponential unit busy). The
-        backward kernels ignore it.
-      mask_in_products: the forward masks keys through the matrix units: the
-        `q k^T` product gains a 16-wide term, a column of ones times each
-        key's `kernels.mosaic.common.MASKED_KEY_TERM` (0 for a kept key), in
-        place of a select per logit. The backward kernels ignore it.
     """
 
     block_q: int = 64
@@ -136,12 +122,8 @@ class MosaicTiles:
     msa_rows: int = 2
     ping_pong: bool = True
     persistent: bool = False
-    turn_span: str = "softmax"
-    mask_in_products: bool = False
 
     def __post_init__(self):
-        if self.turn_span not in TURN_SPANS:
-            raise ValueError(f"turn_span={self.turn_span!r}; expected one of {TURN_SPANS}.")
         if self.block_q not in (64, 128):
             raise ValueError(f"block_q={self.block_q}; expected 64 or 128.")
         if self.block_k % 64 or not 64 <= self.block_k <= 256:
@@ -167,11 +149,7 @@ def mosaic_shared_memory_bytes(
     used = query_tile * item  # q, then the output
     used += 2 * stages * rows * tiles.block_k * head_dim * item  # K and V
     used += stages * tiles.block_q * tiles.block_k * bias_item
-    if has_mask and tiles.mask_in_products:
-        # Each row's [block_k, 16] mask term per stage, and the column of ones.
-        used += 2 * MASK_TERM_WIDTH * (stages * rows * tiles.block_k + rows * tiles.block_q)
-    elif has_mask:
-        used += stages * rows * max(tiles.block_k, 128)
+    used += stages * rows * max(tiles.block_k, 128) if has_mask else 0
     used += query_tile * item if has_gate else 0
     used += query_tile * 4 + 2 * rows * tiles.block_q * 4 if save_stats else 0
     # Persistent: the output leaves through a tile of its own, as q's holds

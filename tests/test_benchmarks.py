@@ -472,17 +472,12 @@ def test_bench_layer_keeps_the_rows_of_a_run_cut_short(tmp_path, monkeypatch):
 
 
 def test_parse_mosaic_candidates():
-    """`BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT[xEXP2_TURNS[xMASK_IN_PRODUCTS]]]]`:
-    the flags in that order, left out meaning the defaults (ping-pong on,
-    one CTA per item, turns over the whole softmax, masks by selects)."""
-    plain, turns_off, persistent, exp2, products = profile_kernels.parse_mosaic(
-        "128x64x2x2,128x128x2x2x0,64x64x3x1x1x1,128x128x2x2x1x1x1,128x64x2x2x1x1x0x1"
+    """`BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT]]`: the flags in that order,
+    left out meaning the defaults (ping-pong on, one CTA per item)."""
+    plain, turns_off, persistent = profile_kernels.parse_mosaic(
+        "128x64x2x2,128x128x2x2x0,64x64x3x1x1x1"
     )
     assert (plain.block_q, plain.block_k, plain.num_stages, plain.msa_rows) == (128, 64, 2, 2)
-    assert plain.ping_pong and not plain.persistent and plain.turn_span == "softmax"
+    assert plain.ping_pong and not plain.persistent
     assert not turns_off.ping_pong and not turns_off.persistent
     assert persistent.ping_pong and persistent.persistent and persistent.num_stages == 3
-    assert persistent.turn_span == "softmax"
-    assert exp2.ping_pong and exp2.persistent and exp2.turn_span == "exp2"
-    assert not exp2.mask_in_products and not plain.mask_in_products
-    assert products.mask_in_products and products.turn_span == "softmax"

@@ -47,10 +47,6 @@ from msa_pallas.reference import MASKED_LOGIT
 # Forward-only tolerances of the output against float64 (the issue's bar).
 OUT_TOLERANCE = {jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float16): 2e-3}
 SMALL_TILES = MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=2)
-# Keys masked by the matrix units, one consumer per CTA: with two, the
-# interpreter of jax 0.11.2 stalls on a 2-core machine (the compiled kernel
-# with two is checked bitwise against the selects in tests/test_mosaic_gpu.py).
-ONE_ROW_MASK_PRODUCTS = MosaicTiles(64, 64, 2, msa_rows=1, mask_in_products=True)
 
 
 def run_forward(inputs, tiles=SMALL_TILES, save_stats=True, kernel=mosaic_forward):
@@ -65,19 +61,12 @@ def run_forward(inputs, tiles=SMALL_TILES, save_stats=True, kernel=mosaic_forwar
 
 
 # (B, S, N, d, q dtype, bias dtype, tiles): pairs of MSA rows per CTA over
-# several query and key tiles (taking turns over the softmax or over the
-# exponentials only; keys masked by selects or by the matrix units), an odd
-# S (one row per CTA), every head dim,
+# several query and key tiles, an odd S (one row per CTA), every head dim,
 # and N that are no whole number of tiles (the last query and key tiles run
 # past N) nor of TMA rows (the bias and mask rows are padded): N = 72, and
 # N = 8 with a 16-bit bias.
 CASES = {
     "pairs-bf16": (2, 4, 128, 32, jnp.bfloat16, jnp.float32, SMALL_TILES),
-    "pairs-exp2-turns": (
-        2, 4, 128, 32, jnp.bfloat16, jnp.bfloat16,
-        dataclasses.replace(SMALL_TILES, turn_span="exp2"),
-    ),
-    "mask-in-products-fp16": (1, 2, 128, 16, jnp.float16, jnp.float32, ONE_ROW_MASK_PRODUCTS),
     "odd-S-fp16": (1, 3, 128, 16, jnp.float16, jnp.float16, MosaicTiles(128, 128, 2, 2)),
     "d64": (1, 2, 128, 64, jnp.bfloat16, jnp.float32, SMALL_TILES),
     "d128": (1, 2, 128, 128, jnp.float16, jnp.float32, MosaicTiles(64, 64, 2, 1)),
@@ -134,32 +123,6 @@ def test_bias_enters_in_the_units_of_q_dot_k():
     np.testing.assert_allclose(accumulator_bias(bias, 0.125), bias * 8, rtol=1e-7)
     half = bias.astype(jnp.bfloat16)
     assert accumulator_bias(half, 0.125) is half
-
-
-@pytest.mark.parametrize("n_res", [128, 72])
-def test_mask_in_products_equals_selects(n_res, seed):
-    """Masked keys through the matrix units (`MosaicTiles.mask_in_products`)
-    give the outputs and residuals of the select per logit: kept logits
-    gain an exact 0, masked ones the same weight 0, and a fully masked row
-    the same uniform weights and saved max (exactly). The two kernels are
-    compiled apart, so a product and a sum may round differently, and a
-    probability may then round to the neighbouring 16-bit value: the row
-    statistics agree to float32 rounding, the outputs to such a rounding
-    step (one unit in the last place of a 16-bit probability, times v).
-    N = 72: the last key tile runs past N, where the mask terms read
-    zeros."""
-    inputs = helpers.random_inputs(
-        seed, 1, 4, n_res, 1, 32, jnp.bfloat16, fully_masked_row=(0, 2)
-    )
-    products = run_forward(inputs, ONE_ROW_MASK_PRODUCTS)
-    selects = run_forward(inputs, dataclasses.replace(ONE_ROW_MASK_PRODUCTS, mask_in_products=False))
-    as_f32 = lambda x: np.asarray(x.astype(jnp.float32))  # noqa: E731
-    for name, a, b in zip(("out", "attention"), selects, products):
-        np.testing.assert_allclose(as_f32(b), as_f32(a), rtol=2**-7, atol=2**-12, err_msg=name)
-    for name, a, b in zip(("row_max", "row_log2_sum"), selects[2:], products[2:]):
-        np.testing.assert_allclose(as_f32(b), as_f32(a), rtol=1e-6, atol=1e-6, err_msg=name)
-    for a, b in zip(selects, products):
-        np.testing.assert_array_equal(as_f32(b[0, 2]), as_f32(a[0, 2]))
 
 
 def test_without_residuals_equals_with(seed):
@@ -223,12 +186,9 @@ def test_triton_backward_follows_the_mosaic_forward(seed):
     )
 
 
-@pytest.mark.parametrize(
-    "variant", [{}, {"turn_span": "exp2"}, {"mask_in_products": True}], ids=["", "exp2", "mip"]
-)
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("n_res, bias_dtype", [(256, jnp.float32), (200, jnp.bfloat16)])
-def test_lowers_for_the_gpu_on_a_cpu(n_res, bias_dtype, persistent, variant):
+def test_lowers_for_the_gpu_on_a_cpu(n_res, bias_dtype, persistent):
     """The kernel, with one CTA per work item and persistent, lowers for
     CUDA on a machine without one (Mosaic GPU's own lowering, layouts and
     TMA descriptors included, runs at trace time): a
@@ -240,12 +200,7 @@ def test_lowers_for_the_gpu_on_a_cpu(n_res, bias_dtype, persistent, variant):
     bias = jax.ShapeDtypeStruct((1, 8, n_res, n_res), bias_dtype)
     mask = jax.ShapeDtypeStruct((1, 4, n_res), jnp.int8)
     tiles = mosaic_forward.default_tiles(shape, jnp.bfloat16, bias_dtype, save_stats=True)
-    tiles = dataclasses.replace(tiles, persistent=persistent, **variant)
-    used = mosaic_shared_memory_bytes(
-        tiles, 32, jnp.bfloat16, bias_dtype, has_mask=True, has_gate=True, save_stats=True
-    )
-    if used > MAX_SHARED_MEMORY:
-        pytest.skip(f"{tiles} takes {used} bytes of shared memory")
+    tiles = dataclasses.replace(tiles, persistent=persistent)
     forward = lambda *args: mosaic_forward.attention_forward(  # noqa: E731
         *args, scale=0.2, tiles=tiles, interpret=False, save_stats=True
     )

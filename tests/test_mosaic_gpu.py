@@ -23,9 +23,8 @@ import helpers
 import msa_pallas
 from helpers import compare, fwd_bwd
 from msa_pallas.attention import on_hopper
-from msa_pallas.block_sizes import default_block_config, mosaic_shared_memory_bytes
+from msa_pallas.block_sizes import default_block_config
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
-from msa_pallas.kernels.mosaic.common import MAX_SHARED_MEMORY
 from msa_pallas.kernels.triton import forward as triton_forward
 from test_gpu import SHAPES, chunk_rows, device_inputs
 
@@ -123,45 +122,29 @@ def test_statistics_past_n_match_triton(bias_dtype, seed):
     [SHAPES["train"], SHAPES["finetune"], (1, 3, 256, 4, 32), (2, 3, 328, 8, 32), (1, 4, 200, 8, 16)],
     ids=lambda s: "x".join(map(str, s)),
 )
-def test_forward_variants_equal_one_cta_per_item(shape, bias_dtype, seed):
-    """The persistent grid (one CTA per SM looping over work items), with
-    turns over the whole softmax or over the exponentials only, and with
-    the keys masked by the matrix units where that fits in shared memory,
-    computes each item as the grid of one CTA per item does: the outputs
-    and residuals are bitwise equal, at the train and finetune crops, an
-    odd S, and N past the last whole tile."""
+def test_persistent_forward_equals_one_cta_per_item(shape, bias_dtype, seed):
+    """The persistent grid (one CTA per SM looping over work items) computes
+    each item as the grid of one CTA per item does: the outputs and
+    residuals are bitwise equal, at the train and finetune crops, an odd S,
+    and N past the last whole tile."""
     inputs = device_inputs(seed, shape, jnp.bfloat16, bias_dtype=bias_dtype)
     q, k, v, bias, mask, gate, _ = inputs.args
     tiles = mosaic_forward.default_tiles(q.shape, q.dtype, bias.dtype, save_stats=True)
-    variants = [
-        dataclasses.replace(tiles, persistent=persistent, turn_span=turn_span)
-        for persistent, turn_span in ((False, "softmax"), (True, "softmax"), (True, "exp2"))
-    ]
-    masked_by_products = dataclasses.replace(tiles, persistent=True, mask_in_products=True)
-    if mosaic_shared_memory_bytes(
-        masked_by_products, shape[-1], q.dtype, bias.dtype, has_mask=True, has_gate=True,
-        save_stats=True,
-    ) <= MAX_SHARED_MEMORY:
-        variants.append(masked_by_products)
-    one_per_item, *others = [
+    results = [
         mosaic_forward.attention_forward(
             q, k, v, bias, mask.astype(jnp.int8), gate, scale=shape[-1] ** -0.5,
-            tiles=variant, interpret=False, save_stats=True,
+            tiles=dataclasses.replace(tiles, persistent=persistent), interpret=False,
+            save_stats=True,
         )
-        for variant in variants
+        for persistent in (False, True)
     ]
-    for variant, results in zip(variants[1:], others):
-        for name, expected, actual in zip(
-            ("out", "attention", "row_max", "row_log2_sum"), one_per_item, results
-        ):
-            expected, actual = (np.asarray(x.astype(jnp.float32)) for x in (expected, actual))
-            if variant.mask_in_products:
-                # Compiled apart: a product and a sum may round differently
-                # (tests/test_mosaic_forward.py, test_mask_in_products_equals_selects).
-                tolerance = (2**-7, 2**-12) if name in ("out", "attention") else (1e-6, 1e-6)
-                np.testing.assert_allclose(actual, expected, *tolerance, err_msg=name)
-            else:
-                np.testing.assert_array_equal(actual, expected, err_msg=f"{name} {variant}")
+    for name, one_per_item, persistent in zip(
+        ("out", "attention", "row_max", "row_log2_sum"), *results
+    ):
+        np.testing.assert_array_equal(
+            np.asarray(persistent.astype(jnp.float32)),
+            np.asarray(one_per_item.astype(jnp.float32)), err_msg=name,
+        )
 
 
 def test_keys_past_n_pass_no_gradient(seed):

@@ -66,8 +66,7 @@ from msa_pallas.kernels.mosaic.common import (
     accumulate_products, accumulator_bias, aligned_residues, batch_head_and_warpgroup,
     bias_tile, check_kernel_inputs, consumer_registers, copy_tiles, kernel_head_dim,
     keys_before, launch, matrix_operand, operand_at, pad_residues, produce, producer_registers,
-    register_tile, smem_products, smem_tile, smem_vectors, split_float32, split_tiles,
-    transposed, zeros,
+    smem_products, smem_tile, smem_vectors, split_float32, split_tiles, transposed, zeros,
 )
 
 def default_tiles(q_shape, q_dtype, bias_dtype) -> MosaicBackwardTiles:
@@ -457,11 +456,11 @@ def backward_dkdv(
         "q": operand_tiles((stages, msa_rows, block_q, head_dim)),
         "do": operand_tiles((stages, msa_rows, block_q, head_dim)),
         "stats": smem_vectors((stages, msa_rows, 3, block_q), jnp.float32),
-        "bias": register_tile((stages, block_k, block_q), bias.dtype),
+        "bias": smem_tile((stages, block_k, block_q), bias.dtype),
     }
     if pieces > 1:
-        smem["dk"] = register_tile((msa_rows, block_k, head_dim), jnp.float32)
-        smem["dv"] = register_tile((msa_rows, block_k, head_dim), jnp.float32)
+        smem["dk"] = smem_tile((msa_rows, block_k, head_dim), jnp.float32)
+        smem["dv"] = smem_tile((msa_rows, block_k, head_dim), jnp.float32)
     if mask is not None:
         smem["mask"] = smem_vectors((msa_rows, 1, block_k), mask.dtype)
     produced_step, consumed = _step_scratch((2 * pieces + 1) * msa_rows + 1, stages, msa_rows)
@@ -509,10 +508,10 @@ def backward_dq(
         "stats": smem_vectors((msa_rows, 3, block_q), jnp.float32),
         "k": operand_tiles((stages, msa_rows, block_k, head_dim)),
         "v": operand_tiles((stages, msa_rows, block_k, head_dim)),
-        "bias": register_tile((stages, block_q, block_k), bias.dtype),
+        "bias": smem_tile((stages, block_q, block_k), bias.dtype),
     }
     if pieces > 1:
-        smem["dq"] = register_tile((msa_rows, block_q, head_dim), jnp.float32)
+        smem["dq"] = smem_tile((msa_rows, block_q, head_dim), jnp.float32)
     copies = 2 * msa_rows * pieces + 1
     if mask is not None:
         smem["mask"] = smem_vectors((stages, msa_rows, 1, block_k), mask.dtype)
@@ -570,9 +569,9 @@ def backward_dbias(
     dbias_shape = (chunks, batch, heads, n_res, aligned_residues(n_res, jnp.float32, True))
     out_types = {"dbias": jax.ShapeDtypeStruct(dbias_shape, jnp.float32)}
     operand_tiles = lambda shape: split_tiles(shape, q.dtype, pieces)  # noqa: E731
-    smem = {"bias": register_tile((consumers, block_q, block_k), bias.dtype)}
+    smem = {"bias": smem_tile((consumers, block_q, block_k), bias.dtype)}
     if not dbias_in_bias_tile(pieces, bias.dtype):
-        smem["dbias"] = register_tile((consumers, block_q, block_k), jnp.float32)
+        smem["dbias"] = smem_tile((consumers, block_q, block_k), jnp.float32)
     smem |= {
         "q": operand_tiles((stages, consumers, block_q, head_dim)),
         "do": operand_tiles((stages, consumers, block_q, head_dim)),

@@ -19,7 +19,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from msa_pallas.block_sizes import MASK_TERM_WIDTH
 from msa_pallas.kernels.constants import FLOAT32_PIECES, LOG2E
 from msa_pallas.reference import MASKED_LOGIT
 
@@ -33,15 +32,6 @@ FLOAT32_MAX_HEAD_DIM = 64
 RESIDUE_MULTIPLE = 8
 # TMA wants every global row stride a multiple of this many bytes.
 TMA_STRIDE_BYTES = 16
-# A masked key's term in the forward's logits with `MosaicTiles.mask_in_products`
-# (in the units of `q . k`, exact in bfloat16): added to any logit below
-# 2^76 in magnitude, the float32 sum is this value exactly, so the logits of
-# a row whose keys are all masked are equal and its weights uniform, and a
-# masked key beside a kept one gets weight 0, as with a replaced logit. The
-# forward saves such a row's max as the backward's masked logit (base 2).
-MASKED_KEY_TERM = -(2.0**100)
-# The swizzle of 32-bit tiles that only registers read and write (`register_tile`).
-REGISTER_TILE_SWIZZLE = 32
 # The width of a swizzled shared-memory tile of the bias (`smem_tile` with
 # 64 or more 16-bit or float32 keys): the row of such an array in GMEM holds
 # whole tiles of it.
@@ -190,47 +180,12 @@ def masked_accumulator_logit(scale: float) -> float:
     return -(2.0 ** math.ceil(math.log2(-MASKED_LOGIT / scale)))
 
 
-def mask_terms(mask):
-    """`[B, S, N]` mask (nonzero keeps) -> `[B, S, N, MASK_TERM_WIDTH]`
-    bfloat16: each key's `MASKED_KEY_TERM` (0 for a kept key) in column 0,
-    zeros after it, the right operand of the forward's mask term
-    (`MosaicTiles.mask_in_products`). One XLA pass over `B·S·N·16`
-    elements."""
-    column = jnp.where(mask != 0, 0.0, MASKED_KEY_TERM).astype(jnp.bfloat16)[..., None]
-    return jnp.pad(column, ((0, 0),) * mask.ndim + ((0, MASK_TERM_WIDTH - 1),))
-
-
-def ones_column(rows: int):
-    """`[rows, MASK_TERM_WIDTH]` bfloat16: ones in column 0, zeros after it
-    (the left operand of the mask term)."""
-    columns = lax.broadcasted_iota(jnp.int32, (rows, MASK_TERM_WIDTH), 1)
-    return jnp.where(columns == 0, 1.0, 0.0).astype(jnp.bfloat16)
-
-
 def smem_tile(shape, dtype):
     """Shared memory tiled and swizzled as TMA and wgmma want it."""
     bits = jnp.dtype(dtype).itemsize * 8
     swizzle = plgpu.find_swizzle(shape[-1] * bits)
     tiling = plgpu.TilingTransform((8, 8 * swizzle // bits))
     return plgpu.SMEM(shape, dtype, transforms=(tiling, plgpu.SwizzleTransform(swizzle)))
-
-
-def register_tile(shape, dtype):
-    """Shared memory for a tile that only registers load or store (the bias,
-    its gradient, float32 results), never a `wgmma` operand.
-
-    A 32-bit tile is swizzled in 32-byte rows: its loads and stores in the
-    wgmma layout are then free of bank conflicts as they are, where with
-    `smem_tile`'s 128-byte swizzle Mosaic GPU staggers them and swaps the
-    values back with one select per element. Other tiles as `smem_tile`.
-    """
-    if jnp.dtype(dtype).itemsize != 4:
-        return smem_tile(shape, dtype)
-    return plgpu.SMEM(
-        shape, dtype,
-        transforms=(plgpu.TilingTransform((8, REGISTER_TILE_SWIZZLE // 4)),
-                    plgpu.SwizzleTransform(REGISTER_TILE_SWIZZLE)),
-    )
 
 
 def split_tiles(shape, dtype, pieces: int):
@@ -310,9 +265,7 @@ def smem_products(
     running `while_they_run()` while the matrix units work.
 
     `a` and `b` may be tuples of bf16 pieces of float32 operands
-    (`piece_pairs`): their products are summed in the one accumulator. An
-    entry may also be a list of such pairs, whose products (of one `[M, N]`
-    shape) are summed in one accumulator.
+    (`piece_pairs`): their products are summed in the one accumulator.
 
     An `init` starts the product's accumulator: whatever it holds is added
     by the matrix units, at no cost to the FP32 pipe.
@@ -320,15 +273,13 @@ def smem_products(
     Returns a tuple of `[M, N]` float32 values in the wgmma layout.
     """
     first = lambda x: x[0] if isinstance(x, tuple) else x  # noqa: E731
-    terms = [entry if isinstance(entry, list) else [entry] for entry in operands]
-    shapes = [(first(a).shape[0], first(b).shape[1]) for (a, b), *_ in terms]
+    shapes = [(first(a).shape[0], first(b).shape[1]) for a, b in operands]
     inits = (None,) * len(operands) if inits is None else tuple(inits)
 
     def accumulate(acc_refs):
-        for acc_ref, pairs in zip(acc_refs, terms):
-            for a, b in pairs:
-                for a_piece, b_piece in piece_pairs(a, b):
-                    plgpu.wgmma(acc_ref, a_piece, b_piece)
+        for acc_ref, (a, b) in zip(acc_refs, operands):
+            for a_piece, b_piece in piece_pairs(a, b):
+                plgpu.wgmma(acc_ref, a_piece, b_piece)
         if while_they_run is not None:
             while_they_run()
 

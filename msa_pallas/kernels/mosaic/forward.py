@@ -50,14 +50,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from msa_pallas.block_sizes import MASK_TERM_WIDTH, MosaicTiles, mosaic_shared_memory_bytes
+from msa_pallas.block_sizes import MosaicTiles, mosaic_shared_memory_bytes
 from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2
 from msa_pallas.kernels.mosaic.common import (
     MAX_SHARED_MEMORY, WGMMA, WGMMA_COL, WGMMA_ROW, PingPong, accumulate_products,
     accumulator_bias, batch_head_and_warpgroup, bias_tile, check_kernel_inputs,
-    consumer_registers, keys_before, launch, mask_terms, masked_accumulator_logit,
-    multiprocessors, ones_column, pad_residues, producer_registers, register_tile, sigmoid,
-    smem_products, smem_tile, smem_vectors,
+    consumer_registers, keys_before, launch, masked_accumulator_logit, multiprocessors,
+    pad_residues, producer_registers, sigmoid, smem_products, smem_tile, smem_vectors,
 )
 
 
@@ -98,12 +97,9 @@ def _kernel(
 ):
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     key_tiles = pl.cdiv(n_res, block_k)
-    has_gate = "gate" in gmem
-    # Masked keys by a select per logit, or by the matrix units (`mask_terms`).
-    has_mask, mask_in_products = "mask" in gmem, "mask_terms" in gmem
+    has_mask, has_gate = "mask" in gmem, "gate" in gmem
     save_stats = "attention" in gmem
     ping_pong = msa_rows == 2 and tiles.ping_pong
-    exp2_turns = ping_pong and tiles.turn_span == "exp2"
     to_log2 = scale * LOG2E
     masked = masked_accumulator_logit(scale)
     wg = lax.axis_index("wg")
@@ -143,16 +139,9 @@ def _kernel(
             acc, row_max, row_sum = carry
             slot = lax.rem(first_step + key_tile, stages)
 
-            # The product starts from the bias tile, so the matrix units add it
-            # (and the masked keys' term).
-            logit_products = (q_smem, smem["k"].at[slot, wg].T)
-            if mask_in_products:
-                logit_products = [
-                    logit_products, (smem["ones"].at[wg], smem["mask_terms"].at[slot, wg].T)
-                ]
+            # The product starts from the bias tile, so the matrix units add it.
             (logits,) = smem_products(
-                (logit_products,),
-                None if exp2_turns else turns.hand_over,
+                ((q_smem, smem["k"].at[slot, wg].T),), turns.hand_over,
                 inits=(bias_tile(smem["bias"][slot], scale),), interpret=interpret,
             )
 
@@ -180,11 +169,6 @@ def _kernel(
             # Base 2 from the accumulator's units: one FMA per logit.
             new_max = jnp.maximum(row_max, t.max(axis=1))
             new_max_log2 = new_max * to_log2
-            if exp2_turns:
-                # The masking and the row max are done before the turn is
-                # taken: they overlap the other consumer's exponentials.
-                t, new_max, new_max_log2 = lax.optimization_barrier((t, new_max, new_max_log2))
-                turns.hand_over()
             rescale = jnp.exp2(row_max * to_log2 - new_max_log2)
             p = jnp.exp2(t * to_log2 - lax.broadcast_in_dim(new_max_log2, t.shape, [0]))
             acc = acc * lax.broadcast_in_dim(rescale, acc.shape, [0])
@@ -194,13 +178,9 @@ def _kernel(
 
             turns.release()
             plgpu.barrier_wait(produced["v"].at[slot])
-            if not exp2_turns:
-                turns.take_turn()
+            turns.take_turn()
 
             def wait_for_next_keys():
-                if exp2_turns:
-                    # Balances the turn's arrivals, while p v runs.
-                    turns.take_turn()
                 next_tile = key_tile + 1
 
                 @pl.when(next_tile < key_tiles)
@@ -227,7 +207,7 @@ def _kernel(
             # The backward's masked logit (base 2) for a row whose keys are all
             # masked, so that its weights come out uniform there as here.
             row_max_log2 = row_max * to_log2
-            if has_mask or mask_in_products:
+            if has_mask:
                 row_max_log2 = jnp.where(row_max <= masked, MASKED_LOGIT_LOG2, row_max_log2)
             smem["row_max"][wg, 0] = row_max_log2
             smem["row_log2_sum"][wg, 0] = jnp.log2(row_sum)
@@ -281,13 +261,7 @@ def _kernel(
 
             wait("k")
             copy_rows("k", keys, slot)
-            # The mask vectors or terms and the bias tile complete the "k"
-            # barrier too.
-            for r in range(msa_rows if mask_in_products else 0):
-                plgpu.copy_gmem_to_smem(
-                    gmem["mask_terms"].at[batch, first_row + r, keys],
-                    smem["mask_terms"].at[slot, r], produced["k"].at[slot],
-                )
+            # The mask vectors and the bias tile complete the "k" barrier too.
             for r in range(msa_rows if has_mask else 0):
                 plgpu.copy_gmem_to_smem(
                     gmem["mask"].at[batch, pl.ds(first_row + r, 1), keys],
@@ -348,13 +322,9 @@ def _kernel(
     @pl.when(wg < msa_rows)
     def _consumer():
         consumer_registers(msa_rows)
-        if mask_in_products:
-            plgpu.copy_gmem_to_smem(gmem["ones"], smem["ones"].at[wg], produced["ones"].at[wg])
         load_own("q", first_item)
         if has_gate:
             load_own("gate", first_item)
-        if mask_in_products:
-            plgpu.barrier_wait(produced["ones"].at[wg])
         turns.start()
         for_each_item(consume_item)
         turns.finish()
@@ -410,15 +380,9 @@ def attention_forward(
 
     bias = accumulator_bias(bias, scale)
     bias = pad_residues(bias, swizzled=True)
-    mask_term = None
-    if mask is not None and tiles.mask_in_products:
-        mask, mask_term = None, mask_terms(mask)
-    elif mask is not None:
+    if mask is not None:
         mask = pad_residues(mask, swizzled=False)
-    inputs = {
-        "q": q, "k": k, "v": v, "bias": bias, "mask": mask, "mask_terms": mask_term,
-        "ones": None if mask_term is None else ones_column(block_q), "gate": gate,
-    }
+    inputs = {"q": q, "k": k, "v": v, "bias": bias, "mask": mask, "gate": gate}
     inputs = {name: x for name, x in inputs.items() if x is not None}
     out_types = {"out": jax.ShapeDtypeStruct(q.shape, q.dtype)}
     query_tiles = pl.cdiv(n_res, block_q)
@@ -434,22 +398,16 @@ def attention_forward(
         "q": smem_tile((msa_rows, block_q, head_dim), q.dtype),
         "k": smem_tile((stages, msa_rows, block_k, head_dim), k.dtype),
         "v": smem_tile((stages, msa_rows, block_k, head_dim), v.dtype),
-        "bias": register_tile((stages, block_q, block_k), bias.dtype),
+        "bias": smem_tile((stages, block_q, block_k), bias.dtype),
     }
     k_copies = msa_rows + 1
     if mask is not None:
         smem["mask"] = smem_vectors((stages, msa_rows, 1, block_k), mask.dtype)
         k_copies += msa_rows
-    if mask_term is not None:
-        smem["mask_terms"] = smem_tile(
-            (stages, msa_rows, block_k, MASK_TERM_WIDTH), mask_term.dtype
-        )
-        smem["ones"] = smem_tile((msa_rows, block_q, MASK_TERM_WIDTH), mask_term.dtype)
-        k_copies += msa_rows
     if gate is not None:
         smem["gate"] = smem_tile((msa_rows, block_q, head_dim), gate.dtype)
     if save_stats:
-        smem["attention"] = register_tile((msa_rows, block_q, head_dim), jnp.float32)
+        smem["attention"] = smem_tile((msa_rows, block_q, head_dim), jnp.float32)
         smem["row_max"] = plgpu.SMEM((msa_rows, 1, block_q), jnp.float32)
         smem["row_log2_sum"] = plgpu.SMEM((msa_rows, 1, block_q), jnp.float32)
     if tiles.persistent:
@@ -463,8 +421,6 @@ def attention_forward(
     consumed = {
         name: plgpu.Barrier(num_arrivals=msa_rows, num_barriers=stages) for name in ("k", "v")
     }
-    if mask_term is not None:
-        produced["ones"] = plgpu.Barrier(num_arrivals=1, num_barriers=msa_rows)
     schedule = plgpu.Barrier(num_arrivals=msa_rows)
 
     # Work items, the MSA-row groups fastest.
