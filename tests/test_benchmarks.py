@@ -24,6 +24,7 @@ import bench_attention  # noqa: E402
 import bench_layer  # noqa: E402
 import measure  # noqa: E402
 import profile_backward  # noqa: E402
+import profile_forward  # noqa: E402
 import profile_kernels  # noqa: E402
 import report  # noqa: E402
 import shapes  # noqa: E402
@@ -207,6 +208,24 @@ def test_profile_backward_compares_each_mosaic_kernel_with_triton(capsys):
         assert float(row[5]) > 0, row  # a time, not a failure
         if row[3].startswith("mosaic"):
             assert float(row[7]) < 1e-3, row  # the same gradients as the Triton kernels
+
+
+def test_profile_forward_mosaic_candidates_alone(capsys):
+    """`--skip-triton`: only the Mosaic candidates, each timed and checked
+    against a float32 XLA forward, their residuals against the first's."""
+    status = profile_forward.main(
+        ["--shapes", "1x2x64x1x16", "--bias-dtypes", "f32", "--skip-triton",
+         "--mosaic", "64x64x2x2,64x64x2x1"]
+    )
+    assert status == 0
+    header, _, *lines = capsys.readouterr().out.splitlines()
+    assert header.endswith("| residuals vs first candidate |"), header
+    rows = [[field.strip() for field in line.strip("|").split("|")] for line in lines]
+    assert [row[3] for row in rows] == ["mosaic", "mosaic"], rows
+    for row in rows:
+        assert float(row[5]) > 0 and float(row[6]) > 0, row  # times, not a failure
+        assert float(row[8]) < 2e-2, row  # bf16 against the float32 forward
+    assert float(rows[0][9]) == 0.0 and float(rows[1][9]) < 1e-4, rows
 
 
 # --- the CLI ---------------------------------------------------------------------------
