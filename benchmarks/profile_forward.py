@@ -8,6 +8,7 @@ against a float32 XLA forward, and the time against the exponential floor
 
     python benchmarks/profile_forward.py --shapes train,finetune,long --dtypes bf16
     python benchmarks/profile_forward.py --shapes long --mosaic 64x128x2x2,64x64x3x2
+    python benchmarks/profile_forward.py --shapes long --skip-triton --mosaic 128x64x2x2x1x1
 
 A candidate is BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT]] (`MosaicTiles`).
 Without a GPU both kernels run in their interpreters at the `seed` shape (the
@@ -77,9 +78,9 @@ def main(argv=None) -> int:
     parser.add_argument("--samples", type=int, default=1 if INTERPRET else 7)
     args = parser.parse_args(argv)
 
-    first = "first candidate" if args.skip_triton else "Triton"
+    residuals_against = "first candidate" if args.skip_triton else "Triton"
     print("| shape | dtype | bias | kernel | tiles | fwd ms | fwd+stats ms | floor % | rel err "
-          f"| residuals vs {first} |")
+          f"| residuals vs {residuals_against} |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for case in profile_cases(args):
         shape_name, shape, dtype_name, dtype, bias_name, bias_dtype, floor_ms = case
