@@ -103,7 +103,7 @@ def main(argv=None) -> int:
         if supports(shape, dtype, bias_dtype) is None:
             kernels += [("mosaic", str(t), mosaic_forward.attention_forward, t)
                         for t in candidates]
-        triton_stats = None
+        reference_stats = None
         for kernel_name, label, forward, tiles in kernels:
             run = lambda save_stats: forward(
                 q, k, v, bias, mask, gate, scale=scale, tiles=tiles,
@@ -115,9 +115,9 @@ def main(argv=None) -> int:
                 fwd = batched_ms(lambda: run(False), args.reps, args.samples)
                 with_stats = batched_ms(lambda: run(True), args.reps, args.samples)
                 stats = run(True)[1:]
-                triton_stats = stats if triton_stats is None else triton_stats
+                reference_stats = stats if reference_stats is None else reference_stats
                 residuals = max(
-                    float(jnp.max(jnp.abs(a - b))) for a, b in zip(stats, triton_stats)
+                    float(jnp.max(jnp.abs(a - b))) for a, b in zip(stats, reference_stats)
                 )
             except Exception as exc:  # a candidate that does not compile
                 print(f"| {shape_name} | {dtype_name} | {bias_name} | {kernel_name} "
