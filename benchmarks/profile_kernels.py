@@ -80,8 +80,8 @@ KERNELS = {
 
 
 def parse_mosaic(text: str) -> list[MosaicTiles]:
-    """`BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT]]` candidates, comma-separated
-    (PING_PONG and PERSISTENT 1 or 0)."""
+    """`BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT[xPIPELINED]]]` candidates,
+    comma-separated (the flags 1 or 0; `MosaicTiles`' fields of those names)."""
     tiles = []
     for item in filter(None, text.split(",")):
         block_q, block_k, stages, rows, *flags = (int(x) for x in item.split("x"))

@@ -114,6 +114,10 @@ class MosaicTiles:
         its share of the (MSA-row group, query tile, batch-head) work items,
         so that one item's epilogue overlaps the loads of the next. The
         backward kernels ignore it.
+      pipelined: each forward consumer issues the next key tile's `q k^T`
+        before this tile's softmax and waits for it after this tile's
+        `p v`, so its matrix products run during its own softmax (one
+        logit tile more in registers). The backward kernels ignore it.
     """
 
     block_q: int = 64
@@ -122,6 +126,7 @@ class MosaicTiles:
     msa_rows: int = 2
     ping_pong: bool = True
     persistent: bool = False
+    pipelined: bool = False
 
     def __post_init__(self):
         if self.block_q not in (64, 128):

@@ -125,6 +125,34 @@ def test_bias_enters_in_the_units_of_q_dot_k():
     assert accumulator_bias(half, 0.125) is half
 
 
+@pytest.mark.parametrize(
+    "case, ping_pong", [("pairs-bf16", True), ("odd-S-fp16", False), ("tails-N72", False)]
+)
+def test_pipelined_key_loop(case, ping_pong, seed):
+    """`MosaicTiles.pipelined` reorders the key loop (each tile's `q k^T`
+    issued a tile ahead, the rings released later) without changing what is
+    computed: the same results as the plain loop, within the interpreter's
+    float32 rounding, and the float64 bound; over several key tiles, with
+    N past the last one, and with and without turns."""
+    batch, rows, n_res, head_dim, dtype, bias_dtype, tiles = CASES[case]
+    tiles = dataclasses.replace(tiles, block_k=64)
+    inputs = helpers.random_inputs(
+        seed, batch, rows, n_res, 1, head_dim, dtype, bias_dtype=bias_dtype,
+        fully_masked_row=(0, rows - 1),
+    )
+    plain = run_forward(inputs, tiles)
+    pipelined = run_forward(
+        inputs, dataclasses.replace(tiles, pipelined=True, ping_pong=ping_pong)
+    )
+    expected = numpy_reference.forward(*inputs.args[:6], scale=head_dim**-0.5)
+    assert helpers.rel_err(pipelined[0], expected) <= OUT_TOLERANCE[jnp.dtype(dtype)]
+    for name, a, b in zip(("out", "attention", "row_max", "row_log2_sum"), plain, pipelined):
+        np.testing.assert_allclose(
+            np.asarray(b.astype(jnp.float32)), np.asarray(a.astype(jnp.float32)),
+            rtol=1e-6, atol=1e-6, err_msg=name,
+        )
+
+
 def test_without_residuals_equals_with(seed):
     inputs = helpers.random_inputs(seed, 1, 2, 128, 1, 32, jnp.bfloat16)
     alone = run_forward(inputs, save_stats=False)
@@ -186,10 +214,12 @@ def test_triton_backward_follows_the_mosaic_forward(seed):
     )
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("n_res, bias_dtype", [(256, jnp.float32), (200, jnp.bfloat16)])
-def test_lowers_for_the_gpu_on_a_cpu(n_res, bias_dtype, persistent):
-    """The kernel, with one CTA per work item and persistent, lowers for
+def test_lowers_for_the_gpu_on_a_cpu(n_res, bias_dtype, persistent, pipelined):
+    """The kernel, with one CTA per work item and persistent, with the plain
+    and the pipelined key loop, lowers for
     CUDA on a machine without one (Mosaic GPU's own lowering, layouts and
     TMA descriptors included, runs at trace time): a
     shape error, an unsupported layout or a misaligned GMEM row fails here,
@@ -201,6 +231,8 @@ def test_lowers_for_the_gpu_on_a_cpu(n_res, bias_dtype, persistent):
     mask = jax.ShapeDtypeStruct((1, 4, n_res), jnp.int8)
     tiles = mosaic_forward.default_tiles(shape, jnp.bfloat16, bias_dtype, save_stats=True)
     tiles = dataclasses.replace(tiles, persistent=persistent)
+    if pipelined:
+        tiles = dataclasses.replace(tiles, block_k=64, pipelined=True)
     forward = lambda *args: mosaic_forward.attention_forward(  # noqa: E731
         *args, scale=0.2, tiles=tiles, interpret=False, save_stats=True
     )

@@ -23,8 +23,9 @@ import helpers
 import msa_pallas
 from helpers import compare, fwd_bwd
 from msa_pallas.attention import on_hopper
-from msa_pallas.block_sizes import default_block_config
+from msa_pallas.block_sizes import default_block_config, mosaic_shared_memory_bytes
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
+from msa_pallas.kernels.mosaic.common import MAX_SHARED_MEMORY
 from msa_pallas.kernels.triton import forward as triton_forward
 from test_gpu import SHAPES, chunk_rows, device_inputs
 
@@ -124,27 +125,48 @@ def test_statistics_past_n_match_triton(bias_dtype, seed):
 )
 def test_persistent_forward_equals_one_cta_per_item(shape, bias_dtype, seed):
     """The persistent grid (one CTA per SM looping over work items) computes
-    each item as the grid of one CTA per item does: the outputs and
-    residuals are bitwise equal, at the train and finetune crops, an odd S,
-    and N past the last whole tile."""
+    each item as the grid of one CTA per item does, and the pipelined key
+    loop (`MosaicTiles.pipelined`, without and with turns) as the plain
+    one: the outputs and residuals are bitwise equal, at the train and
+    finetune crops, an odd S, and N past the last whole tile."""
     inputs = device_inputs(seed, shape, jnp.bfloat16, bias_dtype=bias_dtype)
     q, k, v, bias, mask, gate, _ = inputs.args
     tiles = mosaic_forward.default_tiles(q.shape, q.dtype, bias.dtype, save_stats=True)
-    results = [
-        mosaic_forward.attention_forward(
-            q, k, v, bias, mask.astype(jnp.int8), gate, scale=shape[-1] ** -0.5,
-            tiles=dataclasses.replace(tiles, persistent=persistent), interpret=False,
-            save_stats=True,
-        )
-        for persistent in (False, True)
-    ]
-    for name, one_per_item, persistent in zip(
-        ("out", "attention", "row_max", "row_log2_sum"), *results
-    ):
-        np.testing.assert_array_equal(
-            np.asarray(persistent.astype(jnp.float32)),
-            np.asarray(one_per_item.astype(jnp.float32)), err_msg=name,
-        )
+    # The pipelined loop holds two logit tiles in registers: 64 keys.
+    pipelined = dataclasses.replace(tiles, block_k=64, pipelined=True)
+    variants = {
+        "one CTA per item": (tiles, dataclasses.replace(tiles, persistent=False)),
+        "pipelined": (
+            dataclasses.replace(tiles, block_k=64),
+            dataclasses.replace(pipelined, ping_pong=False),
+            pipelined,
+        ),
+    }
+    for variant, candidates in variants.items():
+        if not all(
+            mosaic_shared_memory_bytes(
+                one, shape[-1], q.dtype, bias.dtype, has_mask=True, has_gate=True,
+                save_stats=True,
+            ) <= MAX_SHARED_MEMORY
+            for one in candidates
+        ):
+            continue
+        reference, *others = [
+            mosaic_forward.attention_forward(
+                q, k, v, bias, mask.astype(jnp.int8), gate, scale=shape[-1] ** -0.5,
+                tiles=one, interpret=False, save_stats=True,
+            )
+            for one in candidates
+        ]
+        for other, candidate in zip(others, candidates[1:]):
+            for name, expected, result in zip(
+                ("out", "attention", "row_max", "row_log2_sum"), reference, other
+            ):
+                np.testing.assert_array_equal(
+                    np.asarray(result.astype(jnp.float32)),
+                    np.asarray(expected.astype(jnp.float32)),
+                    err_msg=f"{variant}: {candidate}: {name}",
+                )
 
 
 def test_keys_past_n_pass_no_gradient(seed):

@@ -6,13 +6,19 @@ built around:
 
 - a producer warpgroup streams, per key tile, the K and V tiles of every row
   and ONE bias tile (and the rows' key-mask vectors) by TMA into a
-  `num_stages`-deep shared-memory ring;
+  `num_stages`-deep shared-memory ring; one of its warps refills the K
+  slots (with the bias and mask), another the V slots, each as soon as the
+  consumers release it;
 - each of the `msa_rows` consumer warpgroups owns one MSA row: it computes
   `q k^T` with `wgmma` from shared memory, adds the shared bias tile, runs the
   online softmax in float32 (base 2), and multiplies the 16-bit
   probabilities, straight from registers, with V by `wgmma`;
 - with two consumers, a schedule barrier makes them alternate, so one's
-  softmax (the exponential unit) overlaps the other's matrix products.
+  softmax (the exponential unit) overlaps the other's matrix products;
+  with `MosaicTiles.pipelined` each consumer instead overlaps its own
+  products with its softmax, a tile ahead (FlashAttention-3's
+  intra-warpgroup pipelining; measured no faster at d = 32,
+  benchmarks/RESULTS.md).
 
 The work items are (B * H, query tiles, S / msa_rows), the MSA rows fastest,
 so the CTAs that run at the same time read the same bias tiles and find them
@@ -131,73 +137,190 @@ def _kernel(
         head_dim = q_smem.shape[-1]
         row_max = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), WGMMA_ROW)
         row_sum = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), WGMMA_ROW)
-        acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), WGMMA)
 
-        plgpu.barrier_wait(produced["k"].at[lax.rem(first_step, stages)])
+        def slot_of(key_tile):
+            return lax.rem(first_step + key_tile, stages)
 
-        def visit_key_tile(key_tile, carry):
-            acc, row_max, row_sum = carry
-            slot = lax.rem(first_step + key_tile, stages)
+        def prefetch_next_queries(when):
+            """After the item's last product with q, its tile takes the next
+            item's queries, while this one's last tiles and epilogue run;
+            first every warp of the warpgroup is past its wait for it."""
 
-            # The product starts from the bias tile, so the matrix units add it.
-            (logits,) = smem_products(
-                ((q_smem, smem["k"].at[slot, wg].T),), turns.hand_over,
-                inits=(bias_tile(smem["bias"][slot], scale),), interpret=interpret,
-            )
-
-            # After the item's last product with q, its tile takes the next
-            # item's queries, while this one's last tile and epilogue run;
-            # first every warp of the warpgroup is past its wait for it.
-            @pl.when(jnp.logical_and(has_next, key_tile == key_tiles - 1))
+            @pl.when(jnp.logical_and(has_next, when))
             def _():
                 plgpu.commit_smem()
                 load_own("q", next_work)
 
+        def mask_logits(logits, slot, key_tile):
+            """The tile's logits with masked keys and keys past N replaced;
+            reads the tile's mask vector, so the slot's K may be released
+            after it."""
+            t = logits
             if has_mask:
                 keep = plgpu.load(
                     smem["mask"].at[slot, wg, 0, pl.ds(0, block_k)], layout=WGMMA_COL
                 )
-                keep = lax.broadcast_in_dim(keep != 0, logits.shape, [1])
-            plgpu.barrier_arrive(consumed["k"].at[slot])
-
-            t = logits
-            if has_mask:
-                t = jnp.where(keep, t, masked)
+                t = jnp.where(lax.broadcast_in_dim(keep != 0, t.shape, [1]), t, masked)
             if n_res % block_k:
                 t = jnp.where(keys_before(n_res, key_tile, block_k, t.shape), t, -jnp.inf)
+            return t
 
+        def online_softmax(t, row_max, row_sum):
+            """The tile's float32 probabilities, the factor that rescales the
+            earlier tiles' sums, and the new row max and sum."""
             # Base 2 from the accumulator's units: one FMA per logit.
             new_max = jnp.maximum(row_max, t.max(axis=1))
             new_max_log2 = new_max * to_log2
             rescale = jnp.exp2(row_max * to_log2 - new_max_log2)
             p = jnp.exp2(t * to_log2 - lax.broadcast_in_dim(new_max_log2, t.shape, [0]))
-            acc = acc * lax.broadcast_in_dim(rescale, acc.shape, [0])
             row_sum = row_sum * rescale + p.sum(axis=1)
-            p16 = p.astype(dtype)
-            acc, row_sum, new_max, p16 = lax.optimization_barrier((acc, row_sum, new_max, p16))
+            return p, rescale, new_max, row_sum
 
-            turns.release()
-            plgpu.barrier_wait(produced["v"].at[slot])
-            turns.take_turn()
+        def rescaled(acc, rescale):
+            return acc * lax.broadcast_in_dim(rescale, acc.shape, [0])
 
-            def wait_for_next_keys():
-                next_tile = key_tile + 1
+        def key_loop():
+            """Per key tile: `q k^T`, the softmax, `p v`, in that order."""
+            acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), WGMMA)
+            plgpu.barrier_wait(produced["k"].at[slot_of(0)])
 
-                @pl.when(next_tile < key_tiles)
+            def visit_key_tile(key_tile, carry):
+                acc, row_max, row_sum = carry
+                slot = slot_of(key_tile)
+
+                # The product starts from the bias tile, so the matrix units add it.
+                (logits,) = smem_products(
+                    ((q_smem, smem["k"].at[slot, wg].T),), turns.hand_over,
+                    inits=(bias_tile(smem["bias"][slot], scale),), interpret=interpret,
+                )
+                prefetch_next_queries(key_tile == key_tiles - 1)
+                t = mask_logits(logits, slot, key_tile)
+                plgpu.barrier_arrive(consumed["k"].at[slot])
+
+                p, rescale, new_max, row_sum = online_softmax(t, row_max, row_sum)
+                acc = rescaled(acc, rescale)
+                p16 = p.astype(dtype)
+                acc, row_sum, new_max, p16 = lax.optimization_barrier((acc, row_sum, new_max, p16))
+
+                turns.release()
+                plgpu.barrier_wait(produced["v"].at[slot])
+                turns.take_turn()
+
+                def wait_for_next_keys():
+                    next_tile = key_tile + 1
+
+                    @pl.when(next_tile < key_tiles)
+                    def _():
+                        plgpu.barrier_wait(produced["k"].at[slot_of(next_tile)])
+
+                (acc,) = accumulate_products(
+                    (acc,), (p16,), (smem["v"].at[slot, wg],), interpret, wait_for_next_keys
+                )
+                plgpu.barrier_arrive(consumed["v"].at[slot])
+                return acc, new_max, row_sum
+
+            return lax.fori_loop(0, key_tiles, visit_key_tile, (acc, row_max, row_sum))
+
+        def pipelined_key_loop(logits_ref, acc_ref):
+            """The loop of `MosaicTiles.pipelined`, FlashAttention-3's
+            intra-warpgroup overlap: in step j the consumer issues key tile
+            j + 1's `q k^T`, runs tile j's softmax while it and tile j - 1's
+            `p v` run, waits for `p v` alone, rescales the output, issues
+            tile j's `p v` and waits for `q k^T` alone. `logits_ref` and
+            `acc_ref` are the two wgmma accumulators (None in the
+            interpreter, whose products are computed where issued)."""
+
+            def issue_logits(key_tile):
+                """Starts `bias + q k^T` of `key_tile`: in the interpreter,
+                returns it."""
+                slot = slot_of(key_tile)
+                plgpu.barrier_wait(produced["k"].at[slot])
+                init = bias_tile(smem["bias"][slot], scale)
+                keys_t = smem["k"].at[slot, wg].T
+                if interpret:
+                    return smem_products(((q_smem, keys_t),), inits=(init,), interpret=True)[0]
+                logits_ref[...] = init
+                plgpu.wgmma(logits_ref, q_smem, keys_t)
+                return None
+
+            def logits_of(issued, wait_n):
+                """The logits `issue_logits` started, once at most `wait_n`
+                products are left running."""
+                if interpret:
+                    return issued
+                return plgpu.wgmma_accumulator_load(logits_ref, wait_n=wait_n)
+
+            acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), WGMMA)
+            if not interpret:
+                acc_ref[...] = acc
+                acc = None
+            logits = logits_of(issue_logits(jnp.int32(0)), 0)
+            if key_tiles == 1:
+                prefetch_next_queries(True)
+
+            def visit_key_tile(key_tile, carry, last: bool):
+                logits, row_max, row_sum, acc = carry
+                slot = slot_of(key_tile)
+                t = mask_logits(logits, slot, key_tile)
+                plgpu.barrier_arrive(consumed["k"].at[slot])
+                issued = None if last else issue_logits(key_tile + 1)
+                turns.hand_over()
+
+                p, rescale, new_max, row_sum = online_softmax(t, row_max, row_sum)
+                p, rescale, new_max, row_sum = lax.optimization_barrier(
+                    (p, rescale, new_max, row_sum)
+                )
+                turns.release()
+
+                # The previous tile's `p v` is done (the next `q k^T` may run
+                # on). Only now are its 16-bit probabilities, an operand of
+                # that product, overwritten: written while it runs, ptxas
+                # would serialise every wgmma of the kernel.
+                if not interpret:
+                    plgpu.wgmma_wait(0 if last else 1)
+                p16 = p.astype(dtype)
+
+                @pl.when(key_tile > 0)
                 def _():
-                    plgpu.barrier_wait(
-                        produced["k"].at[lax.rem(first_step + next_tile, stages)]
+                    plgpu.barrier_arrive(consumed["v"].at[slot_of(key_tile - 1)])
+
+                plgpu.barrier_wait(produced["v"].at[slot])
+                turns.take_turn()
+                values = smem["v"].at[slot, wg]
+                if interpret:
+                    (acc,) = accumulate_products((rescaled(acc, rescale),), (p16,), (values,), True)
+                else:
+                    acc_ref[...] = rescaled(
+                        plgpu.wgmma_accumulator_load(acc_ref, wait_n=None), rescale
                     )
+                    plgpu.wgmma(acc_ref, p16, values)
+                if not last:
+                    logits = logits_of(issued, 1)
+                    prefetch_next_queries(key_tile + 1 == key_tiles - 1)
+                return logits, new_max, row_sum, acc
 
-            (acc,) = accumulate_products(
-                (acc,), (p16,), (smem["v"].at[slot, wg],), interpret, wait_for_next_keys
+            carry = lax.fori_loop(
+                0, key_tiles - 1, functools.partial(visit_key_tile, last=False),
+                (logits, row_max, row_sum, acc),
             )
-            plgpu.barrier_arrive(consumed["v"].at[slot])
-            return acc, new_max, row_sum
+            _, final_max, final_sum, acc = visit_key_tile(
+                jnp.int32(key_tiles - 1), carry, last=True
+            )
+            if not interpret:
+                acc = plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
+            plgpu.barrier_arrive(consumed["v"].at[slot_of(key_tiles - 1)])
+            return acc, final_max, final_sum
 
-        acc, row_max, row_sum = lax.fori_loop(
-            0, key_tiles, visit_key_tile, (acc, row_max, row_sum)
-        )
+        if not tiles.pipelined:
+            acc, row_max, row_sum = key_loop()
+        elif interpret:
+            acc, row_max, row_sum = pipelined_key_loop(None, None)
+        else:
+            acc, row_max, row_sum = pl.run_scoped(
+                pipelined_key_loop,
+                plgpu.ACC((block_q, block_k), jnp.float32),
+                plgpu.ACC((block_q, head_dim), jnp.float32),
+            )
 
         out = acc * lax.broadcast_in_dim(1.0 / row_sum, acc.shape, [0])
         # The previous item's results have left the tiles written below.
@@ -232,35 +355,31 @@ def _kernel(
                     smem[name].at[wg], gmem[name].at[batch, row, pl.ds(head, 1), queries]
                 )
 
-    def produce_item(work, item, *_):
-        """The producer's copies for one work item, into the ring's steps
-        `item * key_tiles` on."""
+    def produce_item(work, item, *_, ring: str):
+        """The producer's copies of one ring, "k" (the K tiles, the mask
+        vectors and the bias tile) or "v" (the V tiles), for one work item,
+        into the ring's steps `item * key_tiles` on."""
         batch, head, row_group, q_start = work
         first_row = row_group * msa_rows
         queries = pl.ds(q_start, block_q)
         first_step = item * key_tiles
-
-        def copy_rows(name, keys, slot):
-            for r in range(msa_rows):
-                plgpu.copy_gmem_to_smem(
-                    gmem[name].at[batch, first_row + r, keys, head], smem[name].at[slot, r],
-                    produced[name].at[slot],
-                )
 
         def load(key_tile, wait_for_slot):
             """The copies of key tile `key_tile`; `wait_for_slot`: whether its
             slot may still be in use (a bool, or a traced one)."""
             slot = lax.rem(first_step + key_tile, stages)
             keys = pl.ds(key_tile * block_k, block_k)
-
-            def wait(name):
-                if wait_for_slot is True:
-                    plgpu.barrier_wait(consumed[name].at[slot])
-                elif wait_for_slot is not False:
-                    pl.when(wait_for_slot)(lambda: plgpu.barrier_wait(consumed[name].at[slot]))
-
-            wait("k")
-            copy_rows("k", keys, slot)
+            if wait_for_slot is True:
+                plgpu.barrier_wait(consumed[ring].at[slot])
+            elif wait_for_slot is not False:
+                pl.when(wait_for_slot)(lambda: plgpu.barrier_wait(consumed[ring].at[slot]))
+            for r in range(msa_rows):
+                plgpu.copy_gmem_to_smem(
+                    gmem[ring].at[batch, first_row + r, keys, head], smem[ring].at[slot, r],
+                    produced[ring].at[slot],
+                )
+            if ring == "v":
+                return
             # The mask vectors and the bias tile complete the "k" barrier too.
             for r in range(msa_rows if has_mask else 0):
                 plgpu.copy_gmem_to_smem(
@@ -271,8 +390,6 @@ def _kernel(
                 gmem["bias"].at[batch, head, queries, keys], smem["bias"].at[slot],
                 produced["k"].at[slot],
             )
-            wait("v")
-            copy_rows("v", keys, slot)
 
         # The first `stages` steps of the CTA's first item find their slots free.
         for key_tile in range(min(stages, key_tiles)):
@@ -333,21 +450,29 @@ def _kernel(
     @pl.when(wg == msa_rows)
     def _producer():
         producer_registers()
-        for_each_item(produce_item)
-        # Observe the consumers' last releases of every slot, so that no
-        # barrier phase is left unobserved when the CTA ends: those of its
-        # last `stages` steps (every CTA has an item, so key_tiles steps).
-        steps = items_here * key_tiles
-        for back in range(stages, 0, -1):
-            def observe(back=back):
-                slot = lax.rem(steps - back, stages)
-                plgpu.barrier_wait(consumed["k"].at[slot])
-                plgpu.barrier_wait(consumed["v"].at[slot])
 
-            if back <= key_tiles:
-                observe()
-            else:
-                pl.when(steps >= back)(observe)
+        def feed(ring):
+            for_each_item(functools.partial(produce_item, ring=ring))
+            # Observe the consumers' last releases of every slot, so that no
+            # barrier phase is left unobserved when the CTA ends: those of its
+            # last `stages` steps (every CTA has an item, so key_tiles steps).
+            steps = items_here * key_tiles
+            for back in range(stages, 0, -1):
+                def observe(back=back):
+                    plgpu.barrier_wait(consumed[ring].at[lax.rem(steps - back, stages)])
+
+                if back <= key_tiles:
+                    observe()
+                else:
+                    pl.when(steps >= back)(observe)
+
+        # One warp per ring: a K slot refills as soon as the consumers are
+        # done with its keys, even while they still multiply by the V tile
+        # of the same step.
+        @plgpu.warp_map
+        def _(warp):
+            pl.when(warp == 0)(lambda: feed("k"))
+            pl.when(warp == 1)(lambda: feed("v"))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret", "save_stats"))
