@@ -273,9 +273,9 @@ def _kernel(
                 turns.release()
 
                 # The previous tile's `p v` is done (the next `q k^T` may run
-                # on). Only now are its 16-bit probabilities, an operand of
-                # that product, overwritten: written while it runs, ptxas
-                # would serialise every wgmma of the kernel.
+                # on). Only now may this tile's 16-bit probabilities take the
+                # registers that product read them from: written while it
+                # runs, ptxas would serialise every wgmma of the kernel.
                 if not interpret:
                     plgpu.wgmma_wait(0 if last else 1)
                 p16 = p.astype(dtype)
