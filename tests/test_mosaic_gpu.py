@@ -23,9 +23,8 @@ import helpers
 import msa_pallas
 from helpers import compare, fwd_bwd
 from msa_pallas.attention import on_hopper
-from msa_pallas.block_sizes import default_block_config, mosaic_shared_memory_bytes
+from msa_pallas.block_sizes import default_block_config
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
-from msa_pallas.kernels.mosaic.common import MAX_SHARED_MEMORY
 from msa_pallas.kernels.triton import forward as triton_forward
 from test_gpu import SHAPES, chunk_rows, device_inputs
 
@@ -142,15 +141,9 @@ def test_persistent_forward_equals_one_cta_per_item(shape, bias_dtype, seed):
             pipelined,
         ),
     }
+    # Every candidate fits in shared memory: the default tiles do, and 64-key
+    # tiles or the pipelined loop take no more.
     for variant, candidates in variants.items():
-        if not all(
-            mosaic_shared_memory_bytes(
-                one, shape[-1], q.dtype, bias.dtype, has_mask=True, has_gate=True,
-                save_stats=True,
-            ) <= MAX_SHARED_MEMORY
-            for one in candidates
-        ):
-            continue
         reference, *others = [
             mosaic_forward.attention_forward(
                 q, k, v, bias, mask.astype(jnp.int8), gate, scale=shape[-1] ** -0.5,
