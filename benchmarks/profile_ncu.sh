@@ -11,6 +11,10 @@
 # /opt/nvidia/nsight-compute. NCU_SECTIONS overrides the sections; NCU_KERNELS
 # (a regex, default msa_mosaic) picks the kernels, e.g. msa_row_attention for
 # the Triton kernels (with --implementation pallas); NCU_METRICS adds metrics.
+# NCU_SOURCE=1 also keeps the report (OUT_DIR/report.ncu-rep) and writes, per
+# profiled launch, its SASS with each instruction's warp-state samples
+# (OUT_DIR/source_<launch>.csv; benchmarks/stall_sources.py summarises them):
+# which instructions the warps wait at, and why.
 set -uo pipefail
 OUT_DIR=${1:?usage: profile_ncu.sh OUT_DIR [launch_kernels.py args]}
 shift
@@ -37,8 +41,19 @@ if [[ -n ${NCU_METRICS:-} ]]; then
     section_args+=(--metrics "$NCU_METRICS" --print-metric-instances values)
 fi
 "$NCU" --clock-control none --kernel-name "regex:${NCU_KERNELS:-msa_mosaic}" --launch-count 8 \
+    ${NCU_SOURCE:+--export "$OUT_DIR/report"} \
     "${section_args[@]}" "$PYTHON" benchmarks/launch_kernels.py --calls 2 "$@" \
     > "$OUT_DIR/ncu.txt" 2>&1
 status=$?
+if [[ -n ${NCU_SOURCE:-} && -f $OUT_DIR/report.ncu-rep ]]; then
+    # An exported report is not printed as it is taken.
+    "$NCU" --import "$OUT_DIR/report.ncu-rep" --page details >> "$OUT_DIR/ncu.txt" 2>&1
+    launches=$("$NCU" --import "$OUT_DIR/report.ncu-rep" --page raw --csv \
+        --metrics launch__grid_size 2>/dev/null | tail -n +3 | wc -l)
+    for ((i = 0; i < launches; i++)); do
+        "$NCU" --import "$OUT_DIR/report.ncu-rep" --page source --csv --print-source sass \
+            --launch-skip "$i" --launch-count 1 > "$OUT_DIR/source_$i.csv" 2>&1
+    done
+fi
 grep -E "${NCU_KERNELS:-msa_mosaic}|Duration|Issue Slots Busy|Executed Ipc A|No Eligible|Warp Cycles Per Issued|Registers Per|Pipe|Stall" "$OUT_DIR/ncu.txt" | head -80
 exit $status

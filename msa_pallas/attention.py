@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from msa_pallas.block_sizes import BlockConfig, default_block_config
 from msa_pallas.kernels.mosaic import backward as mosaic_backward
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
-from msa_pallas.kernels.mosaic.common import pad_head_dim
+from msa_pallas.kernels.mosaic.common import pad_head_dim, pairs_heads
 from msa_pallas.kernels.mosaic.common import supports as mosaic_supports
 from msa_pallas.kernels.vjp import fused_attention
 from msa_pallas.reference import msa_row_attention_xla
@@ -73,7 +73,8 @@ def resolve_implementation(implementation, q, dropout_rate: float, bias=None) ->
     `implementation` when given; else, when q's dtype and head dim fit the
     kernels and no attention dropout is asked for: `"mosaic"` on a Hopper GPU
     where the Mosaic kernels take the inputs (`mosaic.common.supports`: N a
-    multiple of 8; d < 16 is zero-padded to 16), for 16-bit inputs with
+    multiple of 8; d = 8 with an even H read as it is, other d < 16
+    zero-padded to 16), for 16-bit inputs with
     N >= 192, and for float32 inputs with a float32 bias, N >= 256 and a
     multiple of 128; `"pallas"` (the Triton kernels) otherwise on a GPU;
     `"xla"` elsewhere.
@@ -165,8 +166,9 @@ def msa_row_attention(
       scale: multiplies `q . k`; default `1 / sqrt(d)`.
       implementation: `"pallas"`: the Triton kernels (any CUDA GPU; float32
         too). `"mosaic"`: the Mosaic GPU kernels, forward and backward (Hopper,
-        bfloat16 / float16, d in 16, 32, 64, 128 or d < 16, zero-padded to 16;
-        N a multiple of 8; float32 with d <= 64: the Triton forward and the
+        bfloat16 / float16, d in 16, 32, 64, 128, or d < 16: the forward
+        takes d = 8 with an even H as it is, two heads per tile, and pads
+        other d, the backward pads every d < 16, to 16; N a multiple of 8; float32 with d <= 64: the Triton forward and the
         Mosaic backward, its operands split into three bf16 pieces). `"xla"`:
         the plain-`jnp` path. None picks `"mosaic"` on a Hopper GPU for
         inputs it takes: 16-bit with N >= 192, float32 with a float32 bias
@@ -229,12 +231,15 @@ def msa_row_attention(
             block_config = default_block_config(n_res, head_dim, q.dtype, read_bias_dtype)
         forward_tiles = None
         if resolve_forward_kernel(implementation, q.dtype) == "mosaic":
-            # d < 16 for the Mosaic forward: zero-padded to 16, the output
-            # sliced below (the padded columns' gradients are dropped by the
-            # pad's transpose). The float32 path's Triton forward takes d as
-            # it is; its Mosaic backward pads its own operands.
-            q, k, v = pad_head_dim(q), pad_head_dim(k), pad_head_dim(v)
-            gate = None if gate is None else pad_head_dim(gate)
+            # d < 16 for the Mosaic forward: d = 8 with an even H as it is,
+            # two heads per tile (`pairs_heads`); other d zero-padded to 16,
+            # the output sliced below (the padded columns' gradients are
+            # dropped by the pad's transpose). The float32 path's Triton
+            # forward takes d as it is. The Mosaic backward pads its own
+            # operands.
+            if not pairs_heads(head_dim, heads):
+                q, k, v = pad_head_dim(q), pad_head_dim(k), pad_head_dim(v)
+                gate = None if gate is None else pad_head_dim(gate)
             forward_tiles = block_config.mosaic_forward or mosaic_forward.default_tiles(
                 q.shape, q.dtype, read_bias_dtype, save_stats=True, has_gate=gate is not None,
                 persistent=on_gpu(),

@@ -145,18 +145,22 @@ class MosaicTiles:
 
 def mosaic_shared_memory_bytes(
     tiles: MosaicTiles, head_dim: int, dtype, bias_dtype, *, has_mask: bool, has_gate: bool,
-    save_stats: bool,
+    save_stats: bool, heads_per_tile: int = 1,
 ) -> int:
-    """Shared memory the Mosaic forward kernel allocates with `tiles`."""
+    """Shared memory the Mosaic forward kernel allocates with `tiles`;
+    `head_dim` is the width of its tiles, `heads_per_tile` the heads that
+    share one (2 for d = 8: `kernels.mosaic.common.pairs_heads`)."""
     rows, stages = tiles.msa_rows, tiles.num_stages
     item, bias_item = jnp.dtype(dtype).itemsize, jnp.dtype(bias_dtype).itemsize
     query_tile = rows * tiles.block_q * head_dim
     used = query_tile * item  # q, then the output
+    used += query_tile * item * heads_per_tile if heads_per_tile > 1 else 0  # q per head
     used += 2 * stages * rows * tiles.block_k * head_dim * item  # K and V
-    used += stages * tiles.block_q * tiles.block_k * bias_item
+    used += stages * heads_per_tile * tiles.block_q * tiles.block_k * bias_item
     used += stages * rows * max(tiles.block_k, 128) if has_mask else 0
     used += query_tile * item if has_gate else 0
-    used += query_tile * 4 + 2 * rows * tiles.block_q * 4 if save_stats else 0
+    stats = 2 * rows * heads_per_tile * tiles.block_q * 4
+    used += query_tile * 4 + stats if save_stats else 0
     # Persistent: the output leaves through a tile of its own, as q's holds
     # the next item's queries.
     used += query_tile * item if tiles.persistent else 0

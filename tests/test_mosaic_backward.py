@@ -34,6 +34,7 @@ from msa_pallas.block_sizes import (
     row_chunks,
 )
 from msa_pallas.kernels.mosaic import backward as mosaic_backward
+from msa_pallas.kernels.mosaic import forward as mosaic_forward
 from msa_pallas.kernels.constants import FLOAT32_PIECES
 from msa_pallas.kernels.mosaic.common import HEAD_DIMS, MAX_SHARED_MEMORY, split_float32
 from msa_pallas.kernels.triton import forward as triton_forward
@@ -141,17 +142,29 @@ def test_bias_gradient_over_row_chunks(seed):
     assert error <= helpers.tolerance(jnp.bfloat16), error
 
 
-def test_op_pads_head_dims_below_16(seed):
+@pytest.mark.parametrize("heads, forward_head_dim", [(2, 8), (1, 16)])
+def test_op_takes_head_dim_8(heads, forward_head_dim, seed, monkeypatch):
     """`implementation="mosaic"` with d = 8 (AlphaFold2's extra-MSA stack):
-    the op zero-pads q, k, v and the gate to d = 16 for the kernels; output
-    and gradients keep d = 8 and match float64. The kernels themselves
-    refuse d = 8."""
-    inputs = helpers.random_inputs(seed, 1, 2, 128, 1, 8, jnp.bfloat16, fully_masked_row=True)
+    the forward kernel reads q, k, v and the gate as they are with an even
+    H (two heads per tile), zero-padded to 16 by the op with an odd one;
+    the backward kernels read them padded to 16. Output and gradients keep
+    d = 8 and match float64. The backward kernels themselves refuse d = 8."""
+    seen = []  # (kernel, head dim of its q), in order
+    forward_kernel = mosaic_forward.attention_forward
+
+    def spied(q, *args, **kwargs):
+        seen.append(q.shape[-1])
+        return forward_kernel(q, *args, **kwargs)
+
+    monkeypatch.setattr(mosaic_forward, "attention_forward", spied)
+    inputs = helpers.random_inputs(seed, 1, 2, 128, heads, 8, jnp.bfloat16, fully_masked_row=True)
     result = helpers.fwd_bwd("mosaic")(*inputs.args)
     helpers.assert_shapes_dtypes_finite(result, inputs)
     helpers.compare(
-        result, helpers.numpy_results(inputs), helpers.tolerance(jnp.bfloat16), "mosaic d=8"
+        result, helpers.numpy_results(inputs), helpers.tolerance(jnp.bfloat16),
+        f"mosaic d=8 H={heads}",
     )
+    assert seen == [forward_head_dim]
     operands, scale = residuals(inputs._replace(gate=None))
     with pytest.raises(ValueError, match="pad it to 16"):
         mosaic_backward.backward_dq(*operands, scale=scale, tiles=SMALL, interpret=True)

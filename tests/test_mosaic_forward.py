@@ -38,7 +38,8 @@ from msa_pallas.block_sizes import MosaicTiles, default_block_config, mosaic_sha
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
 from msa_pallas.kernels.constants import LOG2E
 from msa_pallas.kernels.mosaic.common import (
-    HEAD_DIMS, MAX_SHARED_MEMORY, accumulator_bias, masked_accumulator_logit, supports,
+    HEAD_DIMS, MAX_SHARED_MEMORY, accumulator_bias, masked_accumulator_logit, pad_head_dim,
+    supports,
 )
 from msa_pallas.kernels.triton import forward as triton_forward
 from msa_pallas.kernels.vjp import fused_attention
@@ -49,14 +50,15 @@ OUT_TOLERANCE = {jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float16): 2e-3}
 SMALL_TILES = MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=2)
 
 
-def run_forward(inputs, tiles=SMALL_TILES, save_stats=True, kernel=mosaic_forward):
+def run_forward(inputs, tiles=SMALL_TILES, save_stats=True, kernel=mosaic_forward, scale=None):
+    """`kernel`'s forward in the interpreter; `scale` defaults to 1 / sqrt(d)."""
     q, k, v, bias, mask, gate, _ = inputs.args
     mask = None if mask is None else mask.astype(jnp.int8)
     if kernel is triton_forward:
         tiles = default_block_config(q.shape[2], q.shape[-1], q.dtype, bias.dtype).forward
     return kernel.attention_forward(
-        q, k, v, bias, mask, gate, scale=q.shape[-1] ** -0.5, tiles=tiles, interpret=True,
-        save_stats=save_stats,
+        q, k, v, bias, mask, gate, scale=scale or q.shape[-1] ** -0.5, tiles=tiles,
+        interpret=True, save_stats=save_stats,
     )
 
 
@@ -101,6 +103,65 @@ def test_forward_against_float64_and_triton_residuals(case, seed):
     np.testing.assert_allclose(row_max, t_row_max, rtol=1e-6, atol=1e-5)
     np.testing.assert_allclose(row_log2_sum, t_row_log2_sum, rtol=1e-5, atol=1e-5)
     assert helpers.rel_err(attention, t_attention) < 1e-2
+
+
+# (B, S, N, H, q dtype, bias dtype, tiles) with d = 8: two heads per tile
+# (`common.pairs_heads`). Interpreted with H = 2, one pair (see the module
+# docstring); more pairs are lowered below and run on the GPU.
+PAIRED_CASES = {
+    "pair-bf16": (2, 4, 128, jnp.bfloat16, jnp.float32, SMALL_TILES),
+    "pair-odd-S-N72-fp16": (1, 3, 72, jnp.float16, jnp.float16, SMALL_TILES),
+}
+
+
+@pytest.mark.parametrize("case", list(PAIRED_CASES))
+def test_paired_heads_equal_the_padded_head_dim(case, seed):
+    """d = 8 with an even H: the kernel reads q, k, v and the gate as they
+    are, two heads per 16-wide tile, with the other head's half of each q
+    tile zeroed. Its products then add exactly the terms of d = 8 zero-padded
+    to 16, so every result, residuals included, equals the padded inputs'
+    bitwise; and the output matches float64, with uniform weights in a
+    fully masked row."""
+    batch, rows, n_res, dtype, bias_dtype, tiles = PAIRED_CASES[case]
+    inputs = helpers.random_inputs(
+        seed, batch, rows, n_res, 2, 8, dtype, bias_dtype=bias_dtype,
+        fully_masked_row=(0, rows - 1),
+    )
+    paired = run_forward(inputs, tiles)
+    assert paired[0].shape == paired[1].shape == inputs.q.shape
+    # Head by head (the interpreter deadlocks on H > 1 with residuals saved;
+    # the heads are independent).
+    for head in range(2):
+        one_head = lambda x: pad_head_dim(x[..., head : head + 1, :])  # noqa: E731
+        padded = run_forward(
+            inputs._replace(
+                q=one_head(inputs.q), k=one_head(inputs.k), v=one_head(inputs.v),
+                gate=one_head(inputs.gate), bias=inputs.bias[:, head : head + 1],
+            ),
+            tiles, scale=8**-0.5,
+        )
+        for name, x, y in zip(("out", "attention"), paired, padded):
+            np.testing.assert_array_equal(x[..., head : head + 1, :], y[..., :8], err_msg=name)
+        for name, x, y in zip(("row_max", "row_log2_sum"), paired[2:], padded[2:]):
+            np.testing.assert_array_equal(x[:, :, head : head + 1], y, err_msg=name)
+
+    out = paired[0]
+    expected = numpy_reference.forward(*inputs.args[:6], scale=8**-0.5)
+    error = helpers.rel_err(out, expected)
+    print(f"[rel err] mosaic forward, paired heads, {case}: {error:.2e}")
+    assert error <= OUT_TOLERANCE[jnp.dtype(dtype)], error
+    v_mean = helpers.to_f64(inputs.v[0, rows - 1]).mean(axis=0, keepdims=True)
+    gate = helpers.to_f64(inputs.gate[0, rows - 1])
+    np.testing.assert_allclose(
+        helpers.to_f64(out[0, rows - 1]), v_mean / (1 + np.exp(-gate)),
+        rtol=2 * OUT_TOLERANCE[jnp.dtype(dtype)], atol=1e-2,
+    )
+
+
+def test_paired_heads_refuse_the_pipelined_loop():
+    inputs = helpers.random_inputs(0, 1, 2, 64, 2, 8, jnp.bfloat16)
+    with pytest.raises(ValueError, match="one head per tile"):
+        run_forward(inputs, dataclasses.replace(SMALL_TILES, pipelined=True))
 
 
 @pytest.mark.parametrize("head_dim", [8, 16, 32, 64, 128])
@@ -214,18 +275,18 @@ def test_triton_backward_follows_the_mosaic_forward(seed):
     )
 
 
-@pytest.mark.parametrize("pipelined", [False, True])
+@pytest.mark.parametrize("head_dim, pipelined", [(32, False), (32, True), (8, False)])
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("n_res, bias_dtype", [(256, jnp.float32), (200, jnp.bfloat16)])
-def test_lowers_for_the_gpu_on_a_cpu(n_res, bias_dtype, persistent, pipelined):
+def test_lowers_for_the_gpu_on_a_cpu(n_res, bias_dtype, persistent, head_dim, pipelined):
     """The kernel, with one CTA per work item and persistent, with the plain
-    and the pipelined key loop, lowers for
+    and the pipelined key loop, and with two heads per tile (d = 8), lowers for
     CUDA on a machine without one (Mosaic GPU's own lowering, layouts and
     TMA descriptors included, runs at trace time): a
     shape error, an unsupported layout or a misaligned GMEM row fails here,
     not first on the GPU. N = 200 is no whole number of tiles, and its bias
     rows are no whole number of 128-byte TMA rows until padded."""
-    shape = (1, 4, n_res, 8, 32)
+    shape = (1, 4, n_res, 8, head_dim)
     q = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
     bias = jax.ShapeDtypeStruct((1, 8, n_res, n_res), bias_dtype)
     mask = jax.ShapeDtypeStruct((1, 4, n_res), jnp.int8)
@@ -240,18 +301,22 @@ def test_lowers_for_the_gpu_on_a_cpu(n_res, bias_dtype, persistent, pipelined):
     assert "mosaic_gpu" in lowered.as_text()
 
 
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", (8, *HEAD_DIMS))
 @pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("save_stats", [False, True])
 def test_default_tiles_fit_shared_memory(head_dim, bias_dtype, save_stats):
     tiles = mosaic_forward.default_tiles((1, 4, 256, 8, head_dim), jnp.bfloat16, bias_dtype, save_stats)
+    # d = 8: two heads per 16-wide tile.
+    heads_per_tile = 2 if head_dim == 8 else 1
     used = mosaic_shared_memory_bytes(
-        tiles, head_dim, jnp.bfloat16, bias_dtype, has_mask=True, has_gate=True,
-        save_stats=save_stats,
+        tiles, head_dim * heads_per_tile, jnp.bfloat16, bias_dtype, has_mask=True,
+        has_gate=True, save_stats=save_stats, heads_per_tile=heads_per_tile,
     )
     assert used <= MAX_SHARED_MEMORY
+    if head_dim == 8:
+        assert tiles == MosaicTiles(128, 64, 2, 2, persistent=True)
     # The preferred (largest) tiles are taken where they fit, persistent.
-    if head_dim <= 32 and jnp.dtype(bias_dtype).itemsize == 2:
+    if 16 <= head_dim <= 32 and jnp.dtype(bias_dtype).itemsize == 2:
         assert tiles == MosaicTiles(128, 128, 2, 2, persistent=True)
     if head_dim == 32 and jnp.dtype(bias_dtype).itemsize == 4 and save_stats:
         assert tiles == MosaicTiles(128, 64, 2, 2, persistent=True)

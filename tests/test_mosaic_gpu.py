@@ -220,8 +220,36 @@ def test_default_against_float64(shape_id, bias_id, seed):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_head_dim_8_padded(dtype, seed):
-    # bf16: the op pads q, k, v to 16 for both kernels; float32: the Triton
-    # forward reads d = 8 and the Mosaic backward pads its own operands.
+def test_head_dim_8(dtype, seed):
+    # bf16: the Mosaic forward reads d = 8 as it is, two heads per tile, and
+    # the Mosaic backward pads its own operands to 16; float32: the Triton
+    # forward reads d = 8 and the Mosaic backward pads.
     inputs = device_inputs(seed, (1, 4, 384, 8, 8), dtype)
-    check(inputs, f"mosaic d=8 padded {jnp.dtype(dtype).name}")
+    check(inputs, f"mosaic d=8 {jnp.dtype(dtype).name}")
+
+
+@pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 4, 384, 8, 8), (2, 3, 200, 4, 8)], ids=str)
+def test_paired_heads_equal_the_padded_head_dim(shape, bias_dtype, seed):
+    """d = 8 with an even H: the forward's products over a tile of two
+    heads, the other head's q columns zeroed, add exactly the terms of d = 8
+    zero-padded to 16; so with the same tiles every result and residual is
+    bitwise that of the padded inputs (the extra-MSA stack's N and H, then
+    an odd S, two batch elements and N past the last whole tile)."""
+    inputs = device_inputs(seed, shape, jnp.bfloat16, bias_dtype=bias_dtype)
+    q, k, v, bias, mask, gate, _ = inputs.args
+    tiles = mosaic_forward.default_tiles(q.shape, q.dtype, bias.dtype, save_stats=True)
+
+    def forward(q, k, v, gate):
+        return mosaic_forward.attention_forward(
+            q, k, v, bias, mask.astype(jnp.int8), gate, scale=8**-0.5, tiles=tiles,
+            interpret=False, save_stats=True,
+        )
+
+    pad = lambda x: jnp.pad(x, ((0, 0),) * 4 + ((0, 8),))  # noqa: E731
+    paired, padded = forward(q, k, v, gate), forward(pad(q), pad(k), pad(v), pad(gate))
+    for name, x, y in zip(("out", "attention", "row_max", "row_log2_sum"), paired, padded):
+        y = y[..., :8] if name in ("out", "attention") else y
+        np.testing.assert_array_equal(
+            np.asarray(x.astype(jnp.float32)), np.asarray(y.astype(jnp.float32)), err_msg=name
+        )

@@ -23,6 +23,9 @@ from msa_pallas.kernels.constants import FLOAT32_PIECES, LOG2E
 from msa_pallas.reference import MASKED_LOGIT
 
 HEAD_DIMS = (16, 32, 64, 128)
+# The head dim the forward takes as it is, two heads to a 16-wide tile
+# (`pairs_heads`).
+PAIRED_HEAD_DIM = 8
 SIXTEEN_BIT = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # float32 operands take three bf16 pieces each in shared memory: d <= 64 fits.
 FLOAT32_MAX_HEAD_DIM = 64
@@ -63,8 +66,9 @@ def supports(q_shape, q_dtype, bias_dtype) -> str | None:
     Mosaic backward, whose kernels read each float32 operand as three bf16
     pieces (`split_float32`).
 
-    Head dims below 16 are accepted: the op zero-pads them to 16
-    (`kernel_head_dim`); the kernels themselves take `HEAD_DIMS`.
+    Head dims below 16 are accepted: the forward takes d = 8 with an even
+    number of heads as it is (`pairs_heads`), the op zero-pads other ones,
+    and the backward kernels' operands, to 16 (`kernel_head_dim`).
 
     Args:
       q_shape: `[B, S, N, H, d]`.
@@ -120,6 +124,14 @@ def kernel_head_dim(head_dim: int) -> int:
     return max(head_dim, HEAD_DIMS[0])
 
 
+def pairs_heads(head_dim: int, heads: int) -> bool:
+    """Whether the forward kernel reads d = 8 as it is, heads 2h and 2h + 1
+    in one 16-wide tile of the `[..., H / 2, 16]` view of `[..., H, 8]`
+    (no padded copy in HBM): it multiplies by K and V tiles of both heads,
+    with the other head's half of each q tile zeroed in shared memory."""
+    return head_dim == PAIRED_HEAD_DIM and heads % 2 == 0
+
+
 def pad_head_dim(x):
     """`[..., d]` zero-padded to `kernel_head_dim(d)` (unchanged for d >= 16).
 
@@ -132,13 +144,15 @@ def pad_head_dim(x):
     return jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, padding),))
 
 
-def check_kernel_inputs(q, bias, float32: bool = False) -> None:
+def check_kernel_inputs(q, bias, float32: bool = False, paired_heads: bool = False) -> None:
     """Raises ValueError unless a Mosaic kernel can take these operands as
-    they are; `float32`: the kernel takes float32 q (in bf16 pieces) too."""
+    they are; `float32`: the kernel takes float32 q (in bf16 pieces) too;
+    `paired_heads`: it takes d = 8 with an even H (`pairs_heads`) too."""
     reason = supports(q.shape, q.dtype, bias.dtype)
     if reason is None and q.dtype == jnp.float32 and not float32:
         reason = "q dtype float32: this Mosaic kernel takes bfloat16 / float16"
-    if reason is None and q.shape[-1] not in HEAD_DIMS:
+    paired = paired_heads and pairs_heads(q.shape[-1], q.shape[-2])
+    if reason is None and q.shape[-1] not in HEAD_DIMS and not paired:
         reason = f"head dim {q.shape[-1]}: pad it to {kernel_head_dim(q.shape[-1])} first"
     if reason is not None:
         raise ValueError(reason)

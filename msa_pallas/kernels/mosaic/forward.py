@@ -62,7 +62,8 @@ from msa_pallas.kernels.mosaic.common import (
     MAX_SHARED_MEMORY, WGMMA, WGMMA_COL, WGMMA_ROW, PingPong, accumulate_products,
     accumulator_bias, batch_head_and_warpgroup, bias_tile, check_kernel_inputs,
     consumer_registers, keys_before, launch, masked_accumulator_logit, multiprocessors,
-    pad_residues, producer_registers, sigmoid, smem_products, smem_tile, smem_vectors,
+    pad_residues, pairs_heads, producer_registers, sigmoid, smem_products, smem_tile,
+    smem_vectors,
 )
 
 
@@ -78,10 +79,16 @@ def default_tiles(
     two. The persistent grid (with the residuals 2-22% faster at the SPEC
     shapes, within 1% at one) where its output tile fits beside them,
     unless `persistent` is False (the Mosaic GPU interpreter stalls on it
-    on a machine with few cores).
+    on a machine with few cores). With d = 8 and an even H (two heads per
+    tile, `common.pairs_heads`) the consumers hold two heads' logits, so
+    64-key stages.
     """
-    *_, head_dim = q_shape
+    *_, heads, head_dim = q_shape
+    heads_per_tile = 2 if pairs_heads(head_dim, heads) else 1
     shapes = ((128, 128, 2, 2), (128, 64, 2, 2), (64, 64, 2, 2), (64, 64, 2, 1))
+    if heads_per_tile > 1:
+        # Two heads' logit tiles in registers at once: 64 keys.
+        shapes = tuple(shape for shape in shapes if shape[1] == 64)
     preferred = [
         MosaicTiles(*shape, persistent=grid)
         for shape in shapes
@@ -89,8 +96,8 @@ def default_tiles(
     ]
     for tiles in preferred:
         used = mosaic_shared_memory_bytes(
-            tiles, head_dim, q_dtype, bias_dtype, has_mask=True, has_gate=has_gate,
-            save_stats=save_stats,
+            tiles, head_dim * heads_per_tile, q_dtype, bias_dtype, has_mask=True,
+            has_gate=has_gate, save_stats=save_stats, heads_per_tile=heads_per_tile,
         )
         if used <= MAX_SHARED_MEMORY:
             return tiles
@@ -99,9 +106,13 @@ def default_tiles(
 
 def _kernel(
     gmem, smem, produced, consumed, schedule, *, scale: float, n_res: int,
-    tiles: MosaicTiles, msa_rows: int, heads: int, grid, dtype, interpret: bool,
+    tiles: MosaicTiles, msa_rows: int, heads: int, heads_per_tile: int, grid, dtype,
+    interpret: bool,
 ):
+    """`heads`: the heads of q, k and v as the kernel sees them, each
+    `heads_per_tile` heads of the bias (2 for d = 8, `common.pairs_heads`)."""
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
+    pair = heads_per_tile
     key_tiles = pl.cdiv(n_res, block_k)
     has_mask, has_gate = "mask" in gmem, "gate" in gmem
     save_stats = "attention" in gmem
@@ -109,6 +120,9 @@ def _kernel(
     to_log2 = scale * LOG2E
     masked = masked_accumulator_logit(scale)
     wg = lax.axis_index("wg")
+
+    def columns(shape):
+        return plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WGMMA)
 
     def load_own(name, work):
         """The consumer's own copy of its q or gate tile for item `work`.
@@ -134,7 +148,20 @@ def _kernel(
         first_step = item * key_tiles
         plgpu.barrier_wait(produced["q"].at[wg])
 
-        head_dim = q_smem.shape[-1]
+        tile_dim = q_smem.shape[-1]
+        head_dim = tile_dim // pair
+        if pair == 1:
+            queries_of_head = (q_smem,)
+        else:
+            # Each head's q tile keeps its own columns: a product with a K
+            # tile of both heads then sums over that head's alone.
+            both = plgpu.load(q_smem, (), layout=WGMMA)
+            column = columns(both.shape)
+            for h in range(pair):
+                own = (column >= h * head_dim) & (column < (h + 1) * head_dim)
+                smem["q_heads"][h][wg] = jnp.where(own, both, jnp.zeros_like(both))
+            plgpu.commit_smem()
+            queries_of_head = tuple(tile.at[wg] for tile in smem["q_heads"])
         row_max = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), WGMMA_ROW)
         row_sum = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), WGMMA_ROW)
 
@@ -152,18 +179,20 @@ def _kernel(
                 load_own("q", next_work)
 
         def mask_logits(logits, slot, key_tile):
-            """The tile's logits with masked keys and keys past N replaced;
-            reads the tile's mask vector, so the slot's K may be released
-            after it."""
-            t = logits
+            """The tile's logits (a tuple, one per head) with masked keys and
+            keys past N replaced; reads the tile's mask vector, so the slot's
+            K may be released after it."""
+            shape = logits[0].shape
             if has_mask:
                 keep = plgpu.load(
                     smem["mask"].at[slot, wg, 0, pl.ds(0, block_k)], layout=WGMMA_COL
                 )
-                t = jnp.where(lax.broadcast_in_dim(keep != 0, t.shape, [1]), t, masked)
+                keep = lax.broadcast_in_dim(keep != 0, shape, [1])
+                logits = tuple(jnp.where(keep, t, masked) for t in logits)
             if n_res % block_k:
-                t = jnp.where(keys_before(n_res, key_tile, block_k, t.shape), t, -jnp.inf)
-            return t
+                before = keys_before(n_res, key_tile, block_k, shape)
+                logits = tuple(jnp.where(before, t, -jnp.inf) for t in logits)
+            return logits
 
         def online_softmax(t, row_max, row_sum):
             """The tile's float32 probabilities, the factor that rescales the
@@ -180,27 +209,41 @@ def _kernel(
             return acc * lax.broadcast_in_dim(rescale, acc.shape, [0])
 
         def key_loop():
-            """Per key tile: `q k^T`, the softmax, `p v`, in that order."""
-            acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), WGMMA)
+            """Per key tile: `q k^T`, the softmax, `p v`, in that order, for
+            each head of the tile (`pair` of them), each with its own
+            statistics and output accumulator. Returns tuples, one entry per
+            head."""
+            acc = plgpu.layout_cast(jnp.zeros((block_q, tile_dim), jnp.float32), WGMMA)
             plgpu.barrier_wait(produced["k"].at[slot_of(0)])
 
             def visit_key_tile(key_tile, carry):
-                acc, row_max, row_sum = carry
+                accs, row_maxes, row_sums = carry
                 slot = slot_of(key_tile)
 
                 # The product starts from the bias tile, so the matrix units add it.
-                (logits,) = smem_products(
-                    ((q_smem, smem["k"].at[slot, wg].T),), turns.hand_over,
-                    inits=(bias_tile(smem["bias"][slot], scale),), interpret=interpret,
+                keys_t = smem["k"].at[slot, wg].T
+                logits = smem_products(
+                    tuple((queries, keys_t) for queries in queries_of_head), turns.hand_over,
+                    inits=tuple(bias_tile(smem["bias"][slot, h], scale) for h in range(pair)),
+                    interpret=interpret,
                 )
                 prefetch_next_queries(key_tile == key_tiles - 1)
-                t = mask_logits(logits, slot, key_tile)
+                logits = mask_logits(logits, slot, key_tile)
                 plgpu.barrier_arrive(consumed["k"].at[slot])
 
-                p, rescale, new_max, row_sum = online_softmax(t, row_max, row_sum)
-                acc = rescaled(acc, rescale)
-                p16 = p.astype(dtype)
-                acc, row_sum, new_max, p16 = lax.optimization_barrier((acc, row_sum, new_max, p16))
+                softmaxes = [
+                    online_softmax(t, row_max, row_sum)
+                    for t, row_max, row_sum in zip(logits, row_maxes, row_sums)
+                ]
+                accs = tuple(
+                    rescaled(acc, rescale) for acc, (_, rescale, _, _) in zip(accs, softmaxes)
+                )
+                p16s = tuple(p.astype(dtype) for p, _, _, _ in softmaxes)
+                new_maxes = tuple(new_max for _, _, new_max, _ in softmaxes)
+                row_sums = tuple(row_sum for _, _, _, row_sum in softmaxes)
+                accs, row_sums, new_maxes, p16s = lax.optimization_barrier(
+                    (accs, row_sums, new_maxes, p16s)
+                )
 
                 turns.release()
                 plgpu.barrier_wait(produced["v"].at[slot])
@@ -213,13 +256,15 @@ def _kernel(
                     def _():
                         plgpu.barrier_wait(produced["k"].at[slot_of(next_tile)])
 
-                (acc,) = accumulate_products(
-                    (acc,), (p16,), (smem["v"].at[slot, wg],), interpret, wait_for_next_keys
+                accs = accumulate_products(
+                    accs, p16s, (smem["v"].at[slot, wg],) * pair, interpret, wait_for_next_keys
                 )
                 plgpu.barrier_arrive(consumed["v"].at[slot])
-                return acc, new_max, row_sum
+                return accs, new_maxes, row_sums
 
-            return lax.fori_loop(0, key_tiles, visit_key_tile, (acc, row_max, row_sum))
+            return lax.fori_loop(
+                0, key_tiles, visit_key_tile, ((acc,) * pair, (row_max,) * pair, (row_sum,) * pair)
+            )
 
         def pipelined_key_loop(logits_ref, acc_ref):
             """The loop of `MosaicTiles.pipelined`, FlashAttention-3's
@@ -235,7 +280,7 @@ def _kernel(
                 returns it."""
                 slot = slot_of(key_tile)
                 plgpu.barrier_wait(produced["k"].at[slot])
-                init = bias_tile(smem["bias"][slot], scale)
+                init = bias_tile(smem["bias"][slot, 0], scale)
                 keys_t = smem["k"].at[slot, wg].T
                 if interpret:
                     return smem_products(((q_smem, keys_t),), inits=(init,), interpret=True)[0]
@@ -250,7 +295,7 @@ def _kernel(
                     return issued
                 return plgpu.wgmma_accumulator_load(logits_ref, wait_n=wait_n)
 
-            acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), WGMMA)
+            acc = plgpu.layout_cast(jnp.zeros((block_q, tile_dim), jnp.float32), WGMMA)
             if not interpret:
                 acc_ref[...] = acc
                 acc = None
@@ -261,7 +306,7 @@ def _kernel(
             def visit_key_tile(key_tile, carry, last: bool):
                 logits, row_max, row_sum, acc = carry
                 slot = slot_of(key_tile)
-                t = mask_logits(logits, slot, key_tile)
+                (t,) = mask_logits((logits,), slot, key_tile)
                 plgpu.barrier_arrive(consumed["k"].at[slot])
                 issued = None if last else issue_logits(key_tile + 1)
                 turns.hand_over()
@@ -309,31 +354,39 @@ def _kernel(
             if not interpret:
                 acc = plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
             plgpu.barrier_arrive(consumed["v"].at[slot_of(key_tiles - 1)])
-            return acc, final_max, final_sum
+            return (acc,), (final_max,), (final_sum,)
 
         if not tiles.pipelined:
-            acc, row_max, row_sum = key_loop()
+            accs, row_maxes, row_sums = key_loop()
         elif interpret:
-            acc, row_max, row_sum = pipelined_key_loop(None, None)
+            accs, row_maxes, row_sums = pipelined_key_loop(None, None)
         else:
-            acc, row_max, row_sum = pl.run_scoped(
+            accs, row_maxes, row_sums = pl.run_scoped(
                 pipelined_key_loop,
                 plgpu.ACC((block_q, block_k), jnp.float32),
-                plgpu.ACC((block_q, head_dim), jnp.float32),
+                plgpu.ACC((block_q, tile_dim), jnp.float32),
             )
 
-        out = acc * lax.broadcast_in_dim(1.0 / row_sum, acc.shape, [0])
+        # Each head's columns of the tile come from its own accumulator.
+        outs = [
+            acc * lax.broadcast_in_dim(1.0 / row_sum, acc.shape, [0])
+            for acc, row_sum in zip(accs, row_sums)
+        ]
+        out = outs[0]
+        for h in range(1, pair):
+            out = jnp.where(columns(out.shape) >= h * head_dim, outs[h], out)
         # The previous item's results have left the tiles written below.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         if save_stats:
             smem["attention"][wg] = out
-            # The backward's masked logit (base 2) for a row whose keys are all
-            # masked, so that its weights come out uniform there as here.
-            row_max_log2 = row_max * to_log2
-            if has_mask:
-                row_max_log2 = jnp.where(row_max <= masked, MASKED_LOGIT_LOG2, row_max_log2)
-            smem["row_max"][wg, 0] = row_max_log2
-            smem["row_log2_sum"][wg, 0] = jnp.log2(row_sum)
+            for h, (row_max, row_sum) in enumerate(zip(row_maxes, row_sums)):
+                # The backward's masked logit (base 2) for a row whose keys are
+                # all masked, so that its weights come out uniform there as here.
+                row_max_log2 = row_max * to_log2
+                if has_mask:
+                    row_max_log2 = jnp.where(row_max <= masked, MASKED_LOGIT_LOG2, row_max_log2)
+                smem["row_max"][wg, h] = row_max_log2
+                smem["row_log2_sum"][wg, h] = jnp.log2(row_sum)
         if has_gate:
             out = out * sigmoid(smem["gate"][wg].astype(jnp.float32))
         # With one CTA per item q's tile is free by now and holds the output on
@@ -349,10 +402,11 @@ def _kernel(
             plgpu.copy_smem_to_gmem(
                 smem["attention"].at[wg], gmem["attention"].at[batch, row, queries, head]
             )
-            # [1, block_q] windows of the statistics' [H, N] planes.
+            # [pair, block_q] windows of the statistics' [H, N] planes.
             for name in ("row_max", "row_log2_sum"):
                 plgpu.copy_smem_to_gmem(
-                    smem[name].at[wg], gmem[name].at[batch, row, pl.ds(head, 1), queries]
+                    smem[name].at[wg],
+                    gmem[name].at[batch, row, pl.ds(head * pair, pair), queries],
                 )
 
     def produce_item(work, item, *_, ring: str):
@@ -386,10 +440,11 @@ def _kernel(
                     gmem["mask"].at[batch, pl.ds(first_row + r, 1), keys],
                     smem["mask"].at[slot, r, :, pl.ds(0, block_k)], produced["k"].at[slot],
                 )
-            plgpu.copy_gmem_to_smem(
-                gmem["bias"].at[batch, head, queries, keys], smem["bias"].at[slot],
-                produced["k"].at[slot],
-            )
+            for h in range(pair):
+                plgpu.copy_gmem_to_smem(
+                    gmem["bias"].at[batch, head * pair + h, queries, keys],
+                    smem["bias"].at[slot, h], produced["k"].at[slot],
+                )
 
         # The first `stages` steps of the CTA's first item find their slots free.
         for key_tile in range(min(stages, key_tiles)):
@@ -483,7 +538,8 @@ def attention_forward(
     """Runs the Mosaic GPU forward kernel; the contract of the Triton forward.
 
     Args:
-      q, k, v: `[B, S, N, H, d]`, bfloat16 / float16, d in `HEAD_DIMS`, N a
+      q, k, v: `[B, S, N, H, d]`, bfloat16 / float16, d in `HEAD_DIMS` or
+        d = 8 with H even (two heads per tile, `common.pairs_heads`), N a
         multiple of `common.RESIDUE_MULTIPLE`.
       bias: `[B, H, N, N]`, 16- or 32-bit float.
       mask: `[B, S, N]` int8 (nonzero keeps) or None.
@@ -498,10 +554,19 @@ def attention_forward(
       attention output `[B, S, N, H, d]` in float32 and the float32 row max
       and log2 row sum, each `[B, S, H, N]`, in base-2 units.
     """
-    check_kernel_inputs(q, bias)
+    check_kernel_inputs(q, bias, paired_heads=True)
     batch, rows, n_res, heads, head_dim = q.shape
     msa_rows = tiles.msa_rows_for(rows)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
+    shapes = {"out": q.shape, "attention": q.shape}
+    pair = 2 if pairs_heads(head_dim, heads) else 1
+    if pair > 1:
+        if tiles.pipelined:
+            raise ValueError("MosaicTiles.pipelined takes one head per tile: d >= 16")
+        # [..., H, 8] seen as [..., H / 2, 16]: heads 2h and 2h + 1 in one tile.
+        as_pairs = lambda x: x.reshape(*x.shape[:-2], heads // pair, head_dim * pair)  # noqa: E731
+        q, k, v = as_pairs(q), as_pairs(k), as_pairs(v)
+        gate = None if gate is None else as_pairs(gate)
 
     bias = accumulator_bias(bias, scale)
     bias = pad_residues(bias, swizzled=True)
@@ -519,24 +584,30 @@ def attention_forward(
             "row_max": stats, "row_log2_sum": stats,
         }
 
+    tile_dim = q.shape[-1]
     smem = {
-        "q": smem_tile((msa_rows, block_q, head_dim), q.dtype),
-        "k": smem_tile((stages, msa_rows, block_k, head_dim), k.dtype),
-        "v": smem_tile((stages, msa_rows, block_k, head_dim), v.dtype),
-        "bias": smem_tile((stages, block_q, block_k), bias.dtype),
+        "q": smem_tile((msa_rows, block_q, tile_dim), q.dtype),
+        "k": smem_tile((stages, msa_rows, block_k, tile_dim), k.dtype),
+        "v": smem_tile((stages, msa_rows, block_k, tile_dim), v.dtype),
+        "bias": smem_tile((stages, pair, block_q, block_k), bias.dtype),
     }
-    k_copies = msa_rows + 1
+    if pair > 1:
+        # One ref per head: a wgmma operand indexed by a constant fails to lower.
+        smem["q_heads"] = tuple(
+            smem_tile((msa_rows, block_q, tile_dim), q.dtype) for _ in range(pair)
+        )
+    k_copies = msa_rows + pair
     if mask is not None:
         smem["mask"] = smem_vectors((stages, msa_rows, 1, block_k), mask.dtype)
         k_copies += msa_rows
     if gate is not None:
-        smem["gate"] = smem_tile((msa_rows, block_q, head_dim), gate.dtype)
+        smem["gate"] = smem_tile((msa_rows, block_q, tile_dim), gate.dtype)
     if save_stats:
-        smem["attention"] = smem_tile((msa_rows, block_q, head_dim), jnp.float32)
-        smem["row_max"] = plgpu.SMEM((msa_rows, 1, block_q), jnp.float32)
-        smem["row_log2_sum"] = plgpu.SMEM((msa_rows, 1, block_q), jnp.float32)
+        smem["attention"] = smem_tile((msa_rows, block_q, tile_dim), jnp.float32)
+        smem["row_max"] = plgpu.SMEM((msa_rows, pair, block_q), jnp.float32)
+        smem["row_log2_sum"] = plgpu.SMEM((msa_rows, pair, block_q), jnp.float32)
     if tiles.persistent:
-        smem["out"] = smem_tile((msa_rows, block_q, head_dim), q.dtype)
+        smem["out"] = smem_tile((msa_rows, block_q, tile_dim), q.dtype)
     produced = {
         # q's and the gate's copies.
         "q": plgpu.Barrier(num_arrivals=2 if gate is not None else 1, num_barriers=msa_rows),
@@ -549,10 +620,11 @@ def attention_forward(
     schedule = plgpu.Barrier(num_arrivals=msa_rows)
 
     # Work items, the MSA-row groups fastest.
-    items = (batch * heads, query_tiles, rows // msa_rows)
+    items = (batch * heads // pair, query_tiles, rows // msa_rows)
     body = functools.partial(
-        _kernel, scale=scale, n_res=n_res, tiles=tiles, msa_rows=msa_rows, heads=heads,
-        grid=items, dtype=q.dtype, interpret=interpret,
+        _kernel, scale=scale, n_res=n_res, tiles=tiles, msa_rows=msa_rows,
+        heads=heads // pair, heads_per_tile=pair, grid=items, dtype=q.dtype,
+        interpret=interpret,
     )
     if tiles.persistent:
         grid, grid_names = (min(math.prod(items), multiprocessors(interpret)),), ("ctas",)
@@ -563,6 +635,7 @@ def attention_forward(
         inputs=inputs, out_types=out_types, grid=grid, grid_names=grid_names,
         consumers=msa_rows, interpret=interpret,
     )
+    outs = tuple(x.reshape(shapes.get(name, x.shape)) for name, x in zip(out_types, outs))
     if not save_stats:
         return outs[0]
     out, attention, row_max, row_log2_sum = outs
