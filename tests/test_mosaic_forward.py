@@ -62,6 +62,23 @@ def run_forward(inputs, tiles=SMALL_TILES, save_stats=True, kernel=mosaic_forwar
     )
 
 
+def check_output(out, inputs, scale, label):
+    """`out` against float64 within the issue's bar, and the last MSA row of
+    the first batch element, fully masked: uniform weights, the mean of v,
+    times the gate."""
+    dtype = jnp.dtype(inputs.q.dtype)
+    error = helpers.rel_err(out, numpy_reference.forward(*inputs.args[:6], scale=scale))
+    print(f"[rel err] {label}: {error:.2e}")
+    assert error <= OUT_TOLERANCE[dtype], error
+    last = inputs.q.shape[1] - 1
+    v_mean = helpers.to_f64(inputs.v[0, last]).mean(axis=0, keepdims=True)
+    gate = helpers.to_f64(inputs.gate[0, last])
+    np.testing.assert_allclose(
+        helpers.to_f64(out[0, last]), v_mean / (1 + np.exp(-gate)),
+        rtol=2 * OUT_TOLERANCE[dtype], atol=1e-2,
+    )
+
+
 # (B, S, N, d, q dtype, bias dtype, tiles): pairs of MSA rows per CTA over
 # several query and key tiles, an odd S (one row per CTA), every head dim,
 # and N that are no whole number of tiles (the last query and key tiles run
@@ -85,19 +102,8 @@ def test_forward_against_float64_and_triton_residuals(case, seed):
         fully_masked_row=(0, rows - 1),
     )
     out, attention, row_max, row_log2_sum = run_forward(inputs, tiles)
-    expected = numpy_reference.forward(*inputs.args[:6], scale=head_dim**-0.5)
     helpers.assert_finite(out, "out")
-    error = helpers.rel_err(out, expected)
-    print(f"[rel err] mosaic forward {case}: {error:.2e}")
-    assert error <= OUT_TOLERANCE[jnp.dtype(dtype)], error
-
-    # The fully masked row: uniform weights, the mean of v, times the gate.
-    v_mean = helpers.to_f64(inputs.v[0, rows - 1]).mean(axis=0, keepdims=True)
-    gate = helpers.to_f64(inputs.gate[0, rows - 1])
-    np.testing.assert_allclose(
-        helpers.to_f64(out[0, rows - 1]), v_mean / (1 + np.exp(-gate)),
-        rtol=2 * OUT_TOLERANCE[jnp.dtype(dtype)], atol=1e-2,
-    )
+    check_output(out, inputs, head_dim**-0.5, f"mosaic forward {case}")
 
     _, t_attention, t_row_max, t_row_log2_sum = run_forward(inputs, kernel=triton_forward)
     np.testing.assert_allclose(row_max, t_row_max, rtol=1e-6, atol=1e-5)
@@ -145,17 +151,7 @@ def test_paired_heads_equal_the_padded_head_dim(case, seed):
         for name, x, y in zip(("row_max", "row_log2_sum"), paired[2:], padded[2:]):
             np.testing.assert_array_equal(x[:, :, head : head + 1], y, err_msg=name)
 
-    out = paired[0]
-    expected = numpy_reference.forward(*inputs.args[:6], scale=8**-0.5)
-    error = helpers.rel_err(out, expected)
-    print(f"[rel err] mosaic forward, paired heads, {case}: {error:.2e}")
-    assert error <= OUT_TOLERANCE[jnp.dtype(dtype)], error
-    v_mean = helpers.to_f64(inputs.v[0, rows - 1]).mean(axis=0, keepdims=True)
-    gate = helpers.to_f64(inputs.gate[0, rows - 1])
-    np.testing.assert_allclose(
-        helpers.to_f64(out[0, rows - 1]), v_mean / (1 + np.exp(-gate)),
-        rtol=2 * OUT_TOLERANCE[jnp.dtype(dtype)], atol=1e-2,
-    )
+    check_output(paired[0], inputs, 8**-0.5, f"mosaic forward, paired heads, {case}")
 
 
 def test_paired_heads_refuse_the_pipelined_loop():
