@@ -168,9 +168,10 @@ def msa_row_attention(
         too). `"mosaic"`: the Mosaic GPU kernels, forward and backward (Hopper,
         bfloat16 / float16, d in 16, 32, 64, 128, or d < 16: the forward
         takes d = 8 with an even H as it is, two heads per tile, and pads
-        other d, the backward pads every d < 16, to 16; N a multiple of 8; float32 with d <= 64: the Triton forward and the
-        Mosaic backward, its operands split into three bf16 pieces). `"xla"`:
-        the plain-`jnp` path. None picks `"mosaic"` on a Hopper GPU for
+        other d, the backward pads every d < 16, to 16; N a multiple of 8;
+        float32 with d <= 64: the Triton forward and the Mosaic backward,
+        its operands split into three bf16 pieces). `"xla"`: the plain-`jnp`
+        path. None picks `"mosaic"` on a Hopper GPU for
         inputs it takes: 16-bit with N >= 192, float32 with a float32 bias
         and N >= 256 a multiple of 128; `"pallas"` on other GPUs and
         `"xla"` elsewhere (`resolve_implementation`).

@@ -132,6 +132,11 @@ def pairs_heads(head_dim: int, heads: int) -> bool:
     return head_dim == PAIRED_HEAD_DIM and heads % 2 == 0
 
 
+def heads_per_tile(head_dim: int, heads: int) -> int:
+    """Heads in one tile of the forward kernel: 2 where `pairs_heads`, else 1."""
+    return 2 if pairs_heads(head_dim, heads) else 1
+
+
 def pad_head_dim(x):
     """`[..., d]` zero-padded to `kernel_head_dim(d)` (unchanged for d >= 16).
 

@@ -61,8 +61,8 @@ from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2
 from msa_pallas.kernels.mosaic.common import (
     MAX_SHARED_MEMORY, WGMMA, WGMMA_COL, WGMMA_ROW, PingPong, accumulate_products,
     accumulator_bias, batch_head_and_warpgroup, bias_tile, check_kernel_inputs,
-    consumer_registers, keys_before, launch, masked_accumulator_logit, multiprocessors,
-    pad_residues, pairs_heads, producer_registers, sigmoid, smem_products, smem_tile,
+    consumer_registers, heads_per_tile, keys_before, launch, masked_accumulator_logit,
+    multiprocessors, pad_residues, producer_registers, sigmoid, smem_products, smem_tile,
     smem_vectors,
 )
 
@@ -84,9 +84,9 @@ def default_tiles(
     64-key stages.
     """
     *_, heads, head_dim = q_shape
-    heads_per_tile = 2 if pairs_heads(head_dim, heads) else 1
+    pair = heads_per_tile(head_dim, heads)
     shapes = ((128, 128, 2, 2), (128, 64, 2, 2), (64, 64, 2, 2), (64, 64, 2, 1))
-    if heads_per_tile > 1:
+    if pair > 1:
         # Two heads' logit tiles in registers at once: 64 keys.
         shapes = tuple(shape for shape in shapes if shape[1] == 64)
     preferred = [
@@ -96,8 +96,8 @@ def default_tiles(
     ]
     for tiles in preferred:
         used = mosaic_shared_memory_bytes(
-            tiles, head_dim * heads_per_tile, q_dtype, bias_dtype, has_mask=True,
-            has_gate=has_gate, save_stats=save_stats, heads_per_tile=heads_per_tile,
+            tiles, head_dim * pair, q_dtype, bias_dtype, has_mask=True,
+            has_gate=has_gate, save_stats=save_stats, heads_per_tile=pair,
         )
         if used <= MAX_SHARED_MEMORY:
             return tiles
@@ -559,7 +559,7 @@ def attention_forward(
     msa_rows = tiles.msa_rows_for(rows)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     shapes = {"out": q.shape, "attention": q.shape}
-    pair = 2 if pairs_heads(head_dim, heads) else 1
+    pair = heads_per_tile(head_dim, heads)
     if pair > 1:
         if tiles.pipelined:
             raise ValueError("MosaicTiles.pipelined takes one head per tile: d >= 16")
