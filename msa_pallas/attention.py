@@ -73,8 +73,8 @@ def resolve_implementation(implementation, q, dropout_rate: float, bias=None) ->
     `implementation` when given; else, when q's dtype and head dim fit the
     kernels and no attention dropout is asked for: `"mosaic"` on a Hopper GPU
     where the Mosaic kernels take the inputs (`mosaic.common.supports`: N a
-    multiple of 8; d = 8 with an even H read as it is, other d < 16
-    zero-padded to 16), for 16-bit inputs with
+    multiple of 8; d = 8 with an even H read as it is, two heads per tile,
+    other d < 16 zero-padded to 16), for 16-bit inputs with
     N >= 192, and for float32 inputs with a float32 bias, N >= 256 and a
     multiple of 128; `"pallas"` (the Triton kernels) otherwise on a GPU;
     `"xla"` elsewhere.
@@ -166,9 +166,9 @@ def msa_row_attention(
       scale: multiplies `q . k`; default `1 / sqrt(d)`.
       implementation: `"pallas"`: the Triton kernels (any CUDA GPU; float32
         too). `"mosaic"`: the Mosaic GPU kernels, forward and backward (Hopper,
-        bfloat16 / float16, d in 16, 32, 64, 128, or d < 16: the forward
-        takes d = 8 with an even H as it is, two heads per tile, and pads
-        other d, the backward pads every d < 16, to 16; N a multiple of 8;
+        bfloat16 / float16, d in 16, 32, 64, 128, or d < 16: the kernels
+        take d = 8 with an even H as it is, two heads per tile, and other
+        d are zero-padded to 16; N a multiple of 8;
         float32 with d <= 64: the Triton forward and the Mosaic backward,
         its operands split into three bf16 pieces). `"xla"`: the plain-`jnp`
         path. None picks `"mosaic"` on a Hopper GPU for
@@ -237,7 +237,7 @@ def msa_row_attention(
             # the output sliced below (the padded columns' gradients are
             # dropped by the pad's transpose). The float32 path's Triton
             # forward takes d as it is. The Mosaic backward pads its own
-            # operands.
+            # operands where it does not pair heads.
             if not pairs_heads(head_dim, heads):
                 q, k, v = pad_head_dim(q), pad_head_dim(k), pad_head_dim(v)
                 gate = None if gate is None else pad_head_dim(gate)

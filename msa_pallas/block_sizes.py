@@ -198,13 +198,16 @@ def dbias_in_bias_tile(pieces: int, bias_dtype) -> bool:
 
 
 def mosaic_backward_shared_memory_bytes(
-    kernel: str, tiles: MosaicTiles, head_dim: int, dtype, bias_dtype
+    kernel: str, tiles: MosaicTiles, head_dim: int, dtype, bias_dtype, heads_per_tile: int = 1
 ) -> int:
     """Shared memory the backward kernel `kernel` ("dkdv", "dq" or
-    "dbias") allocates with `tiles`. float32 operands take three bf16
+    "dbias") allocates with `tiles`; `head_dim` is the width of its tiles,
+    `heads_per_tile` the heads that share one (2 for d = 8: in dk/dv and
+    dq the bias and statistics tiles of each head, and one copy per head of
+    the tiles held across the loop; dbias takes the heads one at a time). float32 operands take three bf16
     pieces each (`kernels.mosaic.common.split_float32`), and the float32
     gradients of q, k and v their own output tiles."""
-    rows, stages = tiles.msa_rows, tiles.num_stages
+    rows, stages, pair = tiles.msa_rows, tiles.num_stages, heads_per_tile
     item, bias_item = jnp.dtype(dtype).itemsize, jnp.dtype(bias_dtype).itemsize
     float32 = item == 4
     if float32:
@@ -212,18 +215,24 @@ def mosaic_backward_shared_memory_bytes(
     bias_tile = tiles.block_q * tiles.block_k * bias_item
     stats = 3 * max(tiles.block_q, 32) * 4
     mask = max(tiles.block_k, 128)
+    held_copies = 1 + (pair if pair > 1 else 0)  # the tile and its per-head copies
     if kernel == "dkdv":
-        used = 2 * rows * tiles.block_k * head_dim * item + rows * mask  # K, V, mask
+        used = 2 * held_copies * rows * tiles.block_k * head_dim * item + rows * mask  # K, V
         used += 2 * rows * tiles.block_k * head_dim * 4 if float32 else 0  # dK, dV
-        used += stages * (2 * rows * tiles.block_q * head_dim * item + rows * stats + bias_tile)
+        used += stages * (
+            2 * rows * tiles.block_q * head_dim * item + rows * pair * stats + pair * bias_tile
+        )
     elif kernel == "dq":
-        used = 2 * rows * tiles.block_q * head_dim * item + rows * stats  # q, do
+        used = 2 * held_copies * rows * tiles.block_q * head_dim * item  # q, do
+        used += rows * pair * stats
         used += rows * tiles.block_q * head_dim * 4 if float32 else 0  # dq
-        used += stages * (2 * rows * tiles.block_k * head_dim * item + rows * mask + bias_tile)
+        used += stages * (
+            2 * rows * tiles.block_k * head_dim * item + rows * mask + pair * bias_tile
+        )
     elif kernel == "dbias":
         # The bias tiles, then the float32 result tiles (for float32 q with a
         # float32 bias, the result leaves through the bias tiles).
-        used = rows * bias_tile
+        used = rows * bias_tile  # one head's at a time
         if not dbias_in_bias_tile(FLOAT32_PIECES if float32 else 1, bias_dtype):
             used += rows * tiles.block_q * tiles.block_k * 4
         used += stages * (

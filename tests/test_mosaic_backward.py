@@ -10,7 +10,7 @@ float32-accumulated `jnp.dot`s of the same 16-bit operands there
 (`common.accumulate_products`).
 
 The interpreter of jax 0.11.2 hangs on the dk/dv and dbias kernels when
-B * H > 1, and on the dbias kernel with two consumer warpgroups and a 16-bit
+B * H > 1 (B * H / 2 for d = 8, two heads per tile), and on the dbias kernel with two consumer warpgroups and a 16-bit
 bias (the compiled kernels run both in tests/test_mosaic_gpu.py: B * H up to
 8, 16-bit biases at every shape), so the interpreted cases have one batch
 element and one head, and a 16-bit bias only with one dbias consumer; they
@@ -29,6 +29,7 @@ import pytest
 
 import helpers
 import numpy_reference
+import msa_pallas
 from msa_pallas.block_sizes import (
     MosaicBackwardTiles, MosaicTiles, default_block_config, mosaic_backward_shared_memory_bytes,
     row_chunks,
@@ -142,35 +143,98 @@ def test_bias_gradient_over_row_chunks(seed):
     assert error <= helpers.tolerance(jnp.bfloat16), error
 
 
-def test_op_takes_head_dim_8(seed, monkeypatch):
-    """`implementation="mosaic"` with d = 8 (AlphaFold2's extra-MSA stack)
-    and an odd H: the op zero-pads q, k, v and the gate to 16 for the
-    forward kernel; the backward kernels read them padded to 16. Output and
-    gradients keep d = 8 and match float64. The backward kernels themselves
-    refuse d = 8. (An even H, which the forward reads as it is, two heads
-    per tile, deadlocks the interpreter in the backward kernels, H > 1: the
-    paired forward is checked in test_mosaic_forward.py, the op with it in
-    tests/test_mosaic_gpu.py::test_head_dim_8.)"""
-    heads, forward_head_dim = 1, 16
+@pytest.mark.parametrize("heads", [1, 2])
+def test_op_takes_head_dim_8(heads, seed, monkeypatch):
+    """`implementation="mosaic"` with d = 8 (AlphaFold2's extra-MSA stack).
+    An even H: every kernel reads q, k, v (and `do`) as they are, two heads
+    per 16-wide tile. An odd H: the op zero-pads q, k, v and the gate to 16
+    for the forward kernel, the backward kernels read them padded to 16,
+    and refuse d = 8 themselves. Output and gradients keep d = 8 and match
+    float64."""
+    tile_width = 8 if heads % 2 == 0 else 16
     seen = []  # (kernel, head dim of its q), in order
-    forward_kernel = mosaic_forward.attention_forward
 
-    def spied(q, *args, **kwargs):
-        seen.append(q.shape[-1])
-        return forward_kernel(q, *args, **kwargs)
+    def spy(module, name):
+        kernel = getattr(module, name)
 
-    monkeypatch.setattr(mosaic_forward, "attention_forward", spied)
+        def spied(q, *args, **kwargs):
+            seen.append((name, q.shape[-1]))
+            return kernel(q, *args, **kwargs)
+
+        monkeypatch.setattr(module, name, spied)
+
+    spy(mosaic_forward, "attention_forward")
+    for name in ("backward_dkdv", "backward_dq", "backward_dbias"):
+        spy(mosaic_backward, name)
     inputs = helpers.random_inputs(seed, 1, 2, 128, heads, 8, jnp.bfloat16, fully_masked_row=True)
-    result = helpers.fwd_bwd("mosaic")(*inputs.args)
+    q, k, v, bias, mask, gate, dout = inputs.args
+
+    @jax.jit
+    def run(q, k, v, bias, gate, dout):
+        # The mask a constant of the function: passed as an argument, with
+        # two heads per tile, the interpreter of jax 0.11.2 hangs in this
+        # function's kernels (the GPU runs it: tests/test_mosaic_gpu.py).
+        def f(q, k, v, bias, gate):
+            return msa_pallas.msa_row_attention(q, k, v, bias, mask, gate, implementation="mosaic")
+
+        out, pullback = jax.vjp(f, q, k, v, bias, gate)
+        return out, pullback(dout)
+
+    result = run(q, k, v, bias, gate, dout)
     helpers.assert_shapes_dtypes_finite(result, inputs)
     helpers.compare(
         result, helpers.numpy_results(inputs), helpers.tolerance(jnp.bfloat16),
         f"mosaic d=8 H={heads}",
     )
-    assert seen == [forward_head_dim]
-    operands, scale = residuals(inputs._replace(gate=None))
-    with pytest.raises(ValueError, match="pad it to 16"):
-        mosaic_backward.backward_dq(*operands, scale=scale, tiles=SMALL, interpret=True)
+    assert seen == [("attention_forward", tile_width), ("backward_dkdv", tile_width),
+                    ("backward_dq", tile_width), ("backward_dbias", tile_width)], seen
+    if heads % 2:
+        operands, scale = residuals(inputs._replace(gate=None))
+        with pytest.raises(ValueError, match="pad it to 16"):
+            mosaic_backward.backward_dq(*operands, scale=scale, tiles=SMALL, interpret=True)
+
+
+@pytest.mark.parametrize(
+    "bias_dtype, dbias_consumers", [(jnp.float32, 2), (jnp.bfloat16, 1)], ids=["f32", "bf16"]
+)
+def test_paired_heads_equal_the_padded_head_dim(bias_dtype, dbias_consumers, seed):
+    """d = 8 with two heads: the kernels read both heads' 16-wide tiles
+    (`mosaic_backward.tile_heads`), each head's products over its own
+    columns, so with the same tiles every gradient is that of the head
+    zero-padded to 16, bitwise but for dbias (run head by head: the interpreter hangs on the
+    dk/dv and dbias kernels with B * H > 1). An odd S, N past the last
+    whole tile, several query and key tiles, a fully masked row; with a
+    float32 bias the dbias result leaves through the bias tile, with a
+    bf16 one through a tile of its own."""
+    inputs = helpers.random_inputs(
+        seed, 1, 3, 72, 2, 8, jnp.bfloat16, bias_dtype=bias_dtype, gate=False,
+        fully_masked_row=(0, 1),
+    )
+    operands, scale = residuals(inputs)
+    assert mosaic_backward.tile_heads(inputs.q.shape, inputs.q.dtype) == 2
+    tiles = MosaicBackwardTiles(
+        dkdv=SMALL, dq=SMALL, dbias=dataclasses.replace(SMALL, msa_rows=dbias_consumers)
+    )
+    paired = run_backward(operands, scale, tiles)
+    q, k, v, bias, mask, do, stats = operands
+    pad = lambda x: jnp.pad(x, ((0, 0),) * 4 + ((0, 8),))  # noqa: E731
+    for h in range(2):
+        head = slice(h, h + 1)
+        padded = run_backward(
+            (pad(q[:, :, :, head]), pad(k[:, :, :, head]), pad(v[:, :, :, head]),
+             bias[:, head], mask, pad(do[:, :, :, head]), stats[:, :, head]),
+            scale, tiles,
+        )
+        for name, x, y in zip(("dq", "dk", "dv"), paired, padded):
+            np.testing.assert_array_equal(
+                np.asarray(x[:, :, :, head].astype(jnp.float32)),
+                np.asarray(y[..., :8].astype(jnp.float32)), err_msg=f"{name}, head {h}",
+            )
+        # The paired dbias kernel takes q and do from registers, which the
+        # interpreter multiplies with `jnp.dot`, not its wgmma: float32
+        # rounding apart here (bitwise on the GPU, tests/test_mosaic_gpu.py).
+        error = helpers.rel_err(paired[3][:, head], padded[3])
+        assert error <= 1e-6, (h, error)
 
 
 def test_float32_head_dim_8_pads_only_for_the_backward(seed, monkeypatch):
@@ -216,12 +280,12 @@ def test_ping_pong_changes_nothing(seed):
 
 def test_lowers_for_the_gpu_on_a_cpu():
     """The three kernels lower for CUDA on a machine without one, with the
-    default tiles of every head dim and both bias widths, and at N = 200
+    default tiles of every head dim (d = 8 two heads per tile) and both bias widths, and at N = 200
     (no whole number of tiles; bias rows padded to whole TMA rows) with and
     without a mask: a shape error, an unsupported layout or a misaligned
     GMEM row fails here, not first on the GPU."""
     cases = [(head_dim, 256, True) for head_dim in HEAD_DIMS]
-    cases += [(32, 200, True), (32, 200, False)]
+    cases += [(32, 200, True), (32, 200, False), (8, 384, True)]  # d = 8: two heads per tile
     for head_dim, n_res, has_mask in cases:
         for bias_dtype in (jnp.float32, jnp.bfloat16):
             shape = (1, 4, n_res, 8, head_dim)

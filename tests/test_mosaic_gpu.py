@@ -24,6 +24,7 @@ import msa_pallas
 from helpers import compare, fwd_bwd
 from msa_pallas.attention import on_hopper
 from msa_pallas.block_sizes import default_block_config
+from msa_pallas.kernels.mosaic import backward as mosaic_backward
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
 from msa_pallas.kernels.triton import forward as triton_forward
 from test_gpu import SHAPES, chunk_rows, device_inputs
@@ -200,7 +201,7 @@ def test_default_picks_on_hopper():
         bias = jnp.ones((1, 4, n_res, n_res), jnp.float32)
         return msa_pallas.resolve_implementation(None, q, 0.0, bias)
 
-    # d = 8 (the extra-MSA stack) too: the op pads it to 16.
+    # d = 8 (the extra-MSA stack) too: two heads per tile, H being even.
     for n_res, head_dim in ((256, 32), (384, 32), (384, 8), (1024, 64), (200, 32), (320, 32)):
         assert picks(n_res, head_dim) == MOSAIC, (n_res, head_dim)
     assert picks(128, 32) == picks(250, 32) == "pallas"
@@ -221,9 +222,8 @@ def test_default_against_float64(shape_id, bias_id, seed):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_head_dim_8(dtype, seed):
-    # bf16: the Mosaic forward reads d = 8 as it is, two heads per tile, and
-    # the Mosaic backward pads its own operands to 16; float32: the Triton
-    # forward reads d = 8 and the Mosaic backward pads.
+    # bf16: the Mosaic kernels read d = 8 as it is, two heads per tile;
+    # float32: the Triton forward reads d = 8 and the Mosaic backward pads.
     inputs = device_inputs(seed, (1, 4, 384, 8, 8), dtype)
     check(inputs, f"mosaic d=8 {jnp.dtype(dtype).name}")
 
@@ -250,6 +250,47 @@ def test_paired_heads_equal_the_padded_head_dim(shape, bias_dtype, seed):
     paired, padded = forward(q, k, v, gate), forward(pad(q), pad(k), pad(v), pad(gate))
     for name, x, y in zip(("out", "attention", "row_max", "row_log2_sum"), paired, padded):
         y = y[..., :8] if name in ("out", "attention") else y
+        np.testing.assert_array_equal(
+            np.asarray(x.astype(jnp.float32)), np.asarray(y.astype(jnp.float32)), err_msg=name
+        )
+
+
+@pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 4, 384, 8, 8), (2, 3, 200, 4, 8)], ids=str)
+def test_paired_backward_equals_the_padded_head_dim(shape, bias_dtype, seed):
+    """The backward kernels on d = 8 with an even H, two heads per tile
+    (`mosaic_backward.tile_heads`): with the same tiles, bitwise the
+    gradients of d zero-padded to 16 (the extra-MSA stack's N and H, then
+    an odd S, two batch elements and N past the last whole tile)."""
+    inputs = device_inputs(seed, shape, jnp.bfloat16, bias_dtype=bias_dtype)
+    q, k, v, bias, mask, _, dout = inputs.args
+    mask, scale = mask.astype(jnp.int8), 8**-0.5
+    forward_tiles = mosaic_forward.default_tiles(q.shape, q.dtype, bias.dtype, save_stats=True)
+    _, attention, row_max, row_log2_sum = mosaic_forward.attention_forward(
+        q, k, v, bias, mask, None, scale=scale, tiles=forward_tiles, interpret=False,
+        save_stats=True,
+    )
+    delta = jnp.swapaxes(jnp.sum(dout.astype(jnp.float32) * attention, -1), 2, 3)
+    stats = jnp.stack([row_max, row_log2_sum, delta], axis=3)
+    assert mosaic_backward.tile_heads(q.shape, q.dtype) == 2
+    tiles = mosaic_backward.default_tiles(q.shape, q.dtype, bias.dtype)
+
+    def backward(q, k, v, do):
+        operands = (q, k, v, bias, mask, do, stats)
+        bound = dict(scale=scale, interpret=False)
+        dk, dv = mosaic_backward.backward_dkdv(
+            *operands, tiles=tiles.dkdv, ping_pong=tiles.ping_pong, **bound
+        )
+        dq = mosaic_backward.backward_dq(
+            *operands, tiles=tiles.dq, ping_pong=tiles.ping_pong, **bound
+        )
+        return dq, dk, dv, mosaic_backward.backward_dbias(*operands, tiles=tiles.dbias, **bound)
+
+    pad = lambda x: jnp.pad(x, ((0, 0),) * 4 + ((0, 8),))  # noqa: E731
+    paired = backward(q, k, v, dout)
+    padded = backward(pad(q), pad(k), pad(v), pad(dout))
+    for name, x, y in zip(("dq", "dk", "dv", "dbias"), paired, padded):
+        y = y if name == "dbias" else y[..., :8]
         np.testing.assert_array_equal(
             np.asarray(x.astype(jnp.float32)), np.asarray(y.astype(jnp.float32)), err_msg=name
         )

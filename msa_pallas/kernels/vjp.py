@@ -140,13 +140,15 @@ def _mosaic_backward(
 
 
 def _mosaic_backward_operands(q, k, v, bias, mask, do, row_max, row_log2_sum, delta):
-    """The Mosaic backward kernels' operands: q, k, v and `do` with d < 16
-    zero-padded to 16 (`common.pad_head_dim`: the Triton forward, which a
-    float32 Mosaic backward follows, takes d = 8 as it is; for the Mosaic
-    forward the op has padded them already), and the three row statistics
-    stacked into one `[B, S, H, 3, N]` array, one TMA copy per tile instead
-    of three."""
-    q, k, v, do = (pad_head_dim(x) for x in (q, k, v, do))
+    """The Mosaic backward kernels' operands: q, k, v and `do` as they are
+    where the kernels read two heads per tile (16-bit d = 8 with an even H,
+    `mosaic.backward.tile_heads`), other d < 16 zero-padded to 16
+    (`common.pad_head_dim`; for the Mosaic forward the op has padded them
+    already, the Triton forward that a float32 Mosaic backward follows takes
+    d = 8 as it is), and the three row statistics stacked into one
+    `[B, S, H, 3, N]` array, one TMA copy per tile instead of three."""
+    if mosaic_backward.tile_heads(q.shape, q.dtype) == 1:
+        q, k, v, do = (pad_head_dim(x) for x in (q, k, v, do))
     return q, k, v, bias, mask, do, jnp.stack([row_max, row_log2_sum, delta], axis=3)
 
 

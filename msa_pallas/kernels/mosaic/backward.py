@@ -23,6 +23,17 @@ into a shared-memory ring; consumer warpgroups compute with `wgmma`).
   looping over the S MSA rows (or a chunk of them); its two consumer
   warpgroups split the query tile, and the sum over S stays in registers.
 
+d = 8 with an even H, 16-bit (`tile_heads`): the kernels read q, k, v and
+`do` as they are, heads 2h and 2h + 1 in one 16-wide tile
+(`common.pairs_heads`). dk/dv and dq take a CTA per pair of heads: the
+tiles they hold across the loop (K and V, q and do) get one copy per head
+with the other head's columns zeroed, each loop step runs the two heads
+one after the other (each its own bias tile, statistics and accumulator),
+and each head's columns of the result come from its own accumulator.
+dbias sums one head over the chunk's rows, then the other, multiplying
+q and do from registers with the other head's columns zeroed. Other
+d < 16 (and float32 d = 8) are zero-padded to 16 by the caller.
+
 float32 inputs (d <= 64): q, k, v and `do` enter as three bf16 pieces each
 (`common.split_float32`, one XLA pass), `p` and `ds` are split in registers,
 and every product is the sum of six bf16 `wgmma` products
@@ -62,11 +73,13 @@ from msa_pallas.block_sizes import (
 )
 from msa_pallas.kernels.constants import FLOAT32_PIECES, LOG2E, MASKED_LOGIT_LOG2
 from msa_pallas.kernels.mosaic.common import (
-    FLOAT32_MAX_HEAD_DIM, MAX_SHARED_MEMORY, WGMMA_COL, WGMMA_ROW, PingPong,
-    accumulate_products, accumulator_bias, aligned_residues, batch_head_and_warpgroup,
-    bias_tile, check_kernel_inputs, consumer_registers, copy_tiles, kernel_head_dim,
-    keys_before, launch, matrix_operand, operand_at, pad_residues, produce, producer_registers,
-    smem_products, smem_tile, smem_vectors, split_float32, split_tiles, transposed, zeros,
+    FLOAT32_MAX_HEAD_DIM, MAX_SHARED_MEMORY, WGMMA, WGMMA_COL, WGMMA_ROW, PingPong,
+    accumulate_products, accumulator_bias, aligned_residues, as_head_pairs,
+    batch_head_and_warpgroup, bias_tile, check_kernel_inputs, combine_head_columns,
+    consumer_registers, copy_tiles, heads_per_tile, kernel_head_dim, keys_before, launch,
+    matrix_operand, operand_at, own_head_columns, pad_residues, produce, producer_registers,
+    smem_products, smem_tile, smem_vectors, split_float32, split_tiles, store_own_head_tiles,
+    transposed, zeros,
 )
 
 def default_tiles(q_shape, q_dtype, bias_dtype) -> MosaicBackwardTiles:
@@ -80,8 +93,11 @@ def default_tiles(q_shape, q_dtype, bias_dtype) -> MosaicBackwardTiles:
     float32 inputs (three bf16 pieces per operand in shared memory, the
     split products' registers) take 64 x 64 tiles, not timed yet.
 
-    Tiles for d < 16 are chosen for the head dim the kernels see, 16."""
+    Tiles for d < 16 are chosen for the head dim the kernels see, 16 (for
+    d = 8 with two heads per tile, `tile_heads`, with the shared memory
+    of both heads' bias tiles)."""
     head_dim = kernel_head_dim(q_shape[-1])
+    pair = tile_heads(q_shape, q_dtype)
     if jnp.dtype(q_dtype) == jnp.float32 and head_dim > FLOAT32_MAX_HEAD_DIM:
         raise ValueError(
             f"head dim {head_dim} in float32: the Mosaic backward takes d <= {FLOAT32_MAX_HEAD_DIM}"
@@ -102,8 +118,9 @@ def default_tiles(q_shape, q_dtype, bias_dtype) -> MosaicBackwardTiles:
         ]
         fits = [
             tiles for tiles in candidates
-            if mosaic_backward_shared_memory_bytes(kernel, tiles, head_dim, q_dtype, bias_dtype)
-            <= MAX_SHARED_MEMORY
+            if mosaic_backward_shared_memory_bytes(
+                kernel, tiles, head_dim, q_dtype, bias_dtype, heads_per_tile=pair
+            ) <= MAX_SHARED_MEMORY
         ]
         if not fits:
             raise ValueError(f"no Mosaic {kernel} configuration fits head dim {head_dim}")
@@ -148,9 +165,12 @@ def _load_stats(stats_ref, layout):
 
 def _dkdv_kernel(
     gmem, smem, produced, consumed, schedule, *, scale: float, n_res: int, tiles: MosaicTiles,
-    msa_rows: int, heads: int, dtype, ping_pong: bool, interpret: bool,
+    msa_rows: int, heads: int, heads_per_tile: int, dtype, ping_pong: bool, interpret: bool,
 ):
+    """`heads`: the heads of q, k and v as the kernel sees them, each
+    `heads_per_tile` heads of the bias and statistics (2 for d = 8)."""
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
+    pair = heads_per_tile
     query_tiles = pl.cdiv(n_res, block_q)
     has_mask = "mask" in gmem
     batch, head, wg = batch_head_and_warpgroup(heads)
@@ -172,40 +192,55 @@ def _dkdv_kernel(
         plgpu.barrier_wait(produced["kv"].at[wg])
         if has_mask:
             keep = plgpu.load(smem["mask"].at[wg, 0, pl.ds(0, block_k)], layout=WGMMA_ROW) != 0
+        if pair == 1:
+            keys_of_head, values_of_head = (k_smem,), (v_smem,)
+        else:
+            # Each head's K and V tiles keep its own columns, so that a
+            # product with q and do tiles of both heads sums over that
+            # head's alone.
+            keys_of_head = store_own_head_tiles(k_smem, smem["k_heads"], wg)
+            values_of_head = store_own_head_tiles(v_smem, smem["v_heads"], wg)
+            plgpu.commit_smem()
         turns = PingPong(schedule, wg, enabled=ping_pong and msa_rows == 2)
         turns.start()
 
         def visit_query_tile(query_tile, carry):
-            dk, dv = carry
+            dks, dvs = (list(c) for c in carry)
             slot = lax.rem(query_tile, stages)
             plgpu.barrier_wait(produced["step"].at[slot])
             q_smem, do_smem = operand_at(smem["q"], slot, wg), operand_at(smem["do"], slot, wg)
-            s_t, dp_t = smem_products(
-                ((k_smem, transposed(q_smem)), (v_smem, transposed(do_smem))), turns.hand_over,
-                inits=(bias_tile(smem["bias"][slot], scale), None), interpret=interpret,
-            )
-            stats = _load_stats(smem["stats"].at[slot, wg], WGMMA_COL)
-            p_t, ds_t = _recompute(
-                s_t, dp_t, keep, stats, scale=scale, query_axis=1, with_p=True
-            )
-            # Finish the elementwise work before handing the turn over.
-            p_t, ds_t = lax.optimization_barrier(
-                (matrix_operand(p_t, dtype), matrix_operand(ds_t, dtype))
-            )
-            turns.release()
-            turns.take_turn()
-            dv, dk = accumulate_products(
-                (dv, dk), (p_t, ds_t), (do_smem, q_smem), interpret
-            )
+            # One head after the other, each a full turn: the registers hold
+            # one head's logits at a time.
+            for h in range(pair):
+                s_t, dp_t = smem_products(
+                    ((keys_of_head[h], transposed(q_smem)),
+                     (values_of_head[h], transposed(do_smem))),
+                    turns.hand_over, inits=(bias_tile(smem["bias"][slot, h], scale), None),
+                    interpret=interpret,
+                )
+                stats = _load_stats(smem["stats"].at[slot, wg, h], WGMMA_COL)
+                p_t, ds_t = _recompute(
+                    s_t, dp_t, keep, stats, scale=scale, query_axis=1, with_p=True
+                )
+                # Finish the elementwise work before handing the turn over.
+                p_t, ds_t = lax.optimization_barrier(
+                    (matrix_operand(p_t, dtype), matrix_operand(ds_t, dtype))
+                )
+                turns.release()
+                turns.take_turn()
+                # Against q and do tiles of both heads: this head's columns of
+                # dv and dk are right, the other's are dropped below.
+                dvs[h], dks[h] = accumulate_products(
+                    (dvs[h], dks[h]), (p_t, ds_t), (do_smem, q_smem), interpret
+                )
             plgpu.barrier_arrive(consumed.at[slot])
-            return dk, dv
+            return tuple(dks), tuple(dvs)
 
-        head_dim = gmem["dk"].shape[-1]
-        dk, dv = lax.fori_loop(
-            0, query_tiles, visit_query_tile,
-            (zeros((block_k, head_dim)), zeros((block_k, head_dim))),
-        )
+        tile_dim = gmem["dk"].shape[-1]
+        start = (zeros((block_k, tile_dim)),) * pair
+        dks, dvs = lax.fori_loop(0, query_tiles, visit_query_tile, (start, start))
         turns.finish()
+        dk, dv = combine_head_columns(dks), combine_head_columns(dvs)
         # 16-bit: K's and V's tiles are free again and hold the gradients on their way out.
         dk_smem, dv_smem = (
             (smem["dk"].at[wg], smem["dv"].at[wg]) if "dk" in smem else (k_smem, v_smem)
@@ -229,21 +264,25 @@ def _dkdv_kernel(
                 row = first_row + r
                 copy_tiles(gmem, smem, ("q", "do"), (batch, row, queries, head), (slot, r), barrier)
                 plgpu.copy_gmem_to_smem(
-                    gmem["stats"].at[batch, row, head, :, queries], smem["stats"].at[slot, r],
-                    barrier,
+                    gmem["stats"].at[batch, row, pl.ds(head * pair, pair), :, queries],
+                    smem["stats"].at[slot, r], barrier,
                 )
-            plgpu.copy_gmem_to_smem(
-                gmem["bias_t"].at[batch, head, keys, queries], smem["bias"].at[slot], barrier
-            )
+            for h in range(pair):
+                plgpu.copy_gmem_to_smem(
+                    gmem["bias_t"].at[batch, head * pair + h, keys, queries],
+                    smem["bias"].at[slot, h], barrier,
+                )
 
         produce(query_tiles, stages, issue_copies, consumed)
 
 
 def _dq_kernel(
     gmem, smem, produced, consumed, schedule, *, scale: float, n_res: int, tiles: MosaicTiles,
-    msa_rows: int, heads: int, dtype, ping_pong: bool, interpret: bool,
+    msa_rows: int, heads: int, heads_per_tile: int, dtype, ping_pong: bool, interpret: bool,
 ):
+    """`heads` and `heads_per_tile` as in `_dkdv_kernel`."""
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
+    pair = heads_per_tile
     key_tiles = pl.cdiv(n_res, block_k)
     has_mask = "mask" in gmem
     batch, head, wg = batch_head_and_warpgroup(heads)
@@ -257,43 +296,59 @@ def _dq_kernel(
         q_smem, do_smem = operand_at(smem["q"], wg), operand_at(smem["do"], wg)
         copy_tiles(gmem, smem, ("q", "do"), (batch, row, queries, head), wg, produced["q"].at[wg])
         plgpu.copy_gmem_to_smem(
-            gmem["stats"].at[batch, row, head, :, queries], smem["stats"].at[wg],
-            produced["q"].at[wg],
+            gmem["stats"].at[batch, row, pl.ds(head * pair, pair), :, queries],
+            smem["stats"].at[wg], produced["q"].at[wg],
         )
         plgpu.barrier_wait(produced["q"].at[wg])
-        stats = _load_stats(smem["stats"].at[wg], WGMMA_ROW)
+        stats = [_load_stats(smem["stats"].at[wg, h], WGMMA_ROW) for h in range(pair)]
+        if pair == 1:
+            queries_of_head, douts_of_head = (q_smem,), (do_smem,)
+        else:
+            # As in dk/dv: each head's q and do tiles keep its own columns.
+            queries_of_head = store_own_head_tiles(q_smem, smem["q_heads"], wg)
+            douts_of_head = store_own_head_tiles(do_smem, smem["do_heads"], wg)
+            plgpu.commit_smem()
         turns = PingPong(schedule, wg, enabled=ping_pong and msa_rows == 2)
         turns.start()
 
-        def visit_key_tile(key_tile, dq):
+        def visit_key_tile(key_tile, dqs):
+            dqs = list(dqs)
             slot = lax.rem(key_tile, stages)
             plgpu.barrier_wait(produced["step"].at[slot])
             k_smem, v_smem = operand_at(smem["k"], slot, wg), operand_at(smem["v"], slot, wg)
-            s, dp = smem_products(
-                ((q_smem, transposed(k_smem)), (do_smem, transposed(v_smem))), turns.hand_over,
-                inits=(bias_tile(smem["bias"][slot], scale), None), interpret=interpret,
-            )
-            keep = None
-            if has_mask:
-                keep = plgpu.load(
-                    smem["mask"].at[slot, wg, 0, pl.ds(0, block_k)], layout=WGMMA_COL
-                ) != 0
-            _, ds = _recompute(s, dp, keep, stats, scale=scale, query_axis=0, with_p=False)
-            if keep is None and n_res % block_k:
-                # Keys past N read zeros, whose probability is not 0: their
-                # ds must not reach dq (with a mask, the zeros read there
-                # mask them).
-                ds = jnp.where(keys_before(n_res, key_tile, block_k, ds.shape), ds, 0.0)
-            ds = lax.optimization_barrier(matrix_operand(ds, dtype))
-            turns.release()
-            turns.take_turn()
-            (dq,) = accumulate_products((dq,), (ds,), (k_smem,), interpret)
+            for h in range(pair):
+                s, dp = smem_products(
+                    ((queries_of_head[h], transposed(k_smem)),
+                     (douts_of_head[h], transposed(v_smem))),
+                    turns.hand_over, inits=(bias_tile(smem["bias"][slot, h], scale), None),
+                    interpret=interpret,
+                )
+                keep = None
+                if has_mask:
+                    keep = plgpu.load(
+                        smem["mask"].at[slot, wg, 0, pl.ds(0, block_k)], layout=WGMMA_COL
+                    ) != 0
+                _, ds = _recompute(s, dp, keep, stats[h], scale=scale, query_axis=0, with_p=False)
+                if keep is None and n_res % block_k:
+                    # Keys past N read zeros, whose probability is not 0: their
+                    # ds must not reach dq (with a mask, the zeros read there
+                    # mask them).
+                    ds = jnp.where(keys_before(n_res, key_tile, block_k, ds.shape), ds, 0.0)
+                ds = lax.optimization_barrier(matrix_operand(ds, dtype))
+                turns.release()
+                turns.take_turn()
+                # Against K tiles of both heads: the other head's columns are
+                # dropped below.
+                (dqs[h],) = accumulate_products((dqs[h],), (ds,), (k_smem,), interpret)
             plgpu.barrier_arrive(consumed.at[slot])
-            return dq
+            return tuple(dqs)
 
-        head_dim = gmem["dq"].shape[-1]
-        dq = lax.fori_loop(0, key_tiles, visit_key_tile, zeros((block_q, head_dim)))
+        tile_dim = gmem["dq"].shape[-1]
+        dqs = lax.fori_loop(
+            0, key_tiles, visit_key_tile, (zeros((block_q, tile_dim)),) * pair
+        )
         turns.finish()
+        dq = combine_head_columns(dqs)
         # 16-bit: q's tile is free again and holds dq on its way out.
         out_smem = smem["dq"].at[wg] if "dq" in smem else q_smem
         out_smem[...] = (dq * scale).astype(dtype)
@@ -317,18 +372,24 @@ def _dq_kernel(
                         gmem["mask"].at[batch, pl.ds(row, 1), keys],
                         smem["mask"].at[slot, r, :, pl.ds(0, block_k)], barrier,
                     )
-            plgpu.copy_gmem_to_smem(
-                gmem["bias"].at[batch, head, queries, keys], smem["bias"].at[slot], barrier
-            )
+            for h in range(pair):
+                plgpu.copy_gmem_to_smem(
+                    gmem["bias"].at[batch, head * pair + h, queries, keys],
+                    smem["bias"].at[slot, h], barrier,
+                )
 
         produce(key_tiles, stages, issue_copies, consumed)
 
 
 def _dbias_kernel(
     gmem, smem, produced, consumed, *, scale: float, tiles: MosaicTiles, consumers: int,
-    rows_per_chunk: int, batch_heads: int, heads: int, interpret: bool,
+    rows_per_chunk: int, batch_heads: int, heads: int, heads_per_tile: int, interpret: bool,
 ):
+    """`heads` and `heads_per_tile` as in `_dkdv_kernel`: with two heads per
+    tile the CTA sums one head's gradient over the chunk's rows, then the
+    other's, each head's bias tile loaded into the same shared memory."""
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
+    pair = heads_per_tile
     has_mask = "mask" in gmem
     chunk_batch_head = lax.axis_index("chunk_batch_heads")
     chunk = lax.div(chunk_batch_head, batch_heads)
@@ -343,43 +404,69 @@ def _dbias_kernel(
     def _consumer():
         consumer_registers(consumers)
         queries = pl.ds(cta_queries + wg * block_q, block_q)
-        plgpu.copy_gmem_to_smem(
-            gmem["bias"].at[batch, head, queries, keys], smem["bias"].at[wg],
-            produced["bias"].at[wg],
-        )
-        plgpu.barrier_wait(produced["bias"].at[wg])
 
-        def visit_msa_row(step, dbias):
-            slot = lax.rem(step, stages)
-            plgpu.barrier_wait(produced["step"].at[slot])
+        def logit_products(h, slot):
+            """`q k^T` started from head h's bias tile, and `do v^T`."""
             q_smem, do_smem = (operand_at(smem[n], slot, wg) for n in ("q", "do"))
             k_smem, v_smem = (operand_at(smem[n], slot) for n in ("k", "v"))
             # The bias tile is read from shared memory at every step (held in
             # registers across the loop, a float32 tile would crowd out s and
             # dp) into the logits' accumulator.
-            s, dp = smem_products(
-                ((q_smem, transposed(k_smem)), (do_smem, transposed(v_smem))),
-                inits=(bias_tile(smem["bias"][wg], scale), None), interpret=interpret,
+            bias = bias_tile(smem["bias"][wg], scale)
+            if pair == 1:
+                return smem_products(
+                    ((q_smem, transposed(k_smem)), (do_smem, transposed(v_smem))),
+                    inits=(bias, None), interpret=interpret,
+                )
+            # q and do tiles of both heads, from registers with the other
+            # head's columns zeroed: the products sum over head h's alone.
+            own_q, own_do = (
+                own_head_columns(plgpu.load(tile, layout=WGMMA), pair)[h]
+                for tile in (q_smem, do_smem)
             )
-            stats = _load_stats(smem["stats"].at[slot, wg], WGMMA_ROW)
-            keep = None
-            if has_mask:
-                keep = plgpu.load(
-                    smem["mask"].at[slot, 0, pl.ds(0, block_k)], layout=WGMMA_COL
-                ) != 0
-            plgpu.barrier_arrive(consumed.at[slot])
-            _, ds = _recompute(s, dp, keep, stats, scale=scale, query_axis=0, with_p=False)
-            return dbias + ds
+            return accumulate_products(
+                (bias, zeros((block_q, block_k))), (own_q, own_do),
+                (transposed(k_smem), transposed(v_smem)), interpret,
+            )
 
-        dbias = lax.fori_loop(0, rows_per_chunk, visit_msa_row, zeros((block_q, block_k)))
-        # Without a tile of its own, the result leaves through the float32
-        # bias tile, which this consumer alone has read.
-        out_smem = smem["dbias"] if "dbias" in smem else smem["bias"]
-        out_smem[wg] = dbias
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(
-            out_smem.at[wg], gmem["dbias"].at[chunk, batch, head, queries, keys]
-        )
+        for h in range(pair):
+            if h > 0 and "dbias" not in smem:
+                # The previous head's result is leaving through the bias tile.
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            plgpu.copy_gmem_to_smem(
+                gmem["bias"].at[batch, head * pair + h, queries, keys], smem["bias"].at[wg],
+                produced["bias"].at[wg],
+            )
+            plgpu.barrier_wait(produced["bias"].at[wg])
+
+            def visit_msa_row(row, dbias, h=h):
+                slot = lax.rem(h * rows_per_chunk + row, stages)
+                plgpu.barrier_wait(produced["step"].at[slot])
+                s, dp = logit_products(h, slot)
+                stats = _load_stats(smem["stats"].at[slot, wg], WGMMA_ROW)
+                keep = None
+                if has_mask:
+                    keep = plgpu.load(
+                        smem["mask"].at[slot, 0, pl.ds(0, block_k)], layout=WGMMA_COL
+                    ) != 0
+                plgpu.barrier_arrive(consumed.at[slot])
+                _, ds = _recompute(s, dp, keep, stats, scale=scale, query_axis=0, with_p=False)
+                return dbias + ds
+
+            dbias = lax.fori_loop(0, rows_per_chunk, visit_msa_row, zeros((block_q, block_k)))
+            # Without a tile of its own, the result leaves through the float32
+            # bias tile, which this consumer alone has read.
+            if "dbias" in smem:
+                out_smem = smem["dbias"].at[wg]
+                if h > 0:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            else:
+                out_smem = smem["bias"].at[wg]
+            out_smem[...] = dbias
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(
+                out_smem, gmem["dbias"].at[chunk, batch, head * pair + h, queries, keys]
+            )
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == consumers)
@@ -387,14 +474,17 @@ def _dbias_kernel(
         producer_registers()
 
         def issue_copies(step, slot):
-            row = first_row + step
+            # Step h * rows_per_chunk + r: row r of the chunk for head h.
+            h, row = 0, first_row + step
+            if pair > 1:
+                h, row = lax.div(step, rows_per_chunk), first_row + lax.rem(step, rows_per_chunk)
             barrier = produced["step"].at[slot]
             for w in range(consumers):
                 queries = pl.ds(cta_queries + w * block_q, block_q)
                 copy_tiles(gmem, smem, ("q", "do"), (batch, row, queries, head), (slot, w), barrier)
                 plgpu.copy_gmem_to_smem(
-                    gmem["stats"].at[batch, row, head, :, queries], smem["stats"].at[slot, w],
-                    barrier,
+                    gmem["stats"].at[batch, row, head * pair + h, :, queries],
+                    smem["stats"].at[slot, w], barrier,
                 )
             copy_tiles(gmem, smem, ("k", "v"), (batch, row, keys, head), slot, barrier)
             if has_mask:
@@ -403,7 +493,7 @@ def _dbias_kernel(
                     smem["mask"].at[slot, :, pl.ds(0, block_k)], barrier,
                 )
 
-        produce(rows_per_chunk, stages, issue_copies, consumed)
+        produce(pair * rows_per_chunk, stages, issue_copies, consumed)
 
 
 def _split_operands(*operands):
@@ -425,6 +515,22 @@ def _operands(**named):
     }
 
 
+def tile_heads(q_shape, dtype) -> int:
+    """The heads in one tile of the backward kernels: 2 where they read d = 8
+    as it is (16-bit inputs, an even H: `common.pairs_heads`), else 1."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return 1
+    return heads_per_tile(q_shape[-1], q_shape[-2])
+
+
+def _tiles_of_head_pairs(pair: int, *operands):
+    """q, k, v and do as the kernels read them: `[..., H / 2, 16]` for two
+    heads per tile (`common.as_head_pairs`), else as they are."""
+    if pair == 1:
+        return operands
+    return tuple(as_head_pairs(x, pair) for x in operands)
+
+
 def _step_scratch(copies: int, stages: int, consumers: int):
     produced = plgpu.Barrier(num_arrivals=copies, num_barriers=stages)
     consumed = plgpu.Barrier(num_arrivals=consumers, num_barriers=stages)
@@ -438,32 +544,41 @@ def backward_dkdv(
 ):
     """dk, dv `[B, S, N, H, d]` in q's dtype (arguments as in the module
     docstring; float32 q, k, v and do as in `backward_dbias`)."""
-    check_kernel_inputs(q, bias, float32=True)
-    batch, rows, n_res, heads, head_dim = q.shape
+    check_kernel_inputs(q, bias, float32=True, paired_heads=q.dtype != jnp.float32)
+    batch, rows, n_res, heads, _ = q.shape
     msa_rows = tiles.msa_rows_for(rows)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
-    pieces, (q_in, k, v, do) = _split_operands(q, k, v, do)
+    pair = tile_heads(q.shape, q.dtype)
+    pieces, (q_in, k, v, do) = _split_operands(*_tiles_of_head_pairs(pair, q, k, v, do))
     inputs = _operands(
         q=q_in, k=k, v=v, bias_t=jnp.swapaxes(accumulator_bias(bias, scale), -1, -2),
         mask=mask, do=do, stats=stats,
     )
-    out_types = {"dk": jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 "dv": jax.ShapeDtypeStruct(q.shape, q.dtype)}
+    tile_dim = k.shape[-1]
+    out_types = {"dk": jax.ShapeDtypeStruct(k.shape[pieces > 1:], q.dtype),
+                 "dv": jax.ShapeDtypeStruct(k.shape[pieces > 1:], q.dtype)}
     operand_tiles = lambda shape: split_tiles(shape, q.dtype, pieces)  # noqa: E731
     smem = {
-        "k": operand_tiles((msa_rows, block_k, head_dim)),
-        "v": operand_tiles((msa_rows, block_k, head_dim)),
-        "q": operand_tiles((stages, msa_rows, block_q, head_dim)),
-        "do": operand_tiles((stages, msa_rows, block_q, head_dim)),
-        "stats": smem_vectors((stages, msa_rows, 3, block_q), jnp.float32),
-        "bias": smem_tile((stages, block_k, block_q), bias.dtype),
+        "k": operand_tiles((msa_rows, block_k, tile_dim)),
+        "v": operand_tiles((msa_rows, block_k, tile_dim)),
+        "q": operand_tiles((stages, msa_rows, block_q, tile_dim)),
+        "do": operand_tiles((stages, msa_rows, block_q, tile_dim)),
+        "stats": smem_vectors((stages, msa_rows, pair, 3, block_q), jnp.float32),
+        "bias": smem_tile((stages, pair, block_k, block_q), bias.dtype),
     }
+    if pair > 1:
+        for name in ("k_heads", "v_heads"):
+            smem[name] = tuple(
+                smem_tile((msa_rows, block_k, tile_dim), q.dtype) for _ in range(pair)
+            )
     if pieces > 1:
-        smem["dk"] = smem_tile((msa_rows, block_k, head_dim), jnp.float32)
-        smem["dv"] = smem_tile((msa_rows, block_k, head_dim), jnp.float32)
+        smem["dk"] = smem_tile((msa_rows, block_k, tile_dim), jnp.float32)
+        smem["dv"] = smem_tile((msa_rows, block_k, tile_dim), jnp.float32)
     if mask is not None:
         smem["mask"] = smem_vectors((msa_rows, 1, block_k), mask.dtype)
-    produced_step, consumed = _step_scratch((2 * pieces + 1) * msa_rows + 1, stages, msa_rows)
+    produced_step, consumed = _step_scratch(
+        (2 * pieces + 1) * msa_rows + pair, stages, msa_rows
+    )
     kv_copies = 2 * pieces + (1 if mask is not None else 0)
     produced = {
         "kv": plgpu.Barrier(num_arrivals=kv_copies, num_barriers=msa_rows),
@@ -471,17 +586,18 @@ def backward_dkdv(
     }
     body = functools.partial(
         _dkdv_kernel, scale=scale, n_res=n_res, tiles=tiles,
-        msa_rows=msa_rows, heads=heads, dtype=q.dtype, ping_pong=ping_pong,
-        interpret=interpret,
+        msa_rows=msa_rows, heads=heads // pair, heads_per_tile=pair, dtype=q.dtype,
+        ping_pong=ping_pong, interpret=interpret,
     )
-    return launch(
+    dk, dv = launch(
         body, name="msa_mosaic_dkdv",
         scratch=(smem, produced, consumed, plgpu.Barrier(num_arrivals=msa_rows)),
         inputs=inputs, out_types=out_types,
-        grid=(rows // msa_rows, pl.cdiv(n_res, block_k), batch * heads),
+        grid=(rows // msa_rows, pl.cdiv(n_res, block_k), batch * heads // pair),
         grid_names=("row_groups", "key_tiles", "batch_heads"),
         consumers=msa_rows, interpret=interpret,
     )
+    return dk.reshape(q.shape), dv.reshape(q.shape)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret", "ping_pong"))
@@ -491,28 +607,35 @@ def backward_dq(
 ):
     """dq `[B, S, N, H, d]` in q's dtype (arguments as in the module
     docstring; float32 q, k, v and do as in `backward_dbias`)."""
-    check_kernel_inputs(q, bias, float32=True)
-    batch, rows, n_res, heads, head_dim = q.shape
+    check_kernel_inputs(q, bias, float32=True, paired_heads=q.dtype != jnp.float32)
+    batch, rows, n_res, heads, _ = q.shape
     msa_rows = tiles.msa_rows_for(rows)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
-    pieces, (q_in, k, v, do) = _split_operands(q, k, v, do)
+    pair = tile_heads(q.shape, q.dtype)
+    pieces, (q_in, k, v, do) = _split_operands(*_tiles_of_head_pairs(pair, q, k, v, do))
     inputs = _operands(
         q=q_in, k=k, v=v, bias=accumulator_bias(bias, scale), mask=mask, do=do,
         stats=stats,
     )
-    out_types = {"dq": jax.ShapeDtypeStruct(q.shape, q.dtype)}
+    tile_dim = k.shape[-1]
+    out_types = {"dq": jax.ShapeDtypeStruct(k.shape[pieces > 1:], q.dtype)}
     operand_tiles = lambda shape: split_tiles(shape, q.dtype, pieces)  # noqa: E731
     smem = {
-        "q": operand_tiles((msa_rows, block_q, head_dim)),
-        "do": operand_tiles((msa_rows, block_q, head_dim)),
-        "stats": smem_vectors((msa_rows, 3, block_q), jnp.float32),
-        "k": operand_tiles((stages, msa_rows, block_k, head_dim)),
-        "v": operand_tiles((stages, msa_rows, block_k, head_dim)),
-        "bias": smem_tile((stages, block_q, block_k), bias.dtype),
+        "q": operand_tiles((msa_rows, block_q, tile_dim)),
+        "do": operand_tiles((msa_rows, block_q, tile_dim)),
+        "stats": smem_vectors((msa_rows, pair, 3, block_q), jnp.float32),
+        "k": operand_tiles((stages, msa_rows, block_k, tile_dim)),
+        "v": operand_tiles((stages, msa_rows, block_k, tile_dim)),
+        "bias": smem_tile((stages, pair, block_q, block_k), bias.dtype),
     }
+    if pair > 1:
+        for name in ("q_heads", "do_heads"):
+            smem[name] = tuple(
+                smem_tile((msa_rows, block_q, tile_dim), q.dtype) for _ in range(pair)
+            )
     if pieces > 1:
-        smem["dq"] = smem_tile((msa_rows, block_q, head_dim), jnp.float32)
-    copies = 2 * msa_rows * pieces + 1
+        smem["dq"] = smem_tile((msa_rows, block_q, tile_dim), jnp.float32)
+    copies = 2 * msa_rows * pieces + pair
     if mask is not None:
         smem["mask"] = smem_vectors((stages, msa_rows, 1, block_k), mask.dtype)
         copies += msa_rows
@@ -523,18 +646,18 @@ def backward_dq(
     }
     body = functools.partial(
         _dq_kernel, scale=scale, n_res=n_res, tiles=tiles,
-        msa_rows=msa_rows, heads=heads, dtype=q.dtype, ping_pong=ping_pong,
-        interpret=interpret,
+        msa_rows=msa_rows, heads=heads // pair, heads_per_tile=pair, dtype=q.dtype,
+        ping_pong=ping_pong, interpret=interpret,
     )
     (dq,) = launch(
         body, name="msa_mosaic_dq",
         scratch=(smem, produced, consumed, plgpu.Barrier(num_arrivals=msa_rows)),
         inputs=inputs, out_types=out_types,
-        grid=(rows // msa_rows, pl.cdiv(n_res, block_q), batch * heads),
+        grid=(rows // msa_rows, pl.cdiv(n_res, block_q), batch * heads // pair),
         grid_names=("row_groups", "query_tiles", "batch_heads"),
         consumers=msa_rows, interpret=interpret,
     )
-    return dq
+    return dq.reshape(q.shape)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
@@ -553,14 +676,16 @@ def backward_dbias(
     the sum of the pieces' products (`common.piece_pairs`): float32
     accuracy from the 16-bit `wgmma`.
     """
-    check_kernel_inputs(q, bias, float32=True)
-    batch, rows, n_res, heads, head_dim = q.shape
+    check_kernel_inputs(q, bias, float32=True, paired_heads=q.dtype != jnp.float32)
+    batch, rows, n_res, heads, _ = q.shape
     consumers = tiles.msa_rows
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     query_tiles = pl.cdiv(n_res, block_q * consumers)
     key_tiles = pl.cdiv(n_res, block_k)
-    chunks = row_chunks(query_tiles * key_tiles * batch * heads, rows)
-    pieces, (q, k, v, do) = _split_operands(q, k, v, do)
+    pair = tile_heads(q.shape, q.dtype)
+    chunks = row_chunks(query_tiles * key_tiles * batch * heads // pair, rows)
+    pieces, (q, k, v, do) = _split_operands(*_tiles_of_head_pairs(pair, q, k, v, do))
+    tile_dim = k.shape[-1]
     inputs = _operands(
         q=q, k=k, v=v, bias=accumulator_bias(bias, scale), mask=mask, do=do,
         stats=stats,
@@ -573,11 +698,11 @@ def backward_dbias(
     if not dbias_in_bias_tile(pieces, bias.dtype):
         smem["dbias"] = smem_tile((consumers, block_q, block_k), jnp.float32)
     smem |= {
-        "q": operand_tiles((stages, consumers, block_q, head_dim)),
-        "do": operand_tiles((stages, consumers, block_q, head_dim)),
+        "q": operand_tiles((stages, consumers, block_q, tile_dim)),
+        "do": operand_tiles((stages, consumers, block_q, tile_dim)),
         "stats": smem_vectors((stages, consumers, 3, block_q), jnp.float32),
-        "k": operand_tiles((stages, block_k, head_dim)),
-        "v": operand_tiles((stages, block_k, head_dim)),
+        "k": operand_tiles((stages, block_k, tile_dim)),
+        "v": operand_tiles((stages, block_k, tile_dim)),
     }
     copies = (2 * consumers + 2) * pieces + consumers
     if mask is not None:
@@ -589,14 +714,14 @@ def backward_dbias(
         "step": produced_step,
     }
     body = functools.partial(
-        _dbias_kernel, scale=scale, tiles=tiles,
-        consumers=consumers, rows_per_chunk=rows // chunks, batch_heads=batch * heads,
-        heads=heads, interpret=interpret,
+        _dbias_kernel, scale=scale, tiles=tiles, consumers=consumers,
+        rows_per_chunk=rows // chunks, batch_heads=batch * heads // pair,
+        heads=heads // pair, heads_per_tile=pair, interpret=interpret,
     )
     (partial_sums,) = launch(
         body, name="msa_mosaic_dbias", scratch=(smem, produced, consumed),
         inputs=inputs, out_types=out_types,
-        grid=(query_tiles, key_tiles, chunks * batch * heads),
+        grid=(query_tiles, key_tiles, chunks * batch * heads // pair),
         grid_names=("query_tiles", "key_tiles", "chunk_batch_heads"),
         consumers=consumers, interpret=interpret,
     )

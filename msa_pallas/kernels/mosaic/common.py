@@ -66,9 +66,10 @@ def supports(q_shape, q_dtype, bias_dtype) -> str | None:
     Mosaic backward, whose kernels read each float32 operand as three bf16
     pieces (`split_float32`).
 
-    Head dims below 16 are accepted: the forward takes d = 8 with an even
-    number of heads as it is (`pairs_heads`), the op zero-pads other ones,
-    and the backward kernels' operands, to 16 (`kernel_head_dim`).
+    Head dims below 16 are accepted: the kernels take d = 8 with an even
+    number of heads as it is (`pairs_heads`; the float32 backward's bf16
+    pieces are zero-padded to 16), the op zero-pads other ones to 16
+    (`kernel_head_dim`).
 
     Args:
       q_shape: `[B, S, N, H, d]`.
@@ -125,16 +126,70 @@ def kernel_head_dim(head_dim: int) -> int:
 
 
 def pairs_heads(head_dim: int, heads: int) -> bool:
-    """Whether the forward kernel reads d = 8 as it is, heads 2h and 2h + 1
-    in one 16-wide tile of the `[..., H / 2, 16]` view of `[..., H, 8]`
-    (no padded copy in HBM): it multiplies by K and V tiles of both heads,
-    with the other head's half of each q tile zeroed in shared memory."""
+    """Whether the kernels read d = 8 as it is, heads 2h and 2h + 1 in one
+    16-wide tile of the `[..., H / 2, 16]` view of `[..., H, 8]` (no padded
+    copy in HBM): every product over d takes one operand with the other
+    head's half zeroed (`own_head_columns`), every product into d keeps
+    its own head's half (`combine_head_columns`). The forward, and the
+    backward for 16-bit inputs (`backward.tile_heads`)."""
     return head_dim == PAIRED_HEAD_DIM and heads % 2 == 0
 
 
 def heads_per_tile(head_dim: int, heads: int) -> int:
-    """Heads in one tile of the forward kernel: 2 where `pairs_heads`, else 1."""
+    """Heads in one tile of the Mosaic kernels: 2 where `pairs_heads`, else 1."""
     return 2 if pairs_heads(head_dim, heads) else 1
+
+
+def as_head_pairs(x, heads_per_tile: int):
+    """`[..., H, d]` seen as `[..., H / heads_per_tile, heads_per_tile * d]`
+    (a free reshape): heads `2h` and `2h + 1` of d = 8 in one 16-wide tile."""
+    *lead, heads, head_dim = x.shape
+    return x.reshape(*lead, heads // heads_per_tile, head_dim * heads_per_tile)
+
+
+def head_of_columns(shape, heads_per_tile: int):
+    """`[rows, width]` int32 in the wgmma layout: the head of the tile
+    (of `heads_per_tile`, each `width / heads_per_tile` columns wide) that
+    each column belongs to."""
+    column = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WGMMA)
+    head_dim = shape[-1] // heads_per_tile
+    head = jnp.zeros_like(column)
+    for h in range(1, heads_per_tile):
+        head = jnp.where(column >= h * head_dim, h, head)
+    return head
+
+
+def own_head_columns(tile, heads_per_tile: int) -> tuple:
+    """A tile of several heads (`[rows, heads_per_tile * d]`, registers, the
+    wgmma layout) as one copy per head with the other heads' columns
+    zeroed: a product over the columns with such a copy sums over that
+    head's alone."""
+    head = head_of_columns(tile.shape, heads_per_tile)
+    return tuple(
+        jnp.where(head == h, tile, jnp.zeros_like(tile)) for h in range(heads_per_tile)
+    )
+
+
+def combine_head_columns(per_head):
+    """One tile of several heads from one tile per head (each `[rows,
+    width]`, the wgmma layout): each head's columns from its own tile."""
+    combined = per_head[0]
+    if len(per_head) > 1:
+        head = head_of_columns(combined.shape, len(per_head))
+        for h in range(1, len(per_head)):
+            combined = jnp.where(head == h, per_head[h], combined)
+    return combined
+
+
+def store_own_head_tiles(tile_ref, head_refs, index) -> tuple:
+    """Writes `own_head_columns` of the shared-memory tile `tile_ref` to
+    `head_refs[h].at[index]`, one ref per head (a wgmma operand indexed by a
+    constant fails to lower), and returns those views. The caller commits
+    the writes (`plgpu.commit_smem`) before a `wgmma` reads them."""
+    tile = plgpu.load(tile_ref, layout=WGMMA)
+    for ref, own in zip(head_refs, own_head_columns(tile, len(head_refs))):
+        ref[index] = own
+    return tuple(ref.at[index] for ref in head_refs)
 
 
 def pad_head_dim(x):

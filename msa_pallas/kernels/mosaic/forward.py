@@ -60,10 +60,10 @@ from msa_pallas.block_sizes import MosaicTiles, mosaic_shared_memory_bytes
 from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2
 from msa_pallas.kernels.mosaic.common import (
     MAX_SHARED_MEMORY, WGMMA, WGMMA_COL, WGMMA_ROW, PingPong, accumulate_products,
-    accumulator_bias, batch_head_and_warpgroup, bias_tile, check_kernel_inputs,
-    consumer_registers, heads_per_tile, keys_before, launch, masked_accumulator_logit,
-    multiprocessors, pad_residues, producer_registers, sigmoid, smem_products, smem_tile,
-    smem_vectors,
+    accumulator_bias, as_head_pairs, batch_head_and_warpgroup, bias_tile, check_kernel_inputs,
+    combine_head_columns, consumer_registers, heads_per_tile, keys_before, launch,
+    masked_accumulator_logit, multiprocessors, pad_residues, producer_registers, sigmoid,
+    smem_products, smem_tile, smem_vectors, store_own_head_tiles,
 )
 
 
@@ -121,9 +121,6 @@ def _kernel(
     masked = masked_accumulator_logit(scale)
     wg = lax.axis_index("wg")
 
-    def columns(shape):
-        return plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WGMMA)
-
     def load_own(name, work):
         """The consumer's own copy of its q or gate tile for item `work`.
         Both complete the consumer's "q" barrier, which the consumer waits
@@ -149,19 +146,13 @@ def _kernel(
         plgpu.barrier_wait(produced["q"].at[wg])
 
         tile_dim = q_smem.shape[-1]
-        head_dim = tile_dim // pair
         if pair == 1:
             queries_of_head = (q_smem,)
         else:
             # Each head's q tile keeps its own columns: a product with a K
             # tile of both heads then sums over that head's alone.
-            both = plgpu.load(q_smem, (), layout=WGMMA)
-            column = columns(both.shape)
-            for h in range(pair):
-                own = (column >= h * head_dim) & (column < (h + 1) * head_dim)
-                smem["q_heads"][h][wg] = jnp.where(own, both, jnp.zeros_like(both))
+            queries_of_head = store_own_head_tiles(q_smem, smem["q_heads"], wg)
             plgpu.commit_smem()
-            queries_of_head = tuple(tile.at[wg] for tile in smem["q_heads"])
         row_max = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), WGMMA_ROW)
         row_sum = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), WGMMA_ROW)
 
@@ -372,9 +363,7 @@ def _kernel(
             acc * lax.broadcast_in_dim(1.0 / row_sum, acc.shape, [0])
             for acc, row_sum in zip(accs, row_sums)
         ]
-        out = outs[0]
-        for h in range(1, pair):
-            out = jnp.where(columns(out.shape) >= h * head_dim, outs[h], out)
+        out = combine_head_columns(outs)
         # The previous item's results have left the tiles written below.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         if save_stats:
@@ -564,9 +553,8 @@ def attention_forward(
         if tiles.pipelined:
             raise ValueError("MosaicTiles.pipelined takes one head per tile: d >= 16")
         # [..., H, 8] seen as [..., H / 2, 16]: heads 2h and 2h + 1 in one tile.
-        as_pairs = lambda x: x.reshape(*x.shape[:-2], heads // pair, head_dim * pair)  # noqa: E731
-        q, k, v = as_pairs(q), as_pairs(k), as_pairs(v)
-        gate = None if gate is None else as_pairs(gate)
+        q, k, v = (as_head_pairs(x, pair) for x in (q, k, v))
+        gate = None if gate is None else as_head_pairs(gate, pair)
 
     bias = accumulator_bias(bias, scale)
     bias = pad_residues(bias, swizzled=True)
