@@ -143,16 +143,11 @@ def test_bias_gradient_over_row_chunks(seed):
     assert error <= helpers.tolerance(jnp.bfloat16), error
 
 
-@pytest.mark.parametrize("heads", [1, 2])
-def test_op_takes_head_dim_8(heads, seed, monkeypatch):
-    """`implementation="mosaic"` with d = 8 (AlphaFold2's extra-MSA stack).
-    An even H: every kernel reads q, k, v (and `do`) as they are, two heads
-    per 16-wide tile. An odd H: the op zero-pads q, k, v and the gate to 16
-    for the forward kernel, the backward kernels read them padded to 16,
-    and refuse d = 8 themselves. Output and gradients keep d = 8 and match
-    float64."""
-    tile_width = 8 if heads % 2 == 0 else 16
-    seen = []  # (kernel, head dim of its q), in order
+def spy_head_dims(monkeypatch, forward_module) -> list:
+    """Records `(kernel, head dim of its q)` of every call of
+    `forward_module.attention_forward` and of the three Mosaic backward
+    kernels, in order, into the list it returns."""
+    seen = []
 
     def spy(module, name):
         kernel = getattr(module, name)
@@ -163,9 +158,22 @@ def test_op_takes_head_dim_8(heads, seed, monkeypatch):
 
         monkeypatch.setattr(module, name, spied)
 
-    spy(mosaic_forward, "attention_forward")
+    spy(forward_module, "attention_forward")
     for name in ("backward_dkdv", "backward_dq", "backward_dbias"):
         spy(mosaic_backward, name)
+    return seen
+
+
+@pytest.mark.parametrize("heads", [1, 2])
+def test_op_takes_head_dim_8(heads, seed, monkeypatch):
+    """`implementation="mosaic"` with d = 8 (AlphaFold2's extra-MSA stack).
+    An even H: every kernel reads q, k, v (and `do`) as they are, two heads
+    per 16-wide tile. An odd H: the op zero-pads q, k, v and the gate to 16
+    for the forward kernel, the backward kernels read them padded to 16,
+    and refuse d = 8 themselves. Output and gradients keep d = 8 and match
+    float64."""
+    tile_width = 8 if heads % 2 == 0 else 16
+    seen = spy_head_dims(monkeypatch, mosaic_forward)
     inputs = helpers.random_inputs(seed, 1, 2, 128, heads, 8, jnp.bfloat16, fully_masked_row=True)
     q, k, v, bias, mask, gate, dout = inputs.args
 
@@ -242,20 +250,7 @@ def test_float32_head_dim_8_pads_only_for_the_backward(seed, monkeypatch):
     reads q as it is (d = 8, no padded copy), the Mosaic backward kernels
     read it zero-padded to 16; gradients keep d = 8 and match float64 to
     float32 accuracy."""
-    seen = []  # (kernel, head dim of its q) of every kernel call, in order
-
-    def spy(module, name):
-        kernel = getattr(module, name)
-
-        def spied(q, *args, **kwargs):
-            seen.append((name, q.shape[-1]))
-            return kernel(q, *args, **kwargs)
-
-        monkeypatch.setattr(module, name, spied)
-
-    spy(triton_forward, "attention_forward")
-    for name in ("backward_dkdv", "backward_dq", "backward_dbias"):
-        spy(mosaic_backward, name)
+    seen = spy_head_dims(monkeypatch, triton_forward)
     inputs = helpers.random_inputs(seed, 1, 2, 64, 1, 8, jnp.float32, fully_masked_row=True)
     result = helpers.fwd_bwd("mosaic")(*inputs.args)
     helpers.assert_shapes_dtypes_finite(result, inputs)

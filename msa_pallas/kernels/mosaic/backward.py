@@ -158,6 +158,18 @@ def _recompute(s, dp, keep, stats, *, scale: float, query_axis: int, with_p: boo
     return (p if with_p else None), ds
 
 
+def _held_tiles_per_head(smem, tiles: dict, wg, pair: int) -> list:
+    """For each named tile a consumer holds across its loop, one view per
+    head of the tile: the tile itself for one head per tile; for `pair`
+    heads, copies with the other heads' columns zeroed, written to
+    `smem[name + "_heads"]` (`common.store_own_head_tiles`) and committed."""
+    if pair == 1:
+        return [(tile,) for tile in tiles.values()]
+    views = [store_own_head_tiles(tile, smem[f"{name}_heads"], wg) for name, tile in tiles.items()]
+    plgpu.commit_smem()
+    return views
+
+
 def _load_stats(stats_ref, layout):
     """Row max, log2 row sum and delta: the rows of a `[3, queries]` tile."""
     return tuple(plgpu.load(stats_ref.at[i], layout=layout) for i in range(3))
@@ -192,15 +204,11 @@ def _dkdv_kernel(
         plgpu.barrier_wait(produced["kv"].at[wg])
         if has_mask:
             keep = plgpu.load(smem["mask"].at[wg, 0, pl.ds(0, block_k)], layout=WGMMA_ROW) != 0
-        if pair == 1:
-            keys_of_head, values_of_head = (k_smem,), (v_smem,)
-        else:
-            # Each head's K and V tiles keep its own columns, so that a
-            # product with q and do tiles of both heads sums over that
-            # head's alone.
-            keys_of_head = store_own_head_tiles(k_smem, smem["k_heads"], wg)
-            values_of_head = store_own_head_tiles(v_smem, smem["v_heads"], wg)
-            plgpu.commit_smem()
+        # A product of a head's K or V with q or do tiles of both heads
+        # sums over that head's columns alone.
+        keys_of_head, values_of_head = _held_tiles_per_head(
+            smem, {"k": k_smem, "v": v_smem}, wg, pair
+        )
         turns = PingPong(schedule, wg, enabled=ping_pong and msa_rows == 2)
         turns.start()
 
@@ -301,13 +309,9 @@ def _dq_kernel(
         )
         plgpu.barrier_wait(produced["q"].at[wg])
         stats = [_load_stats(smem["stats"].at[wg, h], WGMMA_ROW) for h in range(pair)]
-        if pair == 1:
-            queries_of_head, douts_of_head = (q_smem,), (do_smem,)
-        else:
-            # As in dk/dv: each head's q and do tiles keep its own columns.
-            queries_of_head = store_own_head_tiles(q_smem, smem["q_heads"], wg)
-            douts_of_head = store_own_head_tiles(do_smem, smem["do_heads"], wg)
-            plgpu.commit_smem()
+        queries_of_head, douts_of_head = _held_tiles_per_head(
+            smem, {"q": q_smem, "do": do_smem}, wg, pair
+        )
         turns = PingPong(schedule, wg, enabled=ping_pong and msa_rows == 2)
         turns.start()
 
