@@ -20,7 +20,14 @@ interpret-mode kernels (the programs run in milliseconds), so a CPU-only run
   the workers and subprocesses): about a quarter less compile time. The
   floating-point semantics are the same (XLA's CPU fast-math is off either
   way). An XLA_FLAGS that sets `--xla_backend_optimization_level` itself is
-  left as it is.
+  left as it is;
+- turns XLA's concurrency-optimised CPU scheduler off
+  (`--xla_cpu_enable_concurrency_optimized_scheduler=false`, unless XLA_FLAGS
+  names it). With it on, the Mosaic GPU interpreter of jax 0.11.2 hangs in
+  its barrier waits on some programs: the dk/dv and dbias kernels with
+  B * H > 1, dbias with two consumers and a 16-bit bias, the op's
+  forward + backward with d = 8 two heads per tile and the mask an argument
+  of the jitted function. With it off every one of them runs.
 
 With a GPU plugin installed, nothing of this applies: GPU runs compile as they
 always did.
@@ -42,6 +49,7 @@ import jax
 import pytest
 
 FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+INTERPRETER_SCHEDULE_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 
 def _cpu_only() -> bool:
@@ -59,7 +67,10 @@ def pytest_configure(config):
     # the workers and subprocesses, which start after it.
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_backend_optimization_level" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {FAST_COMPILE_FLAGS}".strip()
+        flags = f"{flags} {FAST_COMPILE_FLAGS}"
+    if "xla_cpu_enable_concurrency_optimized_scheduler" not in flags:
+        flags = f"{flags} {INTERPRETER_SCHEDULE_FLAG}"
+    os.environ["XLA_FLAGS"] = flags.strip()
     if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         path = tempfile.mkdtemp(prefix="msa_pallas_jax_cache_")
         config._msa_pallas_jax_cache = path

@@ -9,13 +9,12 @@ shared memory only, so the products with an operand in registers are
 float32-accumulated `jnp.dot`s of the same 16-bit operands there
 (`common.accumulate_products`).
 
-The interpreter of jax 0.11.2 hangs on the dk/dv and dbias kernels when
-B * H > 1 (B * H / 2 for d = 8, two heads per tile), and on the dbias kernel with two consumer warpgroups and a 16-bit
-bias (the compiled kernels run both in tests/test_mosaic_gpu.py: B * H up to
-8, 16-bit biases at every shape), so the interpreted cases have one batch
-element and one head, and a 16-bit bias only with one dbias consumer; they
-cover the other axes: MSA-row pairs and odd S, several query and key tiles,
-head dims 16, 32 and 128, row chunks of the bias gradient.
+Most cases have one batch element and one head and cover the other axes:
+MSA-row pairs and odd S, several query and key tiles, head dims 16, 32 and
+128, row chunks of the bias gradient; `test_several_heads_and_batch_elements`
+runs B * H > 1. (The interpreter of jax 0.11.2 hangs on B * H > 1, and on
+the dbias kernel with two consumers and a 16-bit bias, unless XLA's
+concurrency-optimised CPU scheduler is off, as tests/conftest.py sets.)
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ import pytest
 
 import helpers
 import numpy_reference
-import msa_pallas
 from msa_pallas.block_sizes import (
     MosaicBackwardTiles, MosaicTiles, default_block_config, mosaic_backward_shared_memory_bytes,
     row_chunks,
@@ -93,6 +91,21 @@ CASES = {
 }
 
 
+def check_gradients(gradients, inputs, scale: float, label: str) -> None:
+    """dq, dk, dv and dbias finite, of the reference's shapes, and within the
+    dtype's tolerance of the float64 NumPy gradients."""
+    q, k, v, bias, mask, _, dout = inputs.args
+    expected = numpy_reference.vjp(q, k, v, bias, mask, None, scale, dout)[:4]
+    errors = {}
+    for name, got, want in zip(("dq", "dk", "dv", "dbias"), gradients, expected):
+        helpers.assert_finite(got, name)
+        assert got.shape == want.shape, (name, got.shape, want.shape)
+        errors[name] = helpers.rel_err(got, want)
+    print(f"[rel err] {label}: {errors}")
+    tolerance = helpers.tolerance(q.dtype)
+    assert all(e <= tolerance for e in errors.values()), errors
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_kernels_against_float64(case, seed):
     rows, n_res, head_dim, dtype, bias_dtype, tiles = CASES[case]
@@ -104,16 +117,8 @@ def test_kernels_against_float64(case, seed):
     if tiles is None:
         tiles = mosaic_backward.default_tiles(inputs.q.shape, dtype, bias_dtype)
     dq, dk, dv, dbias = run_backward(operands, scale, tiles)
-    q, k, v, bias, mask, _, dout = inputs.args
-    expected = numpy_reference.vjp(q, k, v, bias, mask, None, scale, dout)[:4]
-    tolerance = helpers.tolerance(dtype)
-    errors = {}
-    for name, got, want in zip(("dq", "dk", "dv", "dbias"), (dq, dk, dv, dbias), expected):
-        helpers.assert_finite(got, name)
-        assert got.shape == want.shape, (name, got.shape, want.shape)
-        errors[name] = helpers.rel_err(got, want)
-    print(f"[rel err] mosaic backward {case}: {errors}")
-    assert all(e <= tolerance for e in errors.values()), errors
+    check_gradients((dq, dk, dv, dbias), inputs, scale, f"mosaic backward {case}")
+    dout = inputs.args[-1]
     assert dq.dtype == dk.dtype == dv.dtype == dtype and dbias.dtype == jnp.float32
     # The fully masked row: no gradient reaches its q and k, and its uniform
     # weights give every key's v the mean of the row's cotangents.
@@ -123,6 +128,24 @@ def test_kernels_against_float64(case, seed):
         helpers.to_f64(dv[0, rows - 1]), np.broadcast_to(dv_row, dv.shape[2:]),
         rtol=2e-2, atol=2e-2,
     )
+
+
+@pytest.mark.parametrize(
+    "batch, heads, head_dim, bias_dtype",
+    [(2, 2, 32, jnp.bfloat16), (1, 4, 8, jnp.float32)],
+    ids=["B2-H2-d32-bias-bf16", "H4-d8-two-pairs"],
+)
+def test_several_heads_and_batch_elements(batch, heads, head_dim, bias_dtype, seed):
+    """B * H > 1: two batch elements and two heads (the dbias kernel with two
+    consumers and a 16-bit bias), then four heads of d = 8, two pairs per
+    tile; N past the last whole tile, a fully masked row."""
+    inputs = helpers.random_inputs(
+        seed, batch, 3, 72, heads, head_dim, jnp.bfloat16, bias_dtype=bias_dtype, gate=False,
+        fully_masked_row=(batch - 1, 1),
+    )
+    operands, scale = residuals(inputs)
+    gradients = run_backward(operands, scale, SMALL_TILES)
+    check_gradients(gradients, inputs, scale, f"mosaic backward B={batch} H={heads} d={head_dim}")
 
 
 def test_bias_gradient_over_row_chunks(seed):
@@ -175,20 +198,7 @@ def test_op_takes_head_dim_8(heads, seed, monkeypatch):
     tile_width = 8 if heads % 2 == 0 else 16
     seen = spy_head_dims(monkeypatch, mosaic_forward)
     inputs = helpers.random_inputs(seed, 1, 2, 128, heads, 8, jnp.bfloat16, fully_masked_row=True)
-    q, k, v, bias, mask, gate, dout = inputs.args
-
-    @jax.jit
-    def run(q, k, v, bias, gate, dout):
-        # The mask a constant of the function: passed as an argument, with
-        # two heads per tile, the interpreter of jax 0.11.2 hangs in this
-        # function's kernels (the GPU runs it: tests/test_mosaic_gpu.py).
-        def f(q, k, v, bias, gate):
-            return msa_pallas.msa_row_attention(q, k, v, bias, mask, gate, implementation="mosaic")
-
-        out, pullback = jax.vjp(f, q, k, v, bias, gate)
-        return out, pullback(dout)
-
-    result = run(q, k, v, bias, gate, dout)
+    result = helpers.fwd_bwd("mosaic")(*inputs.args)
     helpers.assert_shapes_dtypes_finite(result, inputs)
     helpers.compare(
         result, helpers.numpy_results(inputs), helpers.tolerance(jnp.bfloat16),
@@ -208,11 +218,10 @@ def test_op_takes_head_dim_8(heads, seed, monkeypatch):
 def test_paired_heads_equal_the_padded_head_dim(bias_dtype, dbias_consumers, seed):
     """d = 8 with two heads: the kernels read both heads' 16-wide tiles
     (`mosaic_backward.tile_heads`), each head's products over its own
-    columns, so with the same tiles every gradient is that of the head
-    zero-padded to 16, bitwise but for dbias (run head by head: the interpreter hangs on the
-    dk/dv and dbias kernels with B * H > 1). An odd S, N past the last
-    whole tile, several query and key tiles, a fully masked row; with a
-    float32 bias the dbias result leaves through the bias tile, with a
+    columns, so with the same tiles every gradient is that of the heads
+    zero-padded to 16: bitwise, but for dbias (below). An odd S, N past the
+    last whole tile, several query and key tiles, a fully masked row; with
+    a float32 bias the dbias result leaves through the bias tile, with a
     bf16 one through a tile of its own."""
     inputs = helpers.random_inputs(
         seed, 1, 3, 72, 2, 8, jnp.bfloat16, bias_dtype=bias_dtype, gate=False,
@@ -226,23 +235,17 @@ def test_paired_heads_equal_the_padded_head_dim(bias_dtype, dbias_consumers, see
     paired = run_backward(operands, scale, tiles)
     q, k, v, bias, mask, do, stats = operands
     pad = lambda x: jnp.pad(x, ((0, 0),) * 4 + ((0, 8),))  # noqa: E731
-    for h in range(2):
-        head = slice(h, h + 1)
-        padded = run_backward(
-            (pad(q[:, :, :, head]), pad(k[:, :, :, head]), pad(v[:, :, :, head]),
-             bias[:, head], mask, pad(do[:, :, :, head]), stats[:, :, head]),
-            scale, tiles,
+    padded = run_backward((pad(q), pad(k), pad(v), bias, mask, pad(do), stats), scale, tiles)
+    for name, x, y in zip(("dq", "dk", "dv"), paired, padded):
+        np.testing.assert_array_equal(
+            np.asarray(x.astype(jnp.float32)), np.asarray(y[..., :8].astype(jnp.float32)),
+            err_msg=name,
         )
-        for name, x, y in zip(("dq", "dk", "dv"), paired, padded):
-            np.testing.assert_array_equal(
-                np.asarray(x[:, :, :, head].astype(jnp.float32)),
-                np.asarray(y[..., :8].astype(jnp.float32)), err_msg=f"{name}, head {h}",
-            )
-        # The paired dbias kernel takes q and do from registers, which the
-        # interpreter multiplies with `jnp.dot`, not its wgmma: float32
-        # rounding apart here (bitwise on the GPU, tests/test_mosaic_gpu.py).
-        error = helpers.rel_err(paired[3][:, head], padded[3])
-        assert error <= 1e-6, (h, error)
+    # The paired dbias kernel takes q and do from registers, which the
+    # interpreter multiplies with `jnp.dot`, not its wgmma: float32 rounding
+    # apart here (bitwise on the GPU, tests/test_mosaic_gpu.py).
+    error = helpers.rel_err(paired[3], padded[3])
+    assert error <= 1e-6, error
 
 
 def test_float32_head_dim_8_pads_only_for_the_backward(seed, monkeypatch):

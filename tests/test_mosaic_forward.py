@@ -8,11 +8,11 @@ warpgroups of each CTA; its wgmma takes operands from shared memory only, so
 the probabilities-times-V product there is a float32-accumulated `jnp.dot`
 of the same 16-bit operands (`_accumulate_product`).
 
-The interpreter of jax 0.11.2 deadlocks on this kernel with more than one
-head when the residuals are saved (the compiled kernel runs H = 8 in
-tests/test_mosaic_gpu.py), so the interpreted cases here have H = 1 and
-cover the other axes: several batch elements, MSA-row pairs and query and
-key tiles, an odd S (one MSA row per CTA), every head dim.
+The cases cover several batch elements and heads, MSA-row pairs and query
+and key tiles, an odd S (one MSA row per CTA), every head dim. (The
+interpreter of jax 0.11.2 hung on this kernel with more than one head and
+the residuals saved, unless XLA's concurrency-optimised CPU scheduler is
+off, as tests/conftest.py sets.)
 
 The persistent grid (`MosaicTiles.persistent`, one CTA per SM looping over
 work items) is not run here: on a 2-core machine the interpreter stalls on
@@ -83,7 +83,7 @@ def check_output(out, inputs, scale, label):
 # several query and key tiles, an odd S (one row per CTA), every head dim,
 # and N that are no whole number of tiles (the last query and key tiles run
 # past N) nor of TMA rows (the bias and mask rows are padded): N = 72, and
-# N = 8 with a 16-bit bias.
+# N = 8 with a 16-bit bias. Heads: 1 but where HEADS says.
 CASES = {
     "pairs-bf16": (2, 4, 128, 32, jnp.bfloat16, jnp.float32, SMALL_TILES),
     "odd-S-fp16": (1, 3, 128, 16, jnp.float16, jnp.float16, MosaicTiles(128, 128, 2, 2)),
@@ -92,13 +92,14 @@ CASES = {
     "tails-N72": (2, 2, 72, 32, jnp.bfloat16, jnp.float32, SMALL_TILES),
     "N8-fp16": (1, 2, 8, 16, jnp.float16, jnp.float16, SMALL_TILES),
 }
+HEADS = {"pairs-bf16": 3, "tails-N72": 2}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_forward_against_float64_and_triton_residuals(case, seed):
     batch, rows, n_res, head_dim, dtype, bias_dtype, tiles = CASES[case]
     inputs = helpers.random_inputs(
-        seed, batch, rows, n_res, 1, head_dim, dtype, bias_dtype=bias_dtype,
+        seed, batch, rows, n_res, HEADS.get(case, 1), head_dim, dtype, bias_dtype=bias_dtype,
         fully_masked_row=(0, rows - 1),
     )
     out, attention, row_max, row_log2_sum = run_forward(inputs, tiles)
@@ -112,8 +113,8 @@ def test_forward_against_float64_and_triton_residuals(case, seed):
 
 
 # (B, S, N, H, q dtype, bias dtype, tiles) with d = 8: two heads per tile
-# (`common.pairs_heads`). Interpreted with H = 2, one pair (see the module
-# docstring); more pairs are lowered below and run on the GPU.
+# (`common.pairs_heads`), H = 2: one pair (two pairs in the backward's
+# tests/test_mosaic_backward.py::test_several_heads_and_batch_elements).
 PAIRED_CASES = {
     "pair-bf16": (2, 4, 128, jnp.bfloat16, jnp.float32, SMALL_TILES),
     "pair-odd-S-N72-fp16": (1, 3, 72, jnp.float16, jnp.float16, SMALL_TILES),
@@ -135,8 +136,7 @@ def test_paired_heads_equal_the_padded_head_dim(case, seed):
     )
     paired = run_forward(inputs, tiles)
     assert paired[0].shape == paired[1].shape == inputs.q.shape
-    # Head by head (the interpreter deadlocks on H > 1 with residuals saved;
-    # the heads are independent).
+    # Head by head: each head padded alone is the reference of its columns.
     for head in range(2):
         one_head = lambda x: pad_head_dim(x[..., head : head + 1, :])  # noqa: E731
         padded = run_forward(
