@@ -204,9 +204,10 @@ def mosaic_backward_shared_memory_bytes(
     "dbias") allocates with `tiles`; `head_dim` is the width of its tiles,
     `heads_per_tile` the heads that share one (2 for d = 8: in dk/dv and
     dq the bias and statistics tiles of each head, and one copy per head of
-    the tiles held across the loop; dbias takes the heads one at a time). float32 operands take three bf16
-    pieces each (`kernels.mosaic.common.split_float32`), and the float32
-    gradients of q, k and v their own output tiles."""
+    the tiles held across the loop; dbias takes the heads one at a time).
+    float32 operands take three bf16 pieces each
+    (`kernels.mosaic.common.split_float32`), and the float32 gradients of
+    q, k and v their own output tiles."""
     rows, stages, pair = tiles.msa_rows, tiles.num_stages, heads_per_tile
     item, bias_item = jnp.dtype(dtype).itemsize, jnp.dtype(bias_dtype).itemsize
     float32 = item == 4
