@@ -15,10 +15,9 @@ the residuals saved, unless XLA's concurrency-optimised CPU scheduler is
 off, as tests/conftest.py sets.)
 
 The persistent grid (`MosaicTiles.persistent`, one CTA per SM looping over
-work items) is not run here: on a 2-core machine the interpreter stalls on
-it (each warpgroup is a thread whose barrier waits block; the warpgroups do
-not all make progress). It is lowered for CUDA here and checked bitwise
-against the grid of one CTA per item on the GPU (tests/test_mosaic_gpu.py).
+work items; `common.INTERPRETED_CTAS` CTAs in the interpreter) is checked
+bitwise against the grid of one CTA per item, here and on the GPU
+(tests/test_mosaic_gpu.py), and lowered for CUDA here.
 """
 
 from __future__ import annotations
@@ -152,6 +151,35 @@ def test_paired_heads_equal_the_padded_head_dim(case, seed):
             np.testing.assert_array_equal(x[:, :, head : head + 1], y, err_msg=name)
 
     check_output(paired[0], inputs, 8**-0.5, f"mosaic forward, paired heads, {case}")
+
+
+@pytest.mark.parametrize(
+    "case", [(2, 3, 72, 2, 32, jnp.bfloat16), (1, 4, 128, 4, 8, jnp.float32)],
+    ids=["B2-S3-N72-H2-d32-bias-bf16", "H4-d8-pairs"],
+)
+def test_persistent_grid_equals_one_cta_per_item(case, seed):
+    """Each persistent CTA runs several work items (of every batch element,
+    head and MSA-row pair), loading the next item's q and gate tiles early
+    and keeping the ring's phases across items: its results and residuals
+    are bitwise those of one CTA per item. The first case has one 128-key
+    tile, fewer than the ring's stages, so a CTA's second item still finds
+    a slot that no step has used."""
+    batch, rows, n_res, heads, head_dim, bias_dtype = case
+    inputs = helpers.random_inputs(
+        seed, batch, rows, n_res, heads, head_dim, jnp.bfloat16, bias_dtype=bias_dtype,
+        fully_masked_row=(0, 1),
+    )
+    tiles = mosaic_forward.default_tiles(
+        inputs.q.shape, inputs.q.dtype, bias_dtype, save_stats=True, has_gate=True,
+        persistent=True,
+    )
+    assert tiles.persistent
+    persistent = run_forward(inputs, tiles)
+    per_item = run_forward(inputs, dataclasses.replace(tiles, persistent=False))
+    for name, x, y in zip(("out", "attention", "row_max", "row_log2_sum"), persistent, per_item):
+        np.testing.assert_array_equal(
+            np.asarray(x.astype(jnp.float32)), np.asarray(y.astype(jnp.float32)), err_msg=name
+        )
 
 
 def test_paired_heads_refuse_the_pipelined_loop():

@@ -435,9 +435,11 @@ def _kernel(
                     smem["bias"].at[slot, h], produced["k"].at[slot],
                 )
 
-        # The first `stages` steps of the CTA's first item find their slots free.
+        # The CTA's first `stages` steps find their slots free: with fewer key
+        # tiles than stages, those of its first items (not only its first).
         for key_tile in range(min(stages, key_tiles)):
-            load(jnp.int32(key_tile), item > 0 if tiles.persistent else False)
+            used_before = first_step + key_tile >= stages if tiles.persistent else False
+            load(jnp.int32(key_tile), used_before)
         if key_tiles > stages:
             pl.loop(stages, key_tiles)(lambda key_tile: load(key_tile, True))
 
