@@ -106,7 +106,9 @@ class MosaicTiles:
       block_k: keys per pipeline stage (a multiple of 64).
       num_stages: depth of the shared-memory ring of K, V and bias tiles.
       msa_rows: consumer warpgroups per CTA, one MSA row each, sharing every
-        bias tile (1 or 2; used as the largest divisor of S not above it).
+        bias tile (1, 2 or 4; used as the largest divisor of S not above
+        it). Four consumers split the registers four ways (104 per thread,
+        `kernels.mosaic.common.consumer_register_budget`): 64 x 64 tiles.
       ping_pong: with two consumers, the forward's consumers take turns
         (`kernels.mosaic.common.PingPong`). The backward kernels follow
         `MosaicBackwardTiles.ping_pong` instead.
@@ -135,8 +137,8 @@ class MosaicTiles:
             raise ValueError(f"block_k={self.block_k}; expected 64, 128, 192 or 256.")
         if self.num_stages < 2:
             raise ValueError(f"num_stages={self.num_stages}; expected >= 2.")
-        if self.msa_rows not in (1, 2):
-            raise ValueError(f"msa_rows={self.msa_rows}; expected 1 or 2.")
+        if self.msa_rows not in (1, 2, 4):
+            raise ValueError(f"msa_rows={self.msa_rows}; expected 1, 2 or 4.")
 
     def msa_rows_for(self, rows: int) -> int:
         """MSA rows per CTA for S = `rows`: the largest divisor of S <= msa_rows."""

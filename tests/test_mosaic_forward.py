@@ -82,7 +82,8 @@ def check_output(out, inputs, scale, label):
 # several query and key tiles, an odd S (one row per CTA), every head dim,
 # and N that are no whole number of tiles (the last query and key tiles run
 # past N) nor of TMA rows (the bias and mask rows are padded): N = 72, and
-# N = 8 with a 16-bit bias. Heads: 1 but where HEADS says.
+# N = 8 with a 16-bit bias; four MSA rows per CTA. Heads: 1 but where HEADS
+# says.
 CASES = {
     "pairs-bf16": (2, 4, 128, 32, jnp.bfloat16, jnp.float32, SMALL_TILES),
     "odd-S-fp16": (1, 3, 128, 16, jnp.float16, jnp.float16, MosaicTiles(128, 128, 2, 2)),
@@ -90,8 +91,9 @@ CASES = {
     "d128": (1, 2, 128, 128, jnp.float16, jnp.float32, MosaicTiles(64, 64, 2, 1)),
     "tails-N72": (2, 2, 72, 32, jnp.bfloat16, jnp.float32, SMALL_TILES),
     "N8-fp16": (1, 2, 8, 16, jnp.float16, jnp.float16, SMALL_TILES),
+    "four-rows": (1, 8, 136, 32, jnp.bfloat16, jnp.float32, MosaicTiles(64, 64, 2, 4)),
 }
-HEADS = {"pairs-bf16": 3, "tails-N72": 2}
+HEADS = {"pairs-bf16": 3, "tails-N72": 2, "four-rows": 2}
 
 
 @pytest.mark.parametrize("case", list(CASES))

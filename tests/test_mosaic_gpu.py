@@ -21,9 +21,10 @@ import pytest
 
 import helpers
 import msa_pallas
+import numpy_reference
 from helpers import compare, fwd_bwd
 from msa_pallas.attention import on_hopper
-from msa_pallas.block_sizes import default_block_config
+from msa_pallas.block_sizes import MosaicTiles, default_block_config
 from msa_pallas.kernels.mosaic import backward as mosaic_backward
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
 from msa_pallas.kernels.triton import forward as triton_forward
@@ -164,6 +165,45 @@ def test_persistent_forward_equals_one_cta_per_item(shape, bias_dtype, seed):
                     np.asarray(expected.astype(jnp.float32)),
                     err_msg=f"{variant}: {candidate}: {name}",
                 )
+
+
+@pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "shape", [SHAPES["train"], (1, 8, 328, 4, 32), (2, 4, 200, 8, 16)],
+    ids=lambda s: "x".join(map(str, s)),
+)
+def test_four_msa_rows_per_cta_equal_two(shape, bias_dtype, seed):
+    """Four consumer warpgroups (MSA rows) per CTA, each with a quarter of
+    the registers the producer leaves (`common.consumer_register_budget`:
+    asking for more than that waits for ever in `setmaxnreg`), compute each
+    row as two consumers with the same 64 x 64 tiles do: bitwise equal
+    outputs and residuals, persistent and with one CTA per item."""
+    inputs = device_inputs(seed, shape, jnp.bfloat16, bias_dtype=bias_dtype)
+    q, k, v, bias, mask, gate, _ = inputs.args
+    two = MosaicTiles(64, 64, 2, 2, ping_pong=False, persistent=True)
+    candidates = [
+        two, dataclasses.replace(two, msa_rows=4),
+        dataclasses.replace(two, msa_rows=4, persistent=False),
+    ]
+    reference, *others = [
+        mosaic_forward.attention_forward(
+            q, k, v, bias, mask.astype(jnp.int8), gate, scale=shape[-1] ** -0.5,
+            tiles=tiles, interpret=False, save_stats=True,
+        )
+        for tiles in candidates
+    ]
+    error = helpers.rel_err(
+        reference[0], numpy_reference.forward(q, k, v, bias, mask, gate, shape[-1] ** -0.5)
+    )
+    assert error <= OUT_TOLERANCE[jnp.dtype(q.dtype)], error
+    for other, tiles in zip(others, candidates[1:]):
+        for name, expected, result in zip(
+            ("out", "attention", "row_max", "row_log2_sum"), reference, other
+        ):
+            np.testing.assert_array_equal(
+                np.asarray(result.astype(jnp.float32)), np.asarray(expected.astype(jnp.float32)),
+                err_msg=f"{tiles}: {name}",
+            )
 
 
 def test_keys_past_n_pass_no_gradient(seed):

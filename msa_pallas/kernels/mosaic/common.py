@@ -43,6 +43,12 @@ SWIZZLE_BYTES = 128
 MAX_SHARED_MEMORY = 227 * 1024
 # Registers of the producer warpgroup: it only issues copies.
 PRODUCER_REGISTERS = 40
+# An SM's register file, the most `setmaxnreg` gives one thread, and the most
+# the consumers ask for (setmaxnreg takes multiples of 8 up to 256).
+REGISTER_FILE = 65536
+MAX_THREAD_REGISTERS = 255
+MAX_CONSUMER_REGISTERS = 240
+WARPGROUP_THREADS = 128
 WGMMA = plgpu.Layout.WGMMA
 # Vectors along a wgmma tile's rows (one value per row) and columns.
 WGMMA_ROW = plgpu.Layout.WGMMA.reduce(1)
@@ -461,10 +467,25 @@ class PingPong:
             pl.when(self.wg == 0)(self._sync)
 
 
+def consumer_register_budget(consumers: int) -> int:
+    """Registers per thread of a consumer warpgroup: what the producer
+    (`producer_registers`) gives up, split among `consumers`.
+
+    `setmaxnreg` moves registers within the CTA's launch allocation (every
+    thread's count at launch, a multiple of 8, at most 65536 in all); an
+    increase that asks for more than the decreases freed waits for ever.
+    With 1 consumer the per-thread ceiling binds (240 of 255); with 2, 168
+    at launch leave 232; with 4, 96 at launch leave 104.
+    """
+    threads = (consumers + 1) * WARPGROUP_THREADS
+    at_launch = min(MAX_THREAD_REGISTERS, REGISTER_FILE // threads // 8 * 8)
+    freed = (at_launch - PRODUCER_REGISTERS) * WARPGROUP_THREADS
+    return min(MAX_CONSUMER_REGISTERS, at_launch + freed // consumers // WARPGROUP_THREADS // 8 * 8)
+
+
 def consumer_registers(consumers: int) -> None:
-    """Raises a consumer warpgroup's register budget: what the producer
-    (`producer_registers`) gives up, split among `consumers`."""
-    plgpu.set_max_registers(232 if consumers == 2 else 240, action="increase")
+    """Raises a consumer warpgroup's register budget (`consumer_register_budget`)."""
+    plgpu.set_max_registers(consumer_register_budget(consumers), action="increase")
 
 
 def producer_registers() -> None:
