@@ -31,7 +31,8 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", default="1x32x1024x8x32", help="a name of shapes.py or BxSxNxHxd")
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--bias-dtype", default="input", help="input (q's dtype) or a dtype name")
-    parser.add_argument("--implementation", default="mosaic")
+    parser.add_argument("--implementation", default="mosaic",
+                        help="msa_row_attention's implementation; default: its own choice")
     parser.add_argument("--calls", type=int, default=2, help="forward+backward calls")
     parser.add_argument("--no-gate", action="store_true")
     args = parser.parse_args(argv)
@@ -41,7 +42,8 @@ def main(argv=None) -> int:
     gate = None if args.no_gate else gate
 
     def loss(q, k, v, bias, gate):
-        out = msa_row_attention(q, k, v, bias, mask != 0, gate, implementation=args.implementation)
+        implementation = None if args.implementation == "default" else args.implementation
+        out = msa_row_attention(q, k, v, bias, mask != 0, gate, implementation=implementation)
         return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32))
 
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
