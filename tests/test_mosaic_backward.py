@@ -77,7 +77,7 @@ def run_backward(operands, scale, tiles: MosaicBackwardTiles):
 # an N that is no whole number of tiles nor of TMA rows (N = 72: the last
 # query and key tiles run past N, the bias and mask rows are padded), and
 # float32 inputs split into bf16 pieces, with MSA-row pairs and with the
-# float32 default tiles at an odd S.
+# float32 default tiles at an odd S; four MSA rows per CTA in every kernel.
 # Turns on and off: test_ping_pong_changes_nothing; other head dims' tiles:
 # test_lowers_for_the_gpu_on_a_cpu.
 CASES = {
@@ -88,6 +88,11 @@ CASES = {
     # float32: three bf16 pieces per operand, six products per product.
     "float32-pieces": (2, 72, 32, jnp.float32, jnp.float32, SMALL_TILES),
     "float32-defaults-d16": (3, 64, 16, jnp.float32, jnp.float32, None),
+    # Four consumers per CTA (MosaicTiles.msa_rows = 4) in every kernel.
+    "four-rows": (
+        4, 136, 32, jnp.bfloat16, jnp.float32,
+        MosaicBackwardTiles(*(MosaicTiles(64, 64, 2, 4),) * 3),
+    ),
 }
 
 
