@@ -500,3 +500,26 @@ def test_parse_mosaic_candidates():
     assert plain.ping_pong and not plain.persistent
     assert not turns_off.ping_pong and not turns_off.persistent
     assert persistent.ping_pong and persistent.persistent and persistent.num_stages == 3
+
+
+def test_launch_durations_reads_the_last_call_from_ncu_csv():
+    """The per-launch table of `launch_durations.py`: compile-time launches
+    (here two autotuning kernels and a transpose) are left out, the last
+    call's launches kept in order, each value converted to microseconds."""
+    import launch_durations
+
+    header = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream",'
+              '"Block Size","Grid Size","Device","CC","Section Name","Metric Name",'
+              '"Metric Unit","Metric Value"')
+    calls = [("forward", "58,688"), ("input_reduce_fusion", "19,392"), ("dq", "72,256")]
+    launches = [("RedzoneAllocatorKernel", "24,160"), ("wrapped_transpose", "3,392")] + calls * 2
+    lines = ["==PROF== Connected to process", header] + [
+        f'"{i}","1","python3","host","{name}","1","7","(128, 1, 1)","(132, 1, 1)","0","9.0",'
+        f'"Command line profiler metrics","gpu__time_duration.sum","nsecond","{value}"'
+        for i, (name, value) in enumerate(launches)
+    ] + ["ran 2 forward+backward calls"]
+    parsed = launch_durations.parse_launches("\n".join(lines))
+    assert len(parsed) == len(launches) and parsed[0] == ("RedzoneAllocatorKernel", 24.16)
+    last = launch_durations.last_call(parsed, calls=2)
+    assert [name for name, _ in last] == ["forward", "input_reduce_fusion", "dq"]
+    assert [us for _, us in last] == [58.688, 19.392, 72.256]
