@@ -43,8 +43,8 @@ SWIZZLE_BYTES = 128
 MAX_SHARED_MEMORY = 227 * 1024
 # Registers of the producer warpgroup: it only issues copies.
 PRODUCER_REGISTERS = 40
-# An SM's register file, the most `setmaxnreg` gives one thread, and the most
-# the consumers ask for (setmaxnreg takes multiples of 8 up to 256).
+# An SM's register file, the most registers a thread holds at launch, and the
+# most the consumers ask for (`setmaxnreg` takes multiples of 8).
 REGISTER_FILE = 65536
 MAX_THREAD_REGISTERS = 255
 MAX_CONSUMER_REGISTERS = 240
@@ -472,7 +472,7 @@ def consumer_register_budget(consumers: int) -> int:
     (`producer_registers`) gives up, split among `consumers`.
 
     `setmaxnreg` moves registers within the CTA's launch allocation (every
-    thread's count at launch, a multiple of 8, at most 65536 in all); an
+    thread's count at launch, in units of 8, at most 65536 in all); an
     increase that asks for more than the decreases freed waits for ever.
     With 1 consumer the per-thread ceiling binds (240 of 255); with 2, 168
     at launch leave 232; with 4, 96 at launch leave 104.
