@@ -17,6 +17,7 @@ script's). Needs `ncu` on PATH or in /opt/nvidia/nsight-compute.
 from __future__ import annotations
 
 import argparse
+import collections
 import csv
 import glob
 import os
@@ -42,11 +43,13 @@ def parse_launches(csv_text: str) -> list[tuple[str, float]]:
     if not rows:
         return []
     header, *rows = rows
-    name, value, unit = (header.index(c) for c in ("Kernel Name", "Metric Value", "Metric Unit"))
+    name, metric, value, unit = (
+        header.index(c) for c in ("Kernel Name", "Metric Name", "Metric Value", "Metric Unit")
+    )
     return [
         (row[name], float(row[value].replace(",", "")) * UNITS_US[row[unit]])
         for row in rows
-        if row[header.index("Metric Name")] == METRIC
+        if row[metric] == METRIC
     ]
 
 
@@ -55,9 +58,7 @@ def last_call(launches: list, calls: int) -> list:
     launches kernels of its own first (autotuning, buffer checks), so the
     last call starts at the last launch of the first kernel that ran exactly
     `calls` times (the call's first kernel); all launches if there is none."""
-    counts = {}
-    for kernel, _ in launches:
-        counts[kernel] = counts.get(kernel, 0) + 1
+    counts = collections.Counter(kernel for kernel, _ in launches)
     first = next((k for k, _ in launches if counts[k] == calls), None)
     if first is None:
         return launches
