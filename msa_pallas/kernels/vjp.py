@@ -244,7 +244,14 @@ def _fused_attention_bwd(scale, config, interpret, bias_dtype, residuals, dout):
     # statistics, XLA's one pass took 36 us at the train crop on an H200,
     # against 19 + 4 us as two, and the stack was live beside o (50 MB more
     # f+b memory at the long shape).
-    delta = lax.optimization_barrier(jnp.sum(do32 * attention, axis=-1))
+    #
+    # The bias (and the gate's gradient, which reads o too) pass the same
+    # barrier, so that what the kernels make of the bias (the Mosaic dk/dv
+    # kernel's transposed, pre-scaled copy: 34 MB at the long shape with a
+    # float32 bias) is made after delta, when the float32 o is no longer live.
+    delta, bias, dgate = lax.optimization_barrier(
+        (jnp.sum(do32 * attention, axis=-1), bias, dgate)
+    )
     delta = jnp.swapaxes(delta, 2, 3)
     dq, dk, dv, dbias = _backward(
         q, k, v, bias, mask, do, row_max, row_log2_sum, delta,
