@@ -4,7 +4,7 @@ For each shape, q dtype and bias dtype: the time of each Triton backward
 kernel (default tiles) and of each Mosaic GPU backward kernel for its
 candidates, the relative difference of each Mosaic result from the Triton
 kernels' (same residuals, from the Triton forward), the time against the
-exponential floor (B*S*H*N^2 exponentials at `EXP2_PER_S` per kernel), and
+exponential floor (B*S*H*N^2 exponentials at `measure.EXP_PER_S` per kernel), and
 the op's forward + backward with `implementation="pallas"` and `"mosaic"`:
 
     python benchmarks/profile_backward.py --shapes train,finetune,long --dtypes bf16

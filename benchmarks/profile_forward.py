@@ -4,7 +4,7 @@ For each shape, q dtype and bias dtype: the time of the Triton forward (its
 default tiles) and of the Mosaic GPU forward for each `--mosaic` candidate,
 with and without the residuals the backward needs, the relative error of each
 against a float32 XLA forward, and the time against the exponential floor
-(B*S*H*N^2 exponentials at `EXP2_PER_S`):
+(B*S*H*N^2 exponentials at `measure.EXP_PER_S`):
 
     python benchmarks/profile_forward.py --shapes train,finetune,long --dtypes bf16
     python benchmarks/profile_forward.py --shapes long --mosaic 64x128x2x2,64x64x3x2
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from measure import relative_error  # noqa: E402
+from measure import EXP_PER_S, relative_error  # noqa: E402
 from profile_kernels import batched_ms, make_inputs, parse_mosaic  # noqa: E402
 from shapes import DIMS as SHAPES, DTYPES  # noqa: E402
 from msa_pallas.block_sizes import default_block_config  # noqa: E402
@@ -37,8 +37,6 @@ from msa_pallas.kernels.triton import forward as triton_forward  # noqa: E402
 from msa_pallas.reference import msa_row_attention_xla  # noqa: E402
 
 INTERPRET = jax.default_backend() != "gpu"
-# exp2 per second of an H200, measured (benchmarks/RESULTS.md).
-EXP2_PER_S = 4.2e12
 
 
 def parse_shape(name: str) -> tuple[int, int, int, int, int]:
@@ -49,11 +47,11 @@ def parse_shape(name: str) -> tuple[int, int, int, int, int]:
 def profile_cases(args):
     """Each (shape name, shape, dtype name, dtype, bias name, bias dtype,
     floor ms) of `--shapes` x `--dtypes` x `--bias-dtypes`; the floor is
-    B*S*H*N^2 exponentials at `EXP2_PER_S`."""
+    B*S*H*N^2 exponentials at `measure.EXP_PER_S`."""
     for shape_name in args.shapes.split(","):
         shape = parse_shape(shape_name)
         batch, rows, n_res, heads, _ = shape
-        floor_ms = batch * rows * heads * n_res**2 / EXP2_PER_S * 1e3
+        floor_ms = batch * rows * heads * n_res**2 / EXP_PER_S * 1e3
         for dtype_name in args.dtypes.split(","):
             dtype = DTYPES[dtype_name]
             for bias_name in args.bias_dtypes.split(","):
