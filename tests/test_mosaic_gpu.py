@@ -206,6 +206,67 @@ def test_four_msa_rows_per_cta_equal_two(shape, bias_dtype, seed):
             )
 
 
+@pytest.mark.parametrize("n_res", [37, 100, 64])
+def test_unaligned_row_tile_copies_any_n(n_res, seed):
+    """`common.unaligned_row_tile`, the building block for N % 8 != 0: q and
+    k tiles of `[B, S, N, H, 32]` copied in by TMA through the untiled view,
+    `q k^T` by `wgmma` from the tiled view against float32 NumPy (keys past
+    N read as zeros), and q's tile written through the tiled view and
+    copied out through the untiled one, equal to q (rows past N dropped)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from msa_pallas.kernels.mosaic.common import unaligned_row_tile
+
+    rows, heads, head_dim, block = 2, 2, 32, 64
+    q_key, k_key = jax.random.split(jax.random.key(seed))
+    shape = (1, rows, n_res, heads, head_dim)
+    q = jax.random.normal(q_key, shape, jnp.float32).astype(jnp.bfloat16)
+    k = jax.random.normal(k_key, shape, jnp.float32).astype(jnp.bfloat16)
+    tiles = pl.cdiv(n_res, block)
+
+    def body(q_gmem, k_gmem, logits_gmem, out_gmem, q_smem, k_smem, out_smem, logits_smem,
+             loaded):
+        row, head, tile = (jax.lax.axis_index(name) for name in ("s", "h", "t"))
+        plgpu.copy_gmem_to_smem(
+            q_gmem.at[0, row, pl.ds(tile * block, block), head], q_smem[0], loaded.at[0]
+        )
+        plgpu.copy_gmem_to_smem(k_gmem.at[0, row, pl.ds(0, block), head], k_smem[0], loaded.at[1])
+        plgpu.barrier_wait(loaded.at[0])
+        plgpu.barrier_wait(loaded.at[1])
+
+        def product(acc):
+            plgpu.wgmma(acc, q_smem[1], k_smem[1].T)
+            return acc[...]
+
+        logits_smem[...] = pl.run_scoped(product, plgpu.ACC((block, block), jnp.float32))
+        out_smem[1][...] = q_smem[1][...]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(logits_smem, logits_gmem.at[row, head, tile])
+        plgpu.copy_smem_to_gmem(out_smem[0], out_gmem.at[0, row, pl.ds(tile * block, block), head])
+        plgpu.wait_smem_to_gmem(0)
+
+    tile = unaligned_row_tile((block, head_dim), jnp.bfloat16)
+    logits, out = plgpu.kernel(
+        body,
+        out_type=(jax.ShapeDtypeStruct((rows, heads, tiles, block, block), jnp.float32),
+                  jax.ShapeDtypeStruct(shape, jnp.bfloat16)),
+        grid=(rows, heads, tiles), grid_names=("s", "h", "t"),
+        scratch_types=(tile, tile, tile, plgpu.SMEM((block, block), jnp.float32),
+                       plgpu.Barrier(num_barriers=2)),
+    )(q, k)
+    q32, k32, logits = np.asarray(q, np.float64), np.asarray(k, np.float64), np.asarray(logits)
+    keys = min(block, n_res)
+    for row in range(rows):
+        for head in range(heads):
+            want = q32[0, row, :, head] @ k32[0, row, :keys, head].T
+            got = np.concatenate([logits[row, head, t] for t in range(tiles)])
+            np.testing.assert_allclose(
+                got[:n_res, :keys], want, rtol=0, atol=1e-5 * np.abs(want).max()
+            )
+            assert not got[:n_res, keys:].any(), "keys past N must read as zeros"
+    assert np.array_equal(np.asarray(out), np.asarray(q))
+
+
 def test_keys_past_n_pass_no_gradient(seed):
     """N = 200 without a mask, one query row's logits all near -430 (base
     2): the keys past N, read as zeros, get probability inf there, and must

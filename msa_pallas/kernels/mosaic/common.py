@@ -268,6 +268,33 @@ def smem_tile(shape, dtype):
     return plgpu.SMEM(shape, dtype, transforms=(tiling, plgpu.SwizzleTransform(swizzle)))
 
 
+def unaligned_row_tile(shape, dtype):
+    """Shared memory for a tile of rows of an array whose row count is no
+    multiple of 8 (N % 8 != 0): a `plgpu.RefUnion` of two views of the same
+    bytes, `(tma_view, wgmma_view)`.
+
+    A TMA copy through a `smem_tile` (8-row tiles) needs the copied array's
+    row axis to be a multiple of 8 in jax 0.11.2 (Mosaic GPU's
+    `TileTransform` has no rounding up). `tma_view` is swizzled but not
+    tiled, so TMA takes any row count (rows past the array read as zeros and
+    are not written); `wgmma_view` is `smem_tile`'s layout, which `wgmma`
+    needs. Where a row is exactly one swizzle wide (`shape[-1]` times the
+    item size = the swizzle, as for d = 16, 32 and 64 in 16 bits) the two
+    layouts are the same bytes. Written through one view, read through the
+    other; the Mosaic GPU interpreter does not alias the views for writes,
+    so this runs compiled only (tests/test_mosaic_gpu.py).
+    """
+    bits = jnp.dtype(dtype).itemsize * 8
+    swizzle = plgpu.find_swizzle(shape[-1] * bits)
+    if shape[-1] * bits != 8 * swizzle:
+        raise ValueError(
+            f"a row of {shape[-1]} x {bits} bits is no single {swizzle}-byte swizzle: "
+            "the untiled and the tiled views would differ"
+        )
+    tma_view = plgpu.SMEM(shape, dtype, transforms=(plgpu.SwizzleTransform(swizzle),))
+    return plgpu.RefUnion(tma_view, smem_tile(shape, dtype))
+
+
 def split_tiles(shape, dtype, pieces: int):
     """`smem_tile(shape, dtype)`, or for an operand split into `pieces` > 1
     bf16 pieces (`split_float32`) a tuple of one such bf16 tile per piece."""
