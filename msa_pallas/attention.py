@@ -168,7 +168,8 @@ def msa_row_attention(
         too). `"mosaic"`: the Mosaic GPU kernels, forward and backward (Hopper,
         bfloat16 / float16, d in 16, 32, 64, 128, or d < 16: the kernels
         take d = 8 with an even H as it is, two heads per tile, and other
-        d are zero-padded to 16; N a multiple of 8;
+        d are zero-padded to 16; N a multiple of 8, or any N with d <= 32,
+        where the Triton backward follows the Mosaic forward;
         float32 with d <= 64: the Triton forward and the Mosaic backward,
         its operands split into three bf16 pieces). `"xla"`: the plain-`jnp`
         path. None picks `"mosaic"` on a Hopper GPU for
@@ -246,7 +247,10 @@ def msa_row_attention(
                 persistent=on_gpu(),
             )
         backward_tiles = None
-        if implementation == "mosaic":
+        # N % 8 != 0 runs the Mosaic forward only (`mosaic.common.takes_any_n`)
+        # and the Triton backward after it.
+        backward_fits = mosaic_supports(q.shape, q.dtype, read_bias_dtype) is None
+        if implementation == "mosaic" and backward_fits:
             backward_tiles = block_config.mosaic_backward or mosaic_backward.default_tiles(
                 q.shape, q.dtype, read_bias_dtype
             )

@@ -92,8 +92,11 @@ CASES = {
     "tails-N72": (2, 2, 72, 32, jnp.bfloat16, jnp.float32, SMALL_TILES),
     "N8-fp16": (1, 2, 8, 16, jnp.float16, jnp.float16, SMALL_TILES),
     "four-rows": (1, 8, 136, 32, jnp.bfloat16, jnp.float32, MosaicTiles(64, 64, 2, 4)),
+    # N no multiple of 8 (`common.takes_any_n`): the bias rows padded to 8.
+    "any-N37": (2, 2, 37, 32, jnp.bfloat16, jnp.float32, SMALL_TILES),
+    "any-N100-odd-S-fp16": (1, 3, 100, 16, jnp.float16, jnp.float16, SMALL_TILES),
 }
-HEADS = {"pairs-bf16": 3, "tails-N72": 2, "four-rows": 2}
+HEADS = {"pairs-bf16": 3, "tails-N72": 2, "four-rows": 2, "any-N37": 2}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -119,6 +122,7 @@ def test_forward_against_float64_and_triton_residuals(case, seed):
 PAIRED_CASES = {
     "pair-bf16": (2, 4, 128, jnp.bfloat16, jnp.float32, SMALL_TILES),
     "pair-odd-S-N72-fp16": (1, 3, 72, jnp.float16, jnp.float16, SMALL_TILES),
+    "pair-any-N44-bf16": (1, 2, 44, jnp.bfloat16, jnp.float32, SMALL_TILES),
 }
 
 
@@ -265,12 +269,15 @@ def test_nan_stays_in_its_row(seed):
     assert not bad.any()
 
 
-@pytest.mark.parametrize("dtype, n_res", [(jnp.bfloat16, 128), (jnp.float32, 72)])
+@pytest.mark.parametrize(
+    "dtype, n_res", [(jnp.bfloat16, 128), (jnp.float32, 72), (jnp.bfloat16, 37)]
+)
 def test_op_gradients_through_the_mosaic_kernels(dtype, n_res, seed):
     """`implementation="mosaic"`: the Mosaic forward's residuals feed the
     Mosaic backward kernels; the gradients match float64. float32: the
     Triton forward and the Mosaic backward on bf16 pieces, within float32's
-    tolerance."""
+    tolerance. N = 37, no multiple of 8: the Mosaic forward and the Triton
+    backward."""
     inputs = helpers.random_inputs(seed, 1, 2, n_res, 1, 32, dtype, fully_masked_row=True)
     result = helpers.fwd_bwd("mosaic")(*inputs.args)
     helpers.assert_shapes_dtypes_finite(result, inputs)
@@ -327,6 +334,32 @@ def test_lowers_for_the_gpu_on_a_cpu(n_res, bias_dtype, persistent, head_dim, pi
     assert "mosaic_gpu" in lowered.as_text()
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize(
+    "n_res, head_dim, bias_dtype",
+    [
+        (37, 32, jnp.bfloat16), (100, 32, jnp.float32),
+        (203, 8, jnp.bfloat16), (203, 16, jnp.float32),
+    ],
+)
+def test_lowers_for_any_n_on_a_cpu(n_res, head_dim, bias_dtype, persistent):
+    """N no multiple of 8 lowers for CUDA: the row tiles' TMA copies go
+    through untiled views (`common.unaligned_row_tile`); through the 8-row
+    tiled ones Mosaic GPU refuses such N at this point ("must have size
+    smaller or a multiple of its tiling 8")."""
+    shape = (1, 4, n_res, 8, head_dim)
+    q = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((1, 8, n_res, n_res), bias_dtype)
+    mask = jax.ShapeDtypeStruct((1, 4, n_res), jnp.int8)
+    tiles = mosaic_forward.default_tiles(shape, jnp.bfloat16, bias_dtype, save_stats=True)
+    tiles = dataclasses.replace(tiles, persistent=persistent)
+    forward = lambda *args: mosaic_forward.attention_forward(  # noqa: E731
+        *args, scale=0.2, tiles=tiles, interpret=False, save_stats=True
+    )
+    lowered = jax.jit(forward).trace(q, q, q, bias, mask, q).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
 @pytest.mark.parametrize("head_dim", (8, *HEAD_DIMS))
 @pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("save_stats", [False, True])
@@ -356,7 +389,8 @@ def test_default_tiles_fit_shared_memory(head_dim, bias_dtype, save_stats):
     [
         ((1, 2, 64, 4, 128), jnp.float32, jnp.float32, "head dim 128 in float32"),
         ((1, 2, 128, 4, 24), jnp.bfloat16, jnp.float32, "head dim 24"),
-        ((1, 2, 100, 4, 32), jnp.bfloat16, jnp.bfloat16, "N=100"),
+        ((1, 2, 100, 4, 64), jnp.bfloat16, jnp.bfloat16, "N=100"),
+        ((1, 2, 100, 4, 32), jnp.float32, jnp.float32, "N=100"),
     ],
 )
 def test_unsupported_inputs_raise_naming_the_reason(shape, dtype, bias_dtype, fragment):
@@ -371,6 +405,16 @@ def test_n_a_multiple_of_8_is_supported():
         assert supports((1, 2, n_res, 4, 32), jnp.bfloat16, jnp.float32) is None, n_res
     for n_res in (0, 1, 100, 333):
         assert "multiple of 8" in supports((1, 2, n_res, 4, 32), jnp.bfloat16, jnp.float32)
+
+
+def test_the_forward_takes_any_n_for_16_bit_and_d_up_to_32():
+    for head_dim in (8, 16, 32):
+        for n_res in (1, 37, 100, 333):
+            shape = (1, 2, n_res, 4, head_dim)
+            assert supports(shape, jnp.float16, jnp.float32, forward_only=True) is None
+    for shape, dtype in (((1, 2, 100, 4, 64), jnp.bfloat16), ((1, 2, 100, 4, 32), jnp.float32)):
+        assert "multiple of 8" in supports(shape, dtype, jnp.float32, forward_only=True)
+    assert "multiple of 8" in supports((1, 2, 0, 4, 32), jnp.bfloat16, jnp.float32, True)
     assert "bias dtype int8" in supports((1, 2, 64, 4, 32), jnp.bfloat16, jnp.int8)
 
 

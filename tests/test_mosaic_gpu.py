@@ -5,8 +5,8 @@ elsewhere, and on GPUs other than sm90).
 kernels that follow it through the shared residuals, against the float64
 reference of test_gpu.py (chunked over MSA rows), at the shapes that matter
 and at the edges: head dims 16-128, an odd S, several batch elements and
-heads, N that is no whole number of tiles, fully masked rows, NaN locality,
-bitwise-repeatable gradients.
+heads, N that is no whole number of tiles or no multiple of 8, fully masked
+rows, NaN locality, bitwise-repeatable gradients.
 """
 
 from __future__ import annotations
@@ -86,6 +86,11 @@ def test_float32_backward_against_float64(shape_id, seed):
         (1, 4, 200, 4, 32),
         (2, 3, 328, 8, 32),
         (1, 2, 8, 2, 16),
+        # N no multiple of 8: the Mosaic forward through `unaligned_row_tile`,
+        # the Triton backward after it.
+        (2, 3, 37, 4, 32),
+        (1, 4, 333, 8, 8),
+        (1, 2, 101, 2, 16),
     ],
     ids=lambda s: "x".join(map(str, s)),
 )

@@ -31,8 +31,13 @@ SIXTEEN_BIT = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 FLOAT32_MAX_HEAD_DIM = 64
 # N must be a multiple of this (`supports`): Mosaic GPU's TMA descriptors
 # view each array in GMEM as the 8-row tiles of its swizzled shared-memory
-# tiles, so an array's residue axis must hold whole tiles of rows.
+# tiles, so an array's residue axis must hold whole tiles of rows. The
+# forward takes other N where its row tiles are one swizzle wide
+# (`takes_any_n`), through `unaligned_row_tile`.
 RESIDUE_MULTIPLE = 8
+# Head dims (as the kernels see them) whose row tiles, 16-bit and the float32
+# residual, are each one swizzle wide (`unaligned_row_tile`).
+ANY_N_TILE_DIMS = (16, 32)
 # TMA wants every global row stride a multiple of this many bytes.
 TMA_STRIDE_BYTES = 16
 # The width of a swizzled shared-memory tile of the bias (`smem_tile` with
@@ -64,9 +69,21 @@ INTERPRETED_CTAS = 3
 COMPILER_PARAMS = plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0)
 
 
-def supports(q_shape, q_dtype, bias_dtype) -> str | None:
+def takes_any_n(head_dim: int, q_dtype) -> bool:
+    """Whether the Mosaic forward takes N that is no multiple of
+    `RESIDUE_MULTIPLE` at this head dim and q dtype: 16-bit, d <= 32 (d < 16
+    as the kernels read it, `kernel_head_dim`), where every row tile it
+    copies is one swizzle wide (`unaligned_row_tile`). The backward kernels
+    take N a multiple of 8 only."""
+    return (
+        jnp.dtype(q_dtype) in SIXTEEN_BIT and kernel_head_dim(head_dim) in ANY_N_TILE_DIMS
+    )
+
+
+def supports(q_shape, q_dtype, bias_dtype, forward_only: bool = False) -> str | None:
     """None when `msa_row_attention` can run these inputs on the Mosaic
-    kernels, else the reason it cannot.
+    kernels (`forward_only`: on the Mosaic forward), else the reason it
+    cannot.
 
     float32 inputs run the Triton forward (its three-TF32 products) and the
     Mosaic backward, whose kernels read each float32 operand as three bf16
@@ -80,6 +97,7 @@ def supports(q_shape, q_dtype, bias_dtype) -> str | None:
     Args:
       q_shape: `[B, S, N, H, d]`.
       q_dtype, bias_dtype: dtypes of q (and k, v, gate) and of the bias.
+      forward_only: whether only the forward kernel is asked for.
     """
     *_, n_res, _, head_dim = q_shape
     q_dtype = jnp.dtype(q_dtype)
@@ -95,8 +113,12 @@ def supports(q_shape, q_dtype, bias_dtype) -> str | None:
     bias_itemsize = jnp.dtype(bias_dtype).itemsize
     if bias_itemsize not in (2, 4):
         return f"bias dtype {jnp.dtype(bias_dtype).name}: the Mosaic kernels take 16- or 32-bit"
-    if n_res < 1 or n_res % RESIDUE_MULTIPLE:
-        return f"N={n_res}: the Mosaic kernels need N to be a multiple of {RESIDUE_MULTIPLE}"
+    any_n = forward_only and takes_any_n(head_dim, q_dtype)
+    if n_res < 1 or (n_res % RESIDUE_MULTIPLE and not any_n):
+        return (
+            f"N={n_res}: the Mosaic kernels need N to be a multiple of {RESIDUE_MULTIPLE} "
+            f"(the forward takes any N for 16-bit q with d <= {max(ANY_N_TILE_DIMS)})"
+        )
     return None
 
 
@@ -107,6 +129,24 @@ def aligned_residues(n_res: int, dtype, swizzled: bool) -> int:
     16-bit elements), else to whole 16-byte strides (the int8 mask: 16)."""
     multiple = (SWIZZLE_BYTES if swizzled else TMA_STRIDE_BYTES) // jnp.dtype(dtype).itemsize
     return -(-n_res // multiple) * multiple
+
+
+def pad_bias_rows(bias):
+    """`[B, H, N, N']` with its rows (N) zero-padded to a multiple of
+    `RESIDUE_MULTIPLE`: the bias tiles are 8-row tiled in shared memory, so
+    their TMA copies need whole tiles of rows in GMEM (N % 8 != 0, the
+    forward only; B·H·N² elements, against the kernel's B·S·H·N² logits)."""
+    padding = -bias.shape[-2] % RESIDUE_MULTIPLE
+    if padding == 0:
+        return bias
+    return jnp.pad(bias, ((0, 0),) * (bias.ndim - 2) + ((0, padding), (0, 0)))
+
+
+def row_tile(shape, dtype, unaligned: bool):
+    """Shared memory for a tile of rows of q, k, v, the gate or an output:
+    `smem_tile`, or with `unaligned` (N % 8 != 0) `unaligned_row_tile`'s
+    pair of views."""
+    return unaligned_row_tile(shape, dtype) if unaligned else smem_tile(shape, dtype)
 
 
 def pad_residues(x, swizzled: bool):
@@ -210,11 +250,14 @@ def pad_head_dim(x):
     return jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, padding),))
 
 
-def check_kernel_inputs(q, bias, float32: bool = False, paired_heads: bool = False) -> None:
+def check_kernel_inputs(
+    q, bias, float32: bool = False, paired_heads: bool = False, forward: bool = False
+) -> None:
     """Raises ValueError unless a Mosaic kernel can take these operands as
     they are; `float32`: the kernel takes float32 q (in bf16 pieces) too;
-    `paired_heads`: it takes d = 8 with an even H (`pairs_heads`) too."""
-    reason = supports(q.shape, q.dtype, bias.dtype)
+    `paired_heads`: it takes d = 8 with an even H (`pairs_heads`) too;
+    `forward`: it is the forward (`supports(forward_only=True)`)."""
+    reason = supports(q.shape, q.dtype, bias.dtype, forward_only=forward)
     if reason is None and q.dtype == jnp.float32 and not float32:
         reason = "q dtype float32: this Mosaic kernel takes bfloat16 / float16"
     paired = paired_heads and pairs_heads(q.shape[-1], q.shape[-2])
@@ -281,8 +324,9 @@ def unaligned_row_tile(shape, dtype):
     needs. Where a row is exactly one swizzle wide (`shape[-1]` times the
     item size = the swizzle, as for d = 16, 32 and 64 in 16 bits) the two
     layouts are the same bytes. Written through one view, read through the
-    other; the Mosaic GPU interpreter does not alias the views for writes,
-    so this runs compiled only (tests/test_mosaic_gpu.py).
+    other. Compiled only: the Mosaic GPU interpreter does not alias the views
+    for writes, and copies any rows into 8-row tiles (`row_tile`'s callers
+    use `smem_tile` there).
     """
     bits = jnp.dtype(dtype).itemsize * 8
     swizzle = plgpu.find_swizzle(shape[-1] * bits)

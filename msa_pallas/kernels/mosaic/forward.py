@@ -29,17 +29,22 @@ and each consumer loads its next q tile once its last `q k^T` product of the
 item is done, and its next gate tile after the gating. Otherwise the grid has
 one CTA per item.
 
-N need not be a whole number of tiles (`common.supports`: a multiple of
-8): TMA reads past N as zeros, keys past N get a -inf logit and TMA stores
-of q's layout past N are dropped. q, k, v, the gate and the output are never
-padded; the bias and mask rows are padded to whole TMA rows
-(`common.pad_residues`), and the row statistics are written into planes
-padded to whole query tiles and sliced: their `[1, block_q]` windows are
-contiguous, and Mosaic GPU stores a contiguous unswizzled window with a bulk
-copy that is clipped only at the end of the whole array, not at N, so a
-window running past N would overwrite the next head's statistics. Results
-and residuals are those of the Triton forward
-(`msa_pallas.kernels.triton.forward.attention_forward`), so either backward follows.
+N need not be a whole number of tiles: TMA reads past N as zeros, keys past
+N get a -inf logit and TMA stores of q's layout past N are dropped. N need
+not be a multiple of 8 either where the row tiles are one swizzle wide
+(`common.takes_any_n`: 16-bit, d <= 32): the tiles of q, k, v, the gate and
+the outputs are then pairs of views (`common.unaligned_row_tile`), an
+untiled one that TMA copies through and the 8-row tiled one that `wgmma`
+reads. q, k, v, the gate and the output are never padded; the bias and mask
+rows are padded to whole TMA rows (`common.pad_residues`; with N % 8 != 0
+the bias's rows to a multiple of 8 too, `common.pad_bias_rows`), and the
+row statistics are written into planes padded to whole query tiles and
+sliced: their `[1, block_q]` windows are contiguous, and Mosaic GPU stores a
+contiguous unswizzled window with a bulk copy that is clipped only at the
+end of the whole array, not at N, so a window running past N would
+overwrite the next head's statistics. Results and residuals are those of
+the Triton forward (`msa_pallas.kernels.triton.forward.attention_forward`),
+so either backward follows.
 
 The key loop visits every key tile; it is the place where tiles that the key
 mask removes entirely, and attention dropout, will go.
@@ -59,12 +64,16 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from msa_pallas.block_sizes import MosaicTiles, mosaic_shared_memory_bytes
 from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2
 from msa_pallas.kernels.mosaic.common import (
-    MAX_SHARED_MEMORY, WGMMA, WGMMA_COL, WGMMA_ROW, PingPong, accumulate_products,
-    accumulator_bias, as_head_pairs, batch_head_and_warpgroup, bias_tile, check_kernel_inputs,
-    combine_head_columns, consumer_registers, heads_per_tile, keys_before, launch,
-    masked_accumulator_logit, multiprocessors, pad_residues, producer_registers, sigmoid,
-    smem_products, smem_tile, smem_vectors, store_own_head_tiles,
+    MAX_SHARED_MEMORY, RESIDUE_MULTIPLE, WGMMA, WGMMA_COL, WGMMA_ROW, PingPong,
+    accumulate_products, accumulator_bias, as_head_pairs, batch_head_and_warpgroup, bias_tile,
+    check_kernel_inputs, combine_head_columns, consumer_registers, heads_per_tile, keys_before,
+    launch, masked_accumulator_logit, multiprocessors, pad_bias_rows, pad_residues,
+    producer_registers, row_tile, sigmoid, smem_products, smem_tile, smem_vectors,
+    store_own_head_tiles,
 )
+
+# The shared-memory tiles of rows of `[B, S, N, H, d]` arrays (`common.row_tile`).
+ROW_TILES = ("q", "k", "v", "gate", "attention", "out")
 
 
 def default_tiles(
@@ -107,10 +116,15 @@ def default_tiles(
 def _kernel(
     gmem, smem, produced, consumed, schedule, *, scale: float, n_res: int,
     tiles: MosaicTiles, msa_rows: int, heads: int, heads_per_tile: int, grid, dtype,
-    interpret: bool,
+    interpret: bool, row_views: tuple[str, ...] = (),
 ):
     """`heads`: the heads of q, k and v as the kernel sees them, each
-    `heads_per_tile` heads of the bias (2 for d = 8, `common.pairs_heads`)."""
+    `heads_per_tile` heads of the bias (2 for d = 8, `common.pairs_heads`).
+    `row_views`: the names of `smem` that are pairs of views
+    (`common.unaligned_row_tile`, N % 8 != 0): TMA copies go through the
+    first, everything else through the second."""
+    smem_tma = {name: ref[0] if name in row_views else ref for name, ref in smem.items()}
+    smem = {name: ref[1] if name in row_views else ref for name, ref in smem.items()}
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair = heads_per_tile
     key_tiles = pl.cdiv(n_res, block_k)
@@ -129,7 +143,7 @@ def _kernel(
         batch, head, row_group, q_start = work
         plgpu.copy_gmem_to_smem(
             gmem[name].at[batch, row_group * msa_rows + wg, pl.ds(q_start, block_q), head],
-            smem[name].at[wg], produced["q"].at[wg],
+            smem_tma[name].at[wg], produced["q"].at[wg],
         )
 
     def consume_item(work, item, next_work, has_next):
@@ -380,16 +394,18 @@ def _kernel(
             out = out * sigmoid(smem["gate"][wg].astype(jnp.float32))
         # With one CTA per item q's tile is free by now and holds the output on
         # its way out; a persistent CTA's holds the next item's queries.
-        out_smem = smem["out"].at[wg] if "out" in smem else q_smem
-        out_smem[...] = out.astype(dtype)
+        out_name = "out" if "out" in smem else "q"
+        smem[out_name].at[wg][...] = out.astype(dtype)
         # Every thread's reads of the gate and writes of the output are done.
         plgpu.commit_smem()
         if has_gate:
             pl.when(has_next)(lambda: load_own("gate", next_work))
-        plgpu.copy_smem_to_gmem(out_smem, gmem["out"].at[batch, row, queries, head])
+        plgpu.copy_smem_to_gmem(
+            smem_tma[out_name].at[wg], gmem["out"].at[batch, row, queries, head]
+        )
         if save_stats:
             plgpu.copy_smem_to_gmem(
-                smem["attention"].at[wg], gmem["attention"].at[batch, row, queries, head]
+                smem_tma["attention"].at[wg], gmem["attention"].at[batch, row, queries, head]
             )
             # [pair, block_q] windows of the statistics' [H, N] planes.
             for name in ("row_max", "row_log2_sum"):
@@ -418,7 +434,7 @@ def _kernel(
                 pl.when(wait_for_slot)(lambda: plgpu.barrier_wait(consumed[ring].at[slot]))
             for r in range(msa_rows):
                 plgpu.copy_gmem_to_smem(
-                    gmem[ring].at[batch, first_row + r, keys, head], smem[ring].at[slot, r],
+                    gmem[ring].at[batch, first_row + r, keys, head], smem_tma[ring].at[slot, r],
                     produced[ring].at[slot],
                 )
             if ring == "v":
@@ -531,7 +547,8 @@ def attention_forward(
     Args:
       q, k, v: `[B, S, N, H, d]`, bfloat16 / float16, d in `HEAD_DIMS` or
         d = 8 with H even (two heads per tile, `common.pairs_heads`), N a
-        multiple of `common.RESIDUE_MULTIPLE`.
+        multiple of `common.RESIDUE_MULTIPLE` or any N where
+        `common.takes_any_n`.
       bias: `[B, H, N, N]`, 16- or 32-bit float.
       mask: `[B, S, N]` int8 (nonzero keeps) or None.
       gate: `[B, S, N, H, d]` gate logits or None.
@@ -545,7 +562,7 @@ def attention_forward(
       attention output `[B, S, N, H, d]` in float32 and the float32 row max
       and log2 row sum, each `[B, S, H, N]`, in base-2 units.
     """
-    check_kernel_inputs(q, bias, paired_heads=True)
+    check_kernel_inputs(q, bias, paired_heads=True, forward=True)
     batch, rows, n_res, heads, head_dim = q.shape
     msa_rows = tiles.msa_rows_for(rows)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
@@ -560,6 +577,12 @@ def attention_forward(
 
     bias = accumulator_bias(bias, scale)
     bias = pad_residues(bias, swizzled=True)
+    # N % 8 != 0: the row tiles take `unaligned_row_tile`'s pairs of views
+    # (compiled; the interpreter copies any rows into 8-row tiles).
+    unaligned = n_res % RESIDUE_MULTIPLE != 0
+    row_views = unaligned and not interpret
+    if unaligned:
+        bias = pad_bias_rows(bias)
     if mask is not None:
         mask = pad_residues(mask, swizzled=False)
     inputs = {"q": q, "k": k, "v": v, "bias": bias, "mask": mask, "gate": gate}
@@ -575,10 +598,11 @@ def attention_forward(
         }
 
     tile_dim = q.shape[-1]
+    rows_tile = lambda shape, dtype: row_tile(shape, dtype, row_views)  # noqa: E731
     smem = {
-        "q": smem_tile((msa_rows, block_q, tile_dim), q.dtype),
-        "k": smem_tile((stages, msa_rows, block_k, tile_dim), k.dtype),
-        "v": smem_tile((stages, msa_rows, block_k, tile_dim), v.dtype),
+        "q": rows_tile((msa_rows, block_q, tile_dim), q.dtype),
+        "k": rows_tile((stages, msa_rows, block_k, tile_dim), k.dtype),
+        "v": rows_tile((stages, msa_rows, block_k, tile_dim), v.dtype),
         "bias": smem_tile((stages, pair, block_q, block_k), bias.dtype),
     }
     if pair > 1:
@@ -591,13 +615,13 @@ def attention_forward(
         smem["mask"] = smem_vectors((stages, msa_rows, 1, block_k), mask.dtype)
         k_copies += msa_rows
     if gate is not None:
-        smem["gate"] = smem_tile((msa_rows, block_q, tile_dim), gate.dtype)
+        smem["gate"] = rows_tile((msa_rows, block_q, tile_dim), gate.dtype)
     if save_stats:
-        smem["attention"] = smem_tile((msa_rows, block_q, tile_dim), jnp.float32)
+        smem["attention"] = rows_tile((msa_rows, block_q, tile_dim), jnp.float32)
         smem["row_max"] = plgpu.SMEM((msa_rows, pair, block_q), jnp.float32)
         smem["row_log2_sum"] = plgpu.SMEM((msa_rows, pair, block_q), jnp.float32)
     if tiles.persistent:
-        smem["out"] = smem_tile((msa_rows, block_q, tile_dim), q.dtype)
+        smem["out"] = rows_tile((msa_rows, block_q, tile_dim), q.dtype)
     produced = {
         # q's and the gate's copies.
         "q": plgpu.Barrier(num_arrivals=2 if gate is not None else 1, num_barriers=msa_rows),
@@ -615,6 +639,7 @@ def attention_forward(
         _kernel, scale=scale, n_res=n_res, tiles=tiles, msa_rows=msa_rows,
         heads=heads // pair, heads_per_tile=pair, grid=items, dtype=q.dtype,
         interpret=interpret,
+        row_views=tuple(name for name in ROW_TILES if name in smem) if row_views else (),
     )
     if tiles.persistent:
         grid, grid_names = (min(math.prod(items), multiprocessors(interpret)),), ("ctas",)
