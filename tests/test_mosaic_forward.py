@@ -308,6 +308,23 @@ def test_triton_backward_follows_the_mosaic_forward(seed):
     )
 
 
+def lowered_for_cuda(n_res, head_dim, bias_dtype, **tile_changes) -> str:
+    """The forward with its residuals, at (1, 4, N, 8, d) bf16 with a mask and
+    a gate and the default tiles changed by `tile_changes`, lowered for CUDA
+    on this machine: its text."""
+    shape = (1, 4, n_res, 8, head_dim)
+    q = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((1, 8, n_res, n_res), bias_dtype)
+    mask = jax.ShapeDtypeStruct((1, 4, n_res), jnp.int8)
+    tiles = mosaic_forward.default_tiles(shape, jnp.bfloat16, bias_dtype, save_stats=True)
+    tiles = dataclasses.replace(tiles, **tile_changes)
+    forward = lambda *args: mosaic_forward.attention_forward(  # noqa: E731
+        *args, scale=0.2, tiles=tiles, interpret=False, save_stats=True
+    )
+    lowered = jax.jit(forward).trace(q, q, q, bias, mask, q).lower(lowering_platforms=("cuda",))
+    return lowered.as_text()
+
+
 @pytest.mark.parametrize("head_dim, pipelined", [(32, False), (32, True), (8, False)])
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize("n_res, bias_dtype", [(256, jnp.float32), (200, jnp.bfloat16)])
@@ -319,19 +336,10 @@ def test_lowers_for_the_gpu_on_a_cpu(n_res, bias_dtype, persistent, head_dim, pi
     shape error, an unsupported layout or a misaligned GMEM row fails here,
     not first on the GPU. N = 200 is no whole number of tiles, and its bias
     rows are no whole number of 128-byte TMA rows until padded."""
-    shape = (1, 4, n_res, 8, head_dim)
-    q = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-    bias = jax.ShapeDtypeStruct((1, 8, n_res, n_res), bias_dtype)
-    mask = jax.ShapeDtypeStruct((1, 4, n_res), jnp.int8)
-    tiles = mosaic_forward.default_tiles(shape, jnp.bfloat16, bias_dtype, save_stats=True)
-    tiles = dataclasses.replace(tiles, persistent=persistent)
-    if pipelined:
-        tiles = dataclasses.replace(tiles, block_k=64, pipelined=True)
-    forward = lambda *args: mosaic_forward.attention_forward(  # noqa: E731
-        *args, scale=0.2, tiles=tiles, interpret=False, save_stats=True
+    pipelined_tiles = {"block_k": 64, "pipelined": True} if pipelined else {}
+    assert "mosaic_gpu" in lowered_for_cuda(
+        n_res, head_dim, bias_dtype, persistent=persistent, **pipelined_tiles
     )
-    lowered = jax.jit(forward).trace(q, q, q, bias, mask, q).lower(lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in lowered.as_text()
 
 
 @pytest.mark.parametrize("persistent", [False, True])
@@ -347,17 +355,7 @@ def test_lowers_for_any_n_on_a_cpu(n_res, head_dim, bias_dtype, persistent):
     through untiled views (`common.unaligned_row_tile`); through the 8-row
     tiled ones Mosaic GPU refuses such N at this point ("must have size
     smaller or a multiple of its tiling 8")."""
-    shape = (1, 4, n_res, 8, head_dim)
-    q = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-    bias = jax.ShapeDtypeStruct((1, 8, n_res, n_res), bias_dtype)
-    mask = jax.ShapeDtypeStruct((1, 4, n_res), jnp.int8)
-    tiles = mosaic_forward.default_tiles(shape, jnp.bfloat16, bias_dtype, save_stats=True)
-    tiles = dataclasses.replace(tiles, persistent=persistent)
-    forward = lambda *args: mosaic_forward.attention_forward(  # noqa: E731
-        *args, scale=0.2, tiles=tiles, interpret=False, save_stats=True
-    )
-    lowered = jax.jit(forward).trace(q, q, q, bias, mask, q).lower(lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in lowered.as_text()
+    assert "mosaic_gpu" in lowered_for_cuda(n_res, head_dim, bias_dtype, persistent=persistent)
 
 
 @pytest.mark.parametrize("head_dim", (8, *HEAD_DIMS))
