@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import helpers
 import msa_pallas
@@ -27,6 +29,7 @@ from msa_pallas.attention import on_hopper
 from msa_pallas.block_sizes import MosaicTiles, default_block_config
 from msa_pallas.kernels.mosaic import backward as mosaic_backward
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
+from msa_pallas.kernels.mosaic.common import unaligned_row_tile
 from msa_pallas.kernels.triton import forward as triton_forward
 from test_gpu import SHAPES, chunk_rows, device_inputs
 
@@ -218,10 +221,6 @@ def test_unaligned_row_tile_copies_any_n(n_res, seed):
     `q k^T` by `wgmma` from the tiled view against float32 NumPy (keys past
     N read as zeros), and q's tile written through the tiled view and
     copied out through the untiled one, equal to q (rows past N dropped)."""
-    from jax.experimental import pallas as pl
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    from msa_pallas.kernels.mosaic.common import unaligned_row_tile
-
     rows, heads, head_dim, block = 2, 2, 32, 64
     q_key, k_key = jax.random.split(jax.random.key(seed))
     shape = (1, rows, n_res, heads, head_dim)
