@@ -218,7 +218,7 @@ def test_four_msa_rows_per_cta_equal_two(shape, bias_dtype, seed):
 def test_unaligned_row_tile_copies_any_n(n_res, seed):
     """`common.unaligned_row_tile`, the building block for N % 8 != 0: q and
     k tiles of `[B, S, N, H, 32]` copied in by TMA through the untiled view,
-    `q k^T` by `wgmma` from the tiled view against float32 NumPy (keys past
+    `q k^T` by `wgmma` from the tiled view against float64 NumPy (keys past
     N read as zeros), and q's tile written through the tiled view and
     copied out through the untiled one, equal to q (rows past N dropped)."""
     rows, heads, head_dim, block = 2, 2, 32, 64
