@@ -12,6 +12,7 @@ from msa_pallas.block_sizes import BlockConfig, default_block_config
 from msa_pallas.kernels.mosaic import backward as mosaic_backward
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
 from msa_pallas.kernels.mosaic.common import pad_head_dim, pairs_heads
+from msa_pallas.kernels.mosaic.common import RESIDUE_MULTIPLE as MOSAIC_RESIDUE_MULTIPLE
 from msa_pallas.kernels.mosaic.common import supports as mosaic_supports
 from msa_pallas.kernels.vjp import fused_attention
 from msa_pallas.reference import msa_row_attention_xla
@@ -72,11 +73,11 @@ def resolve_implementation(implementation, q, dropout_rate: float, bias=None) ->
 
     `implementation` when given; else, when q's dtype and head dim fit the
     kernels and no attention dropout is asked for: `"mosaic"` on a Hopper GPU
-    where the Mosaic kernels take the inputs (`mosaic.common.supports`: N a
-    multiple of 8; d = 8 with an even H read as it is, two heads per tile,
-    other d < 16 zero-padded to 16), for 16-bit inputs with
-    N >= 192, and for float32 inputs with a float32 bias, N >= 256 and a
-    multiple of 128; `"pallas"` (the Triton kernels) otherwise on a GPU;
+    where the Mosaic kernels take the inputs (`mosaic.common.supports`; d = 8
+    with an even H read as it is, two heads per tile, other d < 16
+    zero-padded to 16), for 16-bit inputs with N >= 192 a multiple of 8,
+    and for float32 inputs with a float32 bias, N >= 256 and a multiple of
+    128; `"pallas"` (the Triton kernels) otherwise on a GPU;
     `"xla"` elsewhere.
     """
     if implementation is not None:
@@ -103,7 +104,9 @@ def resolve_implementation(implementation, q, dropout_rate: float, bias=None) ->
             and n_res % MOSAIC_FLOAT32_RESIDUE_MULTIPLE == 0
         )
     else:
-        measured = n_res >= MOSAIC_MIN_RESIDUES
+        # N that is no multiple of 8 (the Mosaic kernels' row tiles through
+        # untiled views, `mosaic.common.unaligned_row_tile`) is not measured yet.
+        measured = n_res >= MOSAIC_MIN_RESIDUES and n_res % MOSAIC_RESIDUE_MULTIPLE == 0
     if measured and mosaic_supports(shape[-5:], dtype, bias_dtype) is None:
         return "mosaic"
     return "pallas"
@@ -168,8 +171,7 @@ def msa_row_attention(
         too). `"mosaic"`: the Mosaic GPU kernels, forward and backward (Hopper,
         bfloat16 / float16, d in 16, 32, 64, 128, or d < 16: the kernels
         take d = 8 with an even H as it is, two heads per tile, and other
-        d are zero-padded to 16; N a multiple of 8, or any N with d <= 32,
-        where the Triton backward follows the Mosaic forward;
+        d are zero-padded to 16; N a multiple of 8, or any N with d <= 32;
         float32 with d <= 64: the Triton forward and the Mosaic backward,
         its operands split into three bf16 pieces). `"xla"`: the plain-`jnp`
         path. None picks `"mosaic"` on a Hopper GPU for
@@ -247,10 +249,7 @@ def msa_row_attention(
                 persistent=on_gpu(),
             )
         backward_tiles = None
-        # N % 8 != 0 runs the Mosaic forward only (`mosaic.common.takes_any_n`)
-        # and the Triton backward after it.
-        backward_fits = mosaic_supports(q.shape, q.dtype, read_bias_dtype) is None
-        if implementation == "mosaic" and backward_fits:
+        if implementation == "mosaic":
             backward_tiles = block_config.mosaic_backward or mosaic_backward.default_tiles(
                 q.shape, q.dtype, read_bias_dtype
             )

@@ -107,9 +107,7 @@ def validate_arguments(q, k, v, bias, mask, gate, scale, implementation) -> None
             f"q has shape {shape_str(q.shape)}; every dimension must be >= 1."
         )
     if implementation == "mosaic":
-        # The forward is enough: where the Mosaic backward does not take the
-        # inputs (N % 8 != 0) the Triton backward follows it.
-        reason = mosaic_supports(q.shape, q.dtype, bias.dtype, forward_only=True)
+        reason = mosaic_supports(q.shape, q.dtype, bias.dtype)
         if reason is not None:
             raise ValueError(
                 f"implementation='mosaic' with q of shape {shape_str(q.shape)}: {reason}. "

@@ -93,6 +93,10 @@ CASES = {
         4, 136, 32, jnp.bfloat16, jnp.float32,
         MosaicBackwardTiles(*(MosaicTiles(64, 64, 2, 4),) * 3),
     ),
+    # N no multiple of 8 (`common.takes_any_n`): the statistics padded to
+    # whole TMA strides, the bias rows to 8, the dbias rows sliced.
+    "any-N37": (2, 37, 32, jnp.bfloat16, jnp.float32, SMALL_TILES),
+    "any-N101-odd-S-fp16": (3, 101, 16, jnp.float16, jnp.float16, ONE_DBIAS_CONSUMER),
 }
 
 
@@ -283,12 +287,16 @@ def test_ping_pong_changes_nothing(seed):
 
 def test_lowers_for_the_gpu_on_a_cpu():
     """The three kernels lower for CUDA on a machine without one, with the
-    default tiles of every head dim (d = 8 two heads per tile) and both bias widths, and at N = 200
-    (no whole number of tiles; bias rows padded to whole TMA rows) with and
-    without a mask: a shape error, an unsupported layout or a misaligned
-    GMEM row fails here, not first on the GPU."""
+    default tiles of every head dim (d = 8 two heads per tile) and both bias
+    widths, at N = 200 (no whole number of tiles; bias rows padded to whole
+    TMA rows) with and without a mask, and at N = 333, 101 and 203 (no
+    multiple of 8, `common.unaligned_row_tile`): a shape error, an
+    unsupported layout or a misaligned GMEM row fails here, not first on the
+    GPU."""
     cases = [(head_dim, 256, True) for head_dim in HEAD_DIMS]
     cases += [(32, 200, True), (32, 200, False), (8, 384, True)]  # d = 8: two heads per tile
+    # N no multiple of 8: the row tiles' copies through untiled views.
+    cases += [(32, 333, True), (16, 101, False), (8, 203, True)]
     for head_dim, n_res, has_mask in cases:
         for bias_dtype in (jnp.float32, jnp.bfloat16):
             shape = (1, 4, n_res, 8, head_dim)

@@ -89,8 +89,8 @@ def test_float32_backward_against_float64(shape_id, seed):
         (1, 4, 200, 4, 32),
         (2, 3, 328, 8, 32),
         (1, 2, 8, 2, 16),
-        # N no multiple of 8: the Mosaic forward through `unaligned_row_tile`,
-        # the Triton backward after it.
+        # N no multiple of 8: every kernel's row tiles through
+        # `common.unaligned_row_tile`.
         (2, 3, 37, 4, 32),
         (1, 4, 333, 8, 8),
         (1, 2, 101, 2, 16),

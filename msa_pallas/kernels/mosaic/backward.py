@@ -51,7 +51,13 @@ they meet real residues (a zero `q` / `do` row, a zero statistic; keys past
 N get `ds = 0` in dq), and the stores of q's layout and of the bias
 gradient drop what lies past N. As in the forward, only the bias and mask
 rows (and the bias gradient's) are padded, to whole TMA rows
-(`common.pad_residues`).
+(`common.pad_residues`). N need not be a multiple of 8 where
+`common.takes_any_n` (16-bit, d <= 32): the tiles of q, k, v and `do` (and
+the gradients leaving through them) are then pairs of views
+(`common.unaligned_row_tile`), TMA copying through the untiled one; the
+bias's rows are padded to a multiple of 8 (`common.pad_bias_rows`), the
+statistics to whole 16-byte rows, and the bias gradient's rows are
+allocated to a multiple of 8 and sliced.
 
 The loops visit every tile; they are where tiles that the key mask removes
 entirely, and attention dropout, will go.
@@ -73,14 +79,19 @@ from msa_pallas.block_sizes import (
 )
 from msa_pallas.kernels.constants import FLOAT32_PIECES, LOG2E, MASKED_LOGIT_LOG2
 from msa_pallas.kernels.mosaic.common import (
-    FLOAT32_MAX_HEAD_DIM, MAX_SHARED_MEMORY, WGMMA, WGMMA_COL, WGMMA_ROW, PingPong,
-    accumulate_products, accumulator_bias, aligned_residues, as_head_pairs,
+    FLOAT32_MAX_HEAD_DIM, MAX_SHARED_MEMORY, RESIDUE_MULTIPLE, WGMMA, WGMMA_COL, WGMMA_ROW,
+    PingPong, accumulate_products, accumulator_bias, aligned_residues, as_head_pairs,
     batch_head_and_warpgroup, bias_tile, check_kernel_inputs, combine_head_columns,
     consumer_registers, copy_tiles, heads_per_tile, kernel_head_dim, keys_before, launch,
-    matrix_operand, operand_at, own_head_columns, pad_residues, produce, producer_registers,
-    smem_products, smem_tile, smem_vectors, split_float32, split_tiles, store_own_head_tiles,
-    transposed, zeros,
+    matrix_operand, operand_at, own_head_columns, pad_bias_rows, pad_residues, produce,
+    producer_registers, smem_products, smem_tile, smem_vectors, split_float32, split_row_views,
+    split_tiles, store_own_head_tiles, transposed, zeros,
 )
+
+# The shared-memory tiles of rows of `[B, S, N, H, d]` arrays: pairs of views
+# where N % 8 != 0 (`common.unaligned_row_tile`).
+ROW_TILES = ("q", "k", "v", "do")
+
 
 def default_tiles(q_shape, q_dtype, bias_dtype) -> MosaicBackwardTiles:
     """The backward kernels' tiles for these inputs: per kernel the first
@@ -178,9 +189,13 @@ def _load_stats(stats_ref, layout):
 def _dkdv_kernel(
     gmem, smem, produced, consumed, schedule, *, scale: float, n_res: int, tiles: MosaicTiles,
     msa_rows: int, heads: int, heads_per_tile: int, dtype, ping_pong: bool, interpret: bool,
+    row_views: tuple[str, ...] = (),
 ):
     """`heads`: the heads of q, k and v as the kernel sees them, each
-    `heads_per_tile` heads of the bias and statistics (2 for d = 8)."""
+    `heads_per_tile` heads of the bias and statistics (2 for d = 8).
+    `row_views`: the names of `smem` that are pairs of views (N % 8 != 0,
+    `common.split_row_views`): copies go through `smem_tma`."""
+    smem_tma, smem = split_row_views(smem, row_views)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair = heads_per_tile
     query_tiles = pl.cdiv(n_res, block_q)
@@ -194,7 +209,9 @@ def _dkdv_kernel(
         consumer_registers(msa_rows)
         row = row_group * msa_rows + wg
         k_smem, v_smem = operand_at(smem["k"], wg), operand_at(smem["v"], wg)
-        copy_tiles(gmem, smem, ("k", "v"), (batch, row, keys, head), wg, produced["kv"].at[wg])
+        copy_tiles(
+            gmem, smem_tma, ("k", "v"), (batch, row, keys, head), wg, produced["kv"].at[wg]
+        )
         keep = None
         if has_mask:
             plgpu.copy_gmem_to_smem(
@@ -250,14 +267,12 @@ def _dkdv_kernel(
         turns.finish()
         dk, dv = combine_head_columns(dks), combine_head_columns(dvs)
         # 16-bit: K's and V's tiles are free again and hold the gradients on their way out.
-        dk_smem, dv_smem = (
-            (smem["dk"].at[wg], smem["dv"].at[wg]) if "dk" in smem else (k_smem, v_smem)
-        )
-        dk_smem[...] = (dk * scale).astype(dtype)
-        dv_smem[...] = dv.astype(dtype)
+        dk_name, dv_name = ("dk", "dv") if "dk" in smem else ("k", "v")
+        smem[dk_name].at[wg][...] = (dk * scale).astype(dtype)
+        smem[dv_name].at[wg][...] = dv.astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(dk_smem, gmem["dk"].at[batch, row, keys, head])
-        plgpu.copy_smem_to_gmem(dv_smem, gmem["dv"].at[batch, row, keys, head])
+        plgpu.copy_smem_to_gmem(smem_tma[dk_name].at[wg], gmem["dk"].at[batch, row, keys, head])
+        plgpu.copy_smem_to_gmem(smem_tma[dv_name].at[wg], gmem["dv"].at[batch, row, keys, head])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == msa_rows)
@@ -270,7 +285,9 @@ def _dkdv_kernel(
             barrier = produced["step"].at[slot]
             for r in range(msa_rows):
                 row = first_row + r
-                copy_tiles(gmem, smem, ("q", "do"), (batch, row, queries, head), (slot, r), barrier)
+                copy_tiles(
+                    gmem, smem_tma, ("q", "do"), (batch, row, queries, head), (slot, r), barrier
+                )
                 plgpu.copy_gmem_to_smem(
                     gmem["stats"].at[batch, row, pl.ds(head * pair, pair), :, queries],
                     smem["stats"].at[slot, r], barrier,
@@ -287,8 +304,10 @@ def _dkdv_kernel(
 def _dq_kernel(
     gmem, smem, produced, consumed, schedule, *, scale: float, n_res: int, tiles: MosaicTiles,
     msa_rows: int, heads: int, heads_per_tile: int, dtype, ping_pong: bool, interpret: bool,
+    row_views: tuple[str, ...] = (),
 ):
-    """`heads` and `heads_per_tile` as in `_dkdv_kernel`."""
+    """`heads`, `heads_per_tile` and `row_views` as in `_dkdv_kernel`."""
+    smem_tma, smem = split_row_views(smem, row_views)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair = heads_per_tile
     key_tiles = pl.cdiv(n_res, block_k)
@@ -302,7 +321,9 @@ def _dq_kernel(
         consumer_registers(msa_rows)
         row = row_group * msa_rows + wg
         q_smem, do_smem = operand_at(smem["q"], wg), operand_at(smem["do"], wg)
-        copy_tiles(gmem, smem, ("q", "do"), (batch, row, queries, head), wg, produced["q"].at[wg])
+        copy_tiles(
+            gmem, smem_tma, ("q", "do"), (batch, row, queries, head), wg, produced["q"].at[wg]
+        )
         plgpu.copy_gmem_to_smem(
             gmem["stats"].at[batch, row, pl.ds(head * pair, pair), :, queries],
             smem["stats"].at[wg], produced["q"].at[wg],
@@ -354,10 +375,12 @@ def _dq_kernel(
         turns.finish()
         dq = combine_head_columns(dqs)
         # 16-bit: q's tile is free again and holds dq on its way out.
-        out_smem = smem["dq"].at[wg] if "dq" in smem else q_smem
-        out_smem[...] = (dq * scale).astype(dtype)
+        out_name = "dq" if "dq" in smem else "q"
+        smem[out_name].at[wg][...] = (dq * scale).astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, gmem["dq"].at[batch, row, queries, head])
+        plgpu.copy_smem_to_gmem(
+            smem_tma[out_name].at[wg], gmem["dq"].at[batch, row, queries, head]
+        )
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == msa_rows)
@@ -370,7 +393,9 @@ def _dq_kernel(
             barrier = produced["step"].at[slot]
             for r in range(msa_rows):
                 row = first_row + r
-                copy_tiles(gmem, smem, ("k", "v"), (batch, row, keys, head), (slot, r), barrier)
+                copy_tiles(
+                    gmem, smem_tma, ("k", "v"), (batch, row, keys, head), (slot, r), barrier
+                )
                 if has_mask:
                     plgpu.copy_gmem_to_smem(
                         gmem["mask"].at[batch, pl.ds(row, 1), keys],
@@ -388,10 +413,13 @@ def _dq_kernel(
 def _dbias_kernel(
     gmem, smem, produced, consumed, *, scale: float, tiles: MosaicTiles, consumers: int,
     rows_per_chunk: int, batch_heads: int, heads: int, heads_per_tile: int, interpret: bool,
+    row_views: tuple[str, ...] = (),
 ):
-    """`heads` and `heads_per_tile` as in `_dkdv_kernel`: with two heads per
-    tile the CTA sums one head's gradient over the chunk's rows, then the
-    other's, each head's bias tile loaded into the same shared memory."""
+    """`heads`, `heads_per_tile` and `row_views` as in `_dkdv_kernel`: with
+    two heads per tile the CTA sums one head's gradient over the chunk's
+    rows, then the other's, each head's bias tile loaded into the same
+    shared memory."""
+    smem_tma, smem = split_row_views(smem, row_views)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair = heads_per_tile
     has_mask = "mask" in gmem
@@ -485,12 +513,14 @@ def _dbias_kernel(
             barrier = produced["step"].at[slot]
             for w in range(consumers):
                 queries = pl.ds(cta_queries + w * block_q, block_q)
-                copy_tiles(gmem, smem, ("q", "do"), (batch, row, queries, head), (slot, w), barrier)
+                copy_tiles(
+                    gmem, smem_tma, ("q", "do"), (batch, row, queries, head), (slot, w), barrier
+                )
                 plgpu.copy_gmem_to_smem(
                     gmem["stats"].at[batch, row, head * pair + h, :, queries],
                     smem["stats"].at[slot, w], barrier,
                 )
-            copy_tiles(gmem, smem, ("k", "v"), (batch, row, keys, head), slot, barrier)
+            copy_tiles(gmem, smem_tma, ("k", "v"), (batch, row, keys, head), slot, barrier)
             if has_mask:
                 plgpu.copy_gmem_to_smem(
                     gmem["mask"].at[batch, pl.ds(row, 1), keys],
@@ -510,12 +540,17 @@ def _split_operands(*operands):
 
 
 def _operands(**named):
-    """The kernel's inputs by name, the bias and mask rows padded to whole
-    TMA rows (`common.pad_residues`); None entries dropped."""
-    swizzled = {"bias": True, "bias_t": True, "mask": False}
-    return {
+    """The kernel's inputs by name, the bias, mask and statistics rows
+    padded to whole TMA rows (`common.pad_residues`) and the bias's rows to
+    whole 8-row tiles (`common.pad_bias_rows`; N % 8 != 0); None entries
+    dropped."""
+    swizzled = {"bias": True, "bias_t": True, "mask": False, "stats": False}
+    padded = {
         name: pad_residues(x, swizzled[name]) if name in swizzled else x
         for name, x in named.items() if x is not None
+    }
+    return {
+        name: pad_bias_rows(x) if name in ("bias", "bias_t") else x for name, x in padded.items()
     }
 
 
@@ -561,7 +596,8 @@ def backward_dkdv(
     tile_dim = k.shape[-1]
     out_types = {"dk": jax.ShapeDtypeStruct(k.shape[pieces > 1:], q.dtype),
                  "dv": jax.ShapeDtypeStruct(k.shape[pieces > 1:], q.dtype)}
-    operand_tiles = lambda shape: split_tiles(shape, q.dtype, pieces)  # noqa: E731
+    row_views = n_res % RESIDUE_MULTIPLE != 0 and not interpret
+    operand_tiles = lambda shape: split_tiles(shape, q.dtype, pieces, row_views)  # noqa: E731
     smem = {
         "k": operand_tiles((msa_rows, block_k, tile_dim)),
         "v": operand_tiles((msa_rows, block_k, tile_dim)),
@@ -591,7 +627,7 @@ def backward_dkdv(
     body = functools.partial(
         _dkdv_kernel, scale=scale, n_res=n_res, tiles=tiles,
         msa_rows=msa_rows, heads=heads // pair, heads_per_tile=pair, dtype=q.dtype,
-        ping_pong=ping_pong, interpret=interpret,
+        ping_pong=ping_pong, interpret=interpret, row_views=ROW_TILES if row_views else (),
     )
     dk, dv = launch(
         body, name="msa_mosaic_dkdv",
@@ -623,7 +659,8 @@ def backward_dq(
     )
     tile_dim = k.shape[-1]
     out_types = {"dq": jax.ShapeDtypeStruct(k.shape[pieces > 1:], q.dtype)}
-    operand_tiles = lambda shape: split_tiles(shape, q.dtype, pieces)  # noqa: E731
+    row_views = n_res % RESIDUE_MULTIPLE != 0 and not interpret
+    operand_tiles = lambda shape: split_tiles(shape, q.dtype, pieces, row_views)  # noqa: E731
     smem = {
         "q": operand_tiles((msa_rows, block_q, tile_dim)),
         "do": operand_tiles((msa_rows, block_q, tile_dim)),
@@ -651,7 +688,7 @@ def backward_dq(
     body = functools.partial(
         _dq_kernel, scale=scale, n_res=n_res, tiles=tiles,
         msa_rows=msa_rows, heads=heads // pair, heads_per_tile=pair, dtype=q.dtype,
-        ping_pong=ping_pong, interpret=interpret,
+        ping_pong=ping_pong, interpret=interpret, row_views=ROW_TILES if row_views else (),
     )
     (dq,) = launch(
         body, name="msa_mosaic_dq",
@@ -694,10 +731,15 @@ def backward_dbias(
         q=q, k=k, v=v, bias=accumulator_bias(bias, scale), mask=mask, do=do,
         stats=stats,
     )
-    # Rows of a whole TMA stride, sliced back to N below.
-    dbias_shape = (chunks, batch, heads, n_res, aligned_residues(n_res, jnp.float32, True))
+    # Rows of whole 8-row tiles and columns of a whole TMA stride, sliced
+    # back to N below.
+    dbias_shape = (
+        chunks, batch, heads, pl.cdiv(n_res, RESIDUE_MULTIPLE) * RESIDUE_MULTIPLE,
+        aligned_residues(n_res, jnp.float32, True),
+    )
     out_types = {"dbias": jax.ShapeDtypeStruct(dbias_shape, jnp.float32)}
-    operand_tiles = lambda shape: split_tiles(shape, q.dtype, pieces)  # noqa: E731
+    row_views = n_res % RESIDUE_MULTIPLE != 0 and not interpret
+    operand_tiles = lambda shape: split_tiles(shape, q.dtype, pieces, row_views)  # noqa: E731
     smem = {"bias": smem_tile((consumers, block_q, block_k), bias.dtype)}
     if not dbias_in_bias_tile(pieces, bias.dtype):
         smem["dbias"] = smem_tile((consumers, block_q, block_k), jnp.float32)
@@ -721,6 +763,7 @@ def backward_dbias(
         _dbias_kernel, scale=scale, tiles=tiles, consumers=consumers,
         rows_per_chunk=rows // chunks, batch_heads=batch * heads // pair,
         heads=heads // pair, heads_per_tile=pair, interpret=interpret,
+        row_views=ROW_TILES if row_views else (),
     )
     (partial_sums,) = launch(
         body, name="msa_mosaic_dbias", scratch=(smem, produced, consumed),
@@ -729,5 +772,5 @@ def backward_dbias(
         grid_names=("query_tiles", "key_tiles", "chunk_batch_heads"),
         consumers=consumers, interpret=interpret,
     )
-    partial_sums = partial_sums[..., :n_res]
+    partial_sums = partial_sums[..., :n_res, :n_res]
     return partial_sums[0] if chunks == 1 else partial_sums.sum(axis=0)

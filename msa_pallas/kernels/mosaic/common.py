@@ -32,7 +32,7 @@ FLOAT32_MAX_HEAD_DIM = 64
 # N must be a multiple of this (`supports`): Mosaic GPU's TMA descriptors
 # view each array in GMEM as the 8-row tiles of its swizzled shared-memory
 # tiles, so an array's residue axis must hold whole tiles of rows. The
-# forward takes other N where its row tiles are one swizzle wide
+# kernels take other N where their row tiles are one swizzle wide
 # (`takes_any_n`), through `unaligned_row_tile`.
 RESIDUE_MULTIPLE = 8
 # Head dims (as the kernels see them) whose row tiles, 16-bit and the float32
@@ -70,20 +70,18 @@ COMPILER_PARAMS = plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes
 
 
 def takes_any_n(head_dim: int, q_dtype) -> bool:
-    """Whether the Mosaic forward takes N that is no multiple of
+    """Whether the Mosaic kernels take N that is no multiple of
     `RESIDUE_MULTIPLE` at this head dim and q dtype: 16-bit, d <= 32 (d < 16
-    as the kernels read it, `kernel_head_dim`), where every row tile it
-    copies is one swizzle wide (`unaligned_row_tile`). The backward kernels
-    take N a multiple of 8 only."""
+    as the kernels read it, `kernel_head_dim`), where every row tile they
+    copy is one swizzle wide (`unaligned_row_tile`)."""
     return (
         jnp.dtype(q_dtype) in SIXTEEN_BIT and kernel_head_dim(head_dim) in ANY_N_TILE_DIMS
     )
 
 
-def supports(q_shape, q_dtype, bias_dtype, forward_only: bool = False) -> str | None:
+def supports(q_shape, q_dtype, bias_dtype) -> str | None:
     """None when `msa_row_attention` can run these inputs on the Mosaic
-    kernels (`forward_only`: on the Mosaic forward), else the reason it
-    cannot.
+    kernels, else the reason it cannot.
 
     float32 inputs run the Triton forward (its three-TF32 products) and the
     Mosaic backward, whose kernels read each float32 operand as three bf16
@@ -97,7 +95,6 @@ def supports(q_shape, q_dtype, bias_dtype, forward_only: bool = False) -> str | 
     Args:
       q_shape: `[B, S, N, H, d]`.
       q_dtype, bias_dtype: dtypes of q (and k, v, gate) and of the bias.
-      forward_only: whether only the forward kernel is asked for.
     """
     *_, n_res, _, head_dim = q_shape
     q_dtype = jnp.dtype(q_dtype)
@@ -113,11 +110,10 @@ def supports(q_shape, q_dtype, bias_dtype, forward_only: bool = False) -> str | 
     bias_itemsize = jnp.dtype(bias_dtype).itemsize
     if bias_itemsize not in (2, 4):
         return f"bias dtype {jnp.dtype(bias_dtype).name}: the Mosaic kernels take 16- or 32-bit"
-    any_n = forward_only and takes_any_n(head_dim, q_dtype)
-    if n_res < 1 or (n_res % RESIDUE_MULTIPLE and not any_n):
+    if n_res < 1 or (n_res % RESIDUE_MULTIPLE and not takes_any_n(head_dim, q_dtype)):
         return (
             f"N={n_res}: the Mosaic kernels need N to be a multiple of {RESIDUE_MULTIPLE} "
-            f"(the forward takes any N for 16-bit q with d <= {max(ANY_N_TILE_DIMS)})"
+            f"(any N for 16-bit q with d <= {max(ANY_N_TILE_DIMS)})"
         )
     return None
 
@@ -140,6 +136,14 @@ def pad_bias_rows(bias):
     if padding == 0:
         return bias
     return jnp.pad(bias, ((0, 0),) * (bias.ndim - 2) + ((0, padding), (0, 0)))
+
+
+def split_row_views(smem: dict, row_views) -> tuple[dict, dict]:
+    """`smem` for TMA copies and `smem` for everything else: each name in
+    `row_views` (a pair of views, `unaligned_row_tile`) replaced by its
+    first view in the one and by its second in the other."""
+    tma = {name: ref[0] if name in row_views else ref for name, ref in smem.items()}
+    return tma, {name: ref[1] if name in row_views else ref for name, ref in smem.items()}
 
 
 def row_tile(shape, dtype, unaligned: bool):
@@ -250,14 +254,11 @@ def pad_head_dim(x):
     return jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, padding),))
 
 
-def check_kernel_inputs(
-    q, bias, float32: bool = False, paired_heads: bool = False, forward: bool = False
-) -> None:
+def check_kernel_inputs(q, bias, float32: bool = False, paired_heads: bool = False) -> None:
     """Raises ValueError unless a Mosaic kernel can take these operands as
     they are; `float32`: the kernel takes float32 q (in bf16 pieces) too;
-    `paired_heads`: it takes d = 8 with an even H (`pairs_heads`) too;
-    `forward`: it is the forward (`supports(forward_only=True)`)."""
-    reason = supports(q.shape, q.dtype, bias.dtype, forward_only=forward)
+    `paired_heads`: it takes d = 8 with an even H (`pairs_heads`) too."""
+    reason = supports(q.shape, q.dtype, bias.dtype)
     if reason is None and q.dtype == jnp.float32 and not float32:
         reason = "q dtype float32: this Mosaic kernel takes bfloat16 / float16"
     paired = paired_heads and pairs_heads(q.shape[-1], q.shape[-2])
@@ -339,11 +340,12 @@ def unaligned_row_tile(shape, dtype):
     return plgpu.RefUnion(tma_view, smem_tile(shape, dtype))
 
 
-def split_tiles(shape, dtype, pieces: int):
-    """`smem_tile(shape, dtype)`, or for an operand split into `pieces` > 1
-    bf16 pieces (`split_float32`) a tuple of one such bf16 tile per piece."""
+def split_tiles(shape, dtype, pieces: int, unaligned: bool = False):
+    """`row_tile(shape, dtype, unaligned)`, or for an operand split into
+    `pieces` > 1 bf16 pieces (`split_float32`; N a multiple of 8) a tuple of
+    one `smem_tile` per piece."""
     if pieces == 1:
-        return smem_tile(shape, dtype)
+        return row_tile(shape, dtype, unaligned)
     return tuple(smem_tile(shape, jnp.bfloat16) for _ in range(pieces))
 
 

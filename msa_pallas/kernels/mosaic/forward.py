@@ -69,7 +69,7 @@ from msa_pallas.kernels.mosaic.common import (
     check_kernel_inputs, combine_head_columns, consumer_registers, heads_per_tile, keys_before,
     launch, masked_accumulator_logit, multiprocessors, pad_bias_rows, pad_residues,
     producer_registers, row_tile, sigmoid, smem_products, smem_tile, smem_vectors,
-    store_own_head_tiles,
+    split_row_views, store_own_head_tiles,
 )
 
 # The shared-memory tiles of rows of `[B, S, N, H, d]` arrays (`common.row_tile`).
@@ -123,8 +123,7 @@ def _kernel(
     `row_views`: the names of `smem` that are pairs of views
     (`common.unaligned_row_tile`, N % 8 != 0): TMA copies go through the
     first, everything else through the second."""
-    smem_tma = {name: ref[0] if name in row_views else ref for name, ref in smem.items()}
-    smem = {name: ref[1] if name in row_views else ref for name, ref in smem.items()}
+    smem_tma, smem = split_row_views(smem, row_views)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair = heads_per_tile
     key_tiles = pl.cdiv(n_res, block_k)
@@ -562,7 +561,7 @@ def attention_forward(
       attention output `[B, S, N, H, d]` in float32 and the float32 row max
       and log2 row sum, each `[B, S, H, N]`, in base-2 units.
     """
-    check_kernel_inputs(q, bias, paired_heads=True, forward=True)
+    check_kernel_inputs(q, bias, paired_heads=True)
     batch, rows, n_res, heads, head_dim = q.shape
     msa_rows = tiles.msa_rows_for(rows)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
