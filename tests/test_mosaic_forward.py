@@ -160,8 +160,10 @@ def test_paired_heads_equal_the_padded_head_dim(case, seed):
 
 
 @pytest.mark.parametrize(
-    "case", [(2, 3, 72, 2, 32, jnp.bfloat16), (1, 4, 128, 4, 8, jnp.float32)],
-    ids=["B2-S3-N72-H2-d32-bias-bf16", "H4-d8-pairs"],
+    "case",
+    [(2, 3, 72, 2, 32, jnp.bfloat16), (1, 4, 128, 4, 8, jnp.float32),
+     (2, 2, 37, 2, 32, jnp.float32)],
+    ids=["B2-S3-N72-H2-d32-bias-bf16", "H4-d8-pairs", "B2-N37-any-n"],
 )
 def test_persistent_grid_equals_one_cta_per_item(case, seed):
     """Each persistent CTA runs several work items (of every batch element,
@@ -169,7 +171,7 @@ def test_persistent_grid_equals_one_cta_per_item(case, seed):
     and keeping the ring's phases across items: its results and residuals
     are bitwise those of one CTA per item. The first case has one 128-key
     tile, fewer than the ring's stages, so a CTA's second item still finds
-    a slot that no step has used."""
+    a slot that no step has used; the third has N = 37, no multiple of 8."""
     batch, rows, n_res, heads, head_dim, bias_dtype = case
     inputs = helpers.random_inputs(
         seed, batch, rows, n_res, heads, head_dim, jnp.bfloat16, bias_dtype=bias_dtype,

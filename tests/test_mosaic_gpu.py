@@ -130,7 +130,7 @@ def test_statistics_past_n_match_triton(bias_dtype, seed):
 @pytest.mark.parametrize(
     "shape",
     [SHAPES["train"], SHAPES["finetune"], (1, 3, 256, 4, 32), (2, 3, 328, 8, 32), (1, 4, 200, 8, 16),
-     (1, 512, 128, 8, 32)],
+     (1, 512, 128, 8, 32), (1, 8, 333, 8, 32)],
     ids=lambda s: "x".join(map(str, s)),
 )
 def test_persistent_forward_equals_one_cta_per_item(shape, bias_dtype, seed):
@@ -138,9 +138,9 @@ def test_persistent_forward_equals_one_cta_per_item(shape, bias_dtype, seed):
     each item as the grid of one CTA per item does, and the pipelined key
     loop (`MosaicTiles.pipelined`, without and with turns) as the plain
     one: the outputs and residuals are bitwise equal, at the train and
-    finetune crops, an odd S, N past the last whole tile, and N = 128 with
+    finetune crops, an odd S, N past the last whole tile, N = 128 with
     many items per CTA (one 128-key tile with a 16-bit bias: fewer key
-    tiles than ring stages)."""
+    tiles than ring stages), and N = 333, no multiple of 8."""
     inputs = device_inputs(seed, shape, jnp.bfloat16, bias_dtype=bias_dtype)
     q, k, v, bias, mask, gate, _ = inputs.args
     tiles = mosaic_forward.default_tiles(q.shape, q.dtype, bias.dtype, save_stats=True)
