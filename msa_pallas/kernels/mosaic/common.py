@@ -130,8 +130,8 @@ def aligned_residues(n_res: int, dtype, swizzled: bool) -> int:
 def pad_bias_rows(bias):
     """`[B, H, N, N']` with its rows (N) zero-padded to a multiple of
     `RESIDUE_MULTIPLE`: the bias tiles are 8-row tiled in shared memory, so
-    their TMA copies need whole tiles of rows in GMEM (N % 8 != 0, the
-    forward only; B·H·N² elements, against the kernel's B·S·H·N² logits)."""
+    their TMA copies need whole tiles of rows in GMEM (N % 8 != 0; B·H·N²
+    elements, against the kernels' B·S·H·N² logits)."""
     padding = -bias.shape[-2] % RESIDUE_MULTIPLE
     if padding == 0:
         return bias
@@ -147,7 +147,7 @@ def split_row_views(smem: dict, row_views) -> tuple[dict, dict]:
 
 
 def row_tile(shape, dtype, unaligned: bool):
-    """Shared memory for a tile of rows of q, k, v, the gate or an output:
+    """Shared memory for a tile of rows of q, k, v, `do`, the gate or an output:
     `smem_tile`, or with `unaligned` (N % 8 != 0) `unaligned_row_tile`'s
     pair of views."""
     return unaligned_row_tile(shape, dtype) if unaligned else smem_tile(shape, dtype)
