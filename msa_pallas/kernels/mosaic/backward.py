@@ -84,13 +84,9 @@ from msa_pallas.kernels.mosaic.common import (
     batch_head_and_warpgroup, bias_tile, check_kernel_inputs, combine_head_columns,
     consumer_registers, copy_tiles, heads_per_tile, kernel_head_dim, keys_before, launch,
     matrix_operand, operand_at, own_head_columns, pad_bias_rows, pad_residues, produce,
-    producer_registers, smem_products, smem_tile, smem_vectors, split_float32, split_row_views,
-    split_tiles, store_own_head_tiles, transposed, zeros,
+    producer_registers, row_view_names, smem_products, smem_tile, smem_vectors, split_float32,
+    split_row_views, split_tiles, store_own_head_tiles, takes_row_views, transposed, zeros,
 )
-
-# The shared-memory tiles of rows of `[B, S, N, H, d]` arrays: pairs of views
-# where N % 8 != 0 (`common.unaligned_row_tile`).
-ROW_TILES = ("q", "k", "v", "do")
 
 
 def default_tiles(q_shape, q_dtype, bias_dtype) -> MosaicBackwardTiles:
@@ -596,7 +592,7 @@ def backward_dkdv(
     tile_dim = k.shape[-1]
     out_types = {"dk": jax.ShapeDtypeStruct(k.shape[pieces > 1:], q.dtype),
                  "dv": jax.ShapeDtypeStruct(k.shape[pieces > 1:], q.dtype)}
-    row_views = n_res % RESIDUE_MULTIPLE != 0 and not interpret
+    row_views = takes_row_views(n_res, interpret)
     operand_tiles = lambda shape: split_tiles(shape, q.dtype, pieces, row_views)  # noqa: E731
     smem = {
         "k": operand_tiles((msa_rows, block_k, tile_dim)),
@@ -627,7 +623,7 @@ def backward_dkdv(
     body = functools.partial(
         _dkdv_kernel, scale=scale, n_res=n_res, tiles=tiles,
         msa_rows=msa_rows, heads=heads // pair, heads_per_tile=pair, dtype=q.dtype,
-        ping_pong=ping_pong, interpret=interpret, row_views=ROW_TILES if row_views else (),
+        ping_pong=ping_pong, interpret=interpret, row_views=row_view_names(smem),
     )
     dk, dv = launch(
         body, name="msa_mosaic_dkdv",
@@ -659,7 +655,7 @@ def backward_dq(
     )
     tile_dim = k.shape[-1]
     out_types = {"dq": jax.ShapeDtypeStruct(k.shape[pieces > 1:], q.dtype)}
-    row_views = n_res % RESIDUE_MULTIPLE != 0 and not interpret
+    row_views = takes_row_views(n_res, interpret)
     operand_tiles = lambda shape: split_tiles(shape, q.dtype, pieces, row_views)  # noqa: E731
     smem = {
         "q": operand_tiles((msa_rows, block_q, tile_dim)),
@@ -688,7 +684,7 @@ def backward_dq(
     body = functools.partial(
         _dq_kernel, scale=scale, n_res=n_res, tiles=tiles,
         msa_rows=msa_rows, heads=heads // pair, heads_per_tile=pair, dtype=q.dtype,
-        ping_pong=ping_pong, interpret=interpret, row_views=ROW_TILES if row_views else (),
+        ping_pong=ping_pong, interpret=interpret, row_views=row_view_names(smem),
     )
     (dq,) = launch(
         body, name="msa_mosaic_dq",
@@ -738,7 +734,7 @@ def backward_dbias(
         aligned_residues(n_res, jnp.float32, True),
     )
     out_types = {"dbias": jax.ShapeDtypeStruct(dbias_shape, jnp.float32)}
-    row_views = n_res % RESIDUE_MULTIPLE != 0 and not interpret
+    row_views = takes_row_views(n_res, interpret)
     operand_tiles = lambda shape: split_tiles(shape, q.dtype, pieces, row_views)  # noqa: E731
     smem = {"bias": smem_tile((consumers, block_q, block_k), bias.dtype)}
     if not dbias_in_bias_tile(pieces, bias.dtype):
@@ -763,7 +759,7 @@ def backward_dbias(
         _dbias_kernel, scale=scale, tiles=tiles, consumers=consumers,
         rows_per_chunk=rows // chunks, batch_heads=batch * heads // pair,
         heads=heads // pair, heads_per_tile=pair, interpret=interpret,
-        row_views=ROW_TILES if row_views else (),
+        row_views=row_view_names(smem),
     )
     (partial_sums,) = launch(
         body, name="msa_mosaic_dbias", scratch=(smem, produced, consumed),

@@ -138,6 +138,18 @@ def pad_bias_rows(bias):
     return jnp.pad(bias, ((0, 0),) * (bias.ndim - 2) + ((0, padding), (0, 0)))
 
 
+def takes_row_views(n_res: int, interpret: bool) -> bool:
+    """Whether a kernel's row tiles are `unaligned_row_tile` pairs: N % 8 != 0,
+    compiled (the interpreter copies any rows into 8-row tiles)."""
+    return n_res % RESIDUE_MULTIPLE != 0 and not interpret
+
+
+def row_view_names(smem: dict) -> tuple[str, ...]:
+    """The names of shared-memory specs that are `unaligned_row_tile` pairs
+    (`split_row_views`' `row_views`)."""
+    return tuple(name for name, spec in smem.items() if isinstance(spec, plgpu.RefUnion))
+
+
 def split_row_views(smem: dict, row_views) -> tuple[dict, dict]:
     """`smem` for TMA copies and `smem` for everything else: each name in
     `row_views` (a pair of views, `unaligned_row_tile`) replaced by its

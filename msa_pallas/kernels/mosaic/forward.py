@@ -64,16 +64,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from msa_pallas.block_sizes import MosaicTiles, mosaic_shared_memory_bytes
 from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2
 from msa_pallas.kernels.mosaic.common import (
-    MAX_SHARED_MEMORY, RESIDUE_MULTIPLE, WGMMA, WGMMA_COL, WGMMA_ROW, PingPong,
-    accumulate_products, accumulator_bias, as_head_pairs, batch_head_and_warpgroup, bias_tile,
-    check_kernel_inputs, combine_head_columns, consumer_registers, heads_per_tile, keys_before,
-    launch, masked_accumulator_logit, multiprocessors, pad_bias_rows, pad_residues,
-    producer_registers, row_tile, sigmoid, smem_products, smem_tile, smem_vectors,
-    split_row_views, store_own_head_tiles,
+    MAX_SHARED_MEMORY, WGMMA, WGMMA_COL, WGMMA_ROW, PingPong, accumulate_products,
+    accumulator_bias, as_head_pairs, batch_head_and_warpgroup, bias_tile, check_kernel_inputs,
+    combine_head_columns, consumer_registers, heads_per_tile, keys_before, launch,
+    masked_accumulator_logit, multiprocessors, pad_bias_rows, pad_residues, producer_registers,
+    row_tile, row_view_names, sigmoid, smem_products, smem_tile, smem_vectors, split_row_views,
+    store_own_head_tiles, takes_row_views,
 )
-
-# The shared-memory tiles of rows of `[B, S, N, H, d]` arrays (`common.row_tile`).
-ROW_TILES = ("q", "k", "v", "gate", "attention", "out")
 
 
 def default_tiles(
@@ -575,13 +572,7 @@ def attention_forward(
         gate = None if gate is None else as_head_pairs(gate, pair)
 
     bias = accumulator_bias(bias, scale)
-    bias = pad_residues(bias, swizzled=True)
-    # N % 8 != 0: the row tiles take `unaligned_row_tile`'s pairs of views
-    # (compiled; the interpreter copies any rows into 8-row tiles).
-    unaligned = n_res % RESIDUE_MULTIPLE != 0
-    row_views = unaligned and not interpret
-    if unaligned:
-        bias = pad_bias_rows(bias)
+    bias = pad_bias_rows(pad_residues(bias, swizzled=True))
     if mask is not None:
         mask = pad_residues(mask, swizzled=False)
     inputs = {"q": q, "k": k, "v": v, "bias": bias, "mask": mask, "gate": gate}
@@ -597,6 +588,7 @@ def attention_forward(
         }
 
     tile_dim = q.shape[-1]
+    row_views = takes_row_views(n_res, interpret)
     rows_tile = lambda shape, dtype: row_tile(shape, dtype, row_views)  # noqa: E731
     smem = {
         "q": rows_tile((msa_rows, block_q, tile_dim), q.dtype),
@@ -638,7 +630,7 @@ def attention_forward(
         _kernel, scale=scale, n_res=n_res, tiles=tiles, msa_rows=msa_rows,
         heads=heads // pair, heads_per_tile=pair, grid=items, dtype=q.dtype,
         interpret=interpret,
-        row_views=tuple(name for name in ROW_TILES if name in smem) if row_views else (),
+        row_views=row_view_names(smem),
     )
     if tiles.persistent:
         grid, grid_names = (min(math.prod(items), multiprocessors(interpret)),), ("ctas",)
