@@ -458,13 +458,15 @@ def test_default_dispatch_on_hopper(monkeypatch):
         bias = jax.ShapeDtypeStruct((1, 4, n_res, n_res), bias_dtype)
         return resolve_implementation(None, q, 0.0, bias)
 
-    # 16-bit: N >= 192 a multiple of 8 (d = 8 padded to 16).
+    # 16-bit: N >= 192 (d = 8 padded to 16).
     assert picks(384, 32, jnp.bfloat16) == picks(384, 8, jnp.float16) == "mosaic"
     assert picks(200, 32, jnp.bfloat16) == picks(320, 32, jnp.bfloat16) == "mosaic"
     assert picks(256, 32, jnp.bfloat16) == "mosaic"
-    assert picks(128, 32, jnp.bfloat16) == picks(250, 32, jnp.bfloat16) == "pallas"
-    # N no multiple of 8: the Mosaic kernels take it but were not measured there.
-    assert picks(333, 32, jnp.bfloat16) == picks(1001, 8, jnp.bfloat16) == "pallas"
+    assert picks(128, 32, jnp.bfloat16) == "pallas"
+    # N no multiple of 8: the Mosaic kernels where they take it (d <= 32).
+    assert picks(333, 32, jnp.bfloat16) == picks(1001, 8, jnp.bfloat16) == "mosaic"
+    assert picks(250, 32, jnp.bfloat16) == "mosaic"
+    assert picks(333, 64, jnp.bfloat16) == picks(181, 32, jnp.bfloat16) == "pallas"
     # float32 with a float32 bias: the Mosaic backward from N = 256, d <= 64.
     assert picks(256, 32, jnp.float32) == picks(1024, 64, jnp.float32) == "mosaic"
     assert picks(384, 8, jnp.float32) == "mosaic"

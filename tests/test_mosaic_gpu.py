@@ -310,9 +310,11 @@ def test_default_picks_on_hopper():
         return msa_pallas.resolve_implementation(None, q, 0.0, bias)
 
     # d = 8 (the extra-MSA stack) too: two heads per tile, H being even.
-    for n_res, head_dim in ((256, 32), (384, 32), (384, 8), (1024, 64), (200, 32), (320, 32)):
+    # N no multiple of 8 (250, 333) with d <= 32 too.
+    for n_res, head_dim in ((256, 32), (384, 32), (384, 8), (1024, 64), (200, 32), (320, 32),
+                            (250, 32), (333, 8)):
         assert picks(n_res, head_dim) == MOSAIC, (n_res, head_dim)
-    assert picks(128, 32) == picks(250, 32) == "pallas"
+    assert picks(128, 32) == picks(250, 64) == "pallas"
     # float32 with a float32 bias: the Triton forward, the Mosaic backward.
     assert picks(384, 32, jnp.float32) == MOSAIC
     assert picks(320, 32, jnp.float32) == "pallas"
