@@ -75,9 +75,9 @@ def resolve_implementation(implementation, q, dropout_rate: float, bias=None) ->
     where the Mosaic kernels take the inputs (`mosaic.common.supports`; d = 8
     with an even H read as it is, two heads per tile, other d < 16
     zero-padded to 16), for 16-bit inputs with N >= 192 (N a multiple of 8,
-    or any N with d <= 32), and for float32 inputs with a float32 bias, N >= 256 and a multiple of
-    128; `"pallas"` (the Triton kernels) otherwise on a GPU;
-    `"xla"` elsewhere.
+    or any N with d <= 64), and for float32 inputs with a float32 bias,
+    N >= 256 and a multiple of 128; `"pallas"` (the Triton kernels)
+    otherwise on a GPU; `"xla"` elsewhere.
     """
     if implementation is not None:
         return implementation
@@ -104,7 +104,7 @@ def resolve_implementation(implementation, q, dropout_rate: float, bias=None) ->
         )
     else:
         # Any N the Mosaic kernels take (`mosaic_supports`): N no multiple of 8
-        # (d <= 32) was measured faster too (RESULTS, any-N entry).
+        # (d <= 64) was measured faster too (RESULTS, any-N entries).
         measured = n_res >= MOSAIC_MIN_RESIDUES
     if measured and mosaic_supports(shape[-5:], dtype, bias_dtype) is None:
         return "mosaic"
@@ -170,8 +170,8 @@ def msa_row_attention(
         too). `"mosaic"`: the Mosaic GPU kernels, forward and backward (Hopper,
         bfloat16 / float16, d in 16, 32, 64, 128, or d < 16: the kernels
         take d = 8 with an even H as it is, two heads per tile, and other
-        d are zero-padded to 16; N a multiple of 8, or any N with d <= 32;
-        float32 with d <= 64: the Triton forward and the Mosaic backward,
+        d are zero-padded to 16; N a multiple of 8, or any N with d <= 64;
+        float32 with d <= 64 (any N): the Triton forward and the Mosaic backward,
         its operands split into three bf16 pieces). `"xla"`: the plain-`jnp`
         path. None picks `"mosaic"` on a Hopper GPU for
         inputs it takes: 16-bit with N >= 192, float32 with a float32 bias

@@ -97,6 +97,7 @@ CASES = {
     # whole TMA strides, the bias rows to 8, the dbias rows sliced.
     "any-N37": (2, 37, 32, jnp.bfloat16, jnp.float32, SMALL_TILES),
     "any-N101-odd-S-fp16": (3, 101, 16, jnp.float16, jnp.float16, ONE_DBIAS_CONSUMER),
+    "float32-any-N45": (2, 45, 32, jnp.float32, jnp.float32, SMALL_TILES),
 }
 
 
@@ -290,21 +291,26 @@ def test_lowers_for_the_gpu_on_a_cpu():
     default tiles of every head dim (d = 8 two heads per tile) and both bias
     widths, at N = 200 (no whole number of tiles; bias rows padded to whole
     TMA rows) with and without a mask, and at N = 333, 101 and 203 (no
-    multiple of 8, `common.unaligned_row_tile`): a shape error, an
+    multiple of 8, `common.unaligned_row_tile`; d = 64 at 333; float32
+    pieces at 333 and 101, d = 64 with the float32 gradients' tiles as
+    column pieces): a shape error, an
     unsupported layout or a misaligned GMEM row fails here, not first on the
     GPU."""
-    cases = [(head_dim, 256, True) for head_dim in HEAD_DIMS]
-    cases += [(32, 200, True), (32, 200, False), (8, 384, True)]  # d = 8: two heads per tile
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    cases = [(head_dim, 256, True, bf16) for head_dim in HEAD_DIMS]
+    # d = 8: two heads per tile.
+    cases += [(32, 200, True, bf16), (32, 200, False, bf16), (8, 384, True, bf16)]
     # N no multiple of 8: the row tiles' copies through untiled views.
-    cases += [(32, 333, True), (16, 101, False), (8, 203, True)]
-    for head_dim, n_res, has_mask in cases:
+    cases += [(32, 333, True, bf16), (16, 101, False, bf16), (8, 203, True, bf16)]
+    cases += [(64, 333, True, bf16), (32, 333, True, f32), (64, 101, False, f32)]
+    for head_dim, n_res, has_mask, dtype in cases:
         for bias_dtype in (jnp.float32, jnp.bfloat16):
             shape = (1, 4, n_res, 8, head_dim)
-            q = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+            q = jax.ShapeDtypeStruct(shape, dtype)
             bias = jax.ShapeDtypeStruct((1, 8, n_res, n_res), bias_dtype)
             mask = jax.ShapeDtypeStruct((1, 4, n_res), jnp.int8) if has_mask else None
             stats = jax.ShapeDtypeStruct((1, 4, 8, 3, n_res), jnp.float32)
-            tiles = mosaic_backward.default_tiles(shape, jnp.bfloat16, bias_dtype)
+            tiles = mosaic_backward.default_tiles(shape, dtype, bias_dtype)
             for kernel in ("dkdv", "dq", "dbias"):
                 function = getattr(mosaic_backward, f"backward_{kernel}")
                 lowered = jax.jit(
@@ -313,7 +319,7 @@ def test_lowers_for_the_gpu_on_a_cpu():
                         scale=0.2, tiles=getattr(tiles, kernel), interpret=False,  # noqa: B023
                     )
                 ).trace(q, q, q, bias, mask, q, stats).lower(lowering_platforms=("cuda",))
-                label = (head_dim, n_res, has_mask, bias_dtype, kernel)
+                label = (head_dim, n_res, has_mask, dtype, bias_dtype, kernel)
                 assert "mosaic_gpu" in lowered.as_text(), label
 
 

@@ -272,14 +272,16 @@ def test_nan_stays_in_its_row(seed):
 
 
 @pytest.mark.parametrize(
-    "dtype, n_res", [(jnp.bfloat16, 128), (jnp.float32, 72), (jnp.bfloat16, 37)]
+    "dtype, n_res",
+    [(jnp.bfloat16, 128), (jnp.float32, 72), (jnp.bfloat16, 37), (jnp.float32, 37)],
 )
 def test_op_gradients_through_the_mosaic_kernels(dtype, n_res, seed):
     """`implementation="mosaic"`: the Mosaic forward's residuals feed the
     Mosaic backward kernels; the gradients match float64. float32: the
     Triton forward and the Mosaic backward on bf16 pieces, within float32's
     tolerance. N = 37, no multiple of 8: the row tiles of every kernel
-    through `common.unaligned_row_tile` (compiled; here as 8-row tiles)."""
+    (float32: of every bf16 piece) through `common.unaligned_row_tile`
+    (compiled; here as 8-row tiles)."""
     inputs = helpers.random_inputs(seed, 1, 2, n_res, 1, 32, dtype, fully_masked_row=True)
     result = helpers.fwd_bwd("mosaic")(*inputs.args)
     helpers.assert_shapes_dtypes_finite(result, inputs)
@@ -349,14 +351,15 @@ def test_lowers_for_the_gpu_on_a_cpu(n_res, bias_dtype, persistent, head_dim, pi
     "n_res, head_dim, bias_dtype",
     [
         (37, 32, jnp.bfloat16), (100, 32, jnp.float32),
-        (203, 8, jnp.bfloat16), (203, 16, jnp.float32),
+        (203, 8, jnp.bfloat16), (203, 16, jnp.float32), (333, 64, jnp.float32),
     ],
 )
 def test_lowers_for_any_n_on_a_cpu(n_res, head_dim, bias_dtype, persistent):
     """N no multiple of 8 lowers for CUDA: the row tiles' TMA copies go
-    through untiled views (`common.unaligned_row_tile`); through the 8-row
-    tiled ones Mosaic GPU refuses such N at this point ("must have size
-    smaller or a multiple of its tiling 8")."""
+    through untiled views (`common.unaligned_row_tile`; at d = 64 the float32
+    residual as two column pieces); through the 8-row tiled ones Mosaic GPU
+    refuses such N at this point ("must have size smaller or a multiple of
+    its tiling 8")."""
     assert "mosaic_gpu" in lowered_for_cuda(n_res, head_dim, bias_dtype, persistent=persistent)
 
 
@@ -389,8 +392,7 @@ def test_default_tiles_fit_shared_memory(head_dim, bias_dtype, save_stats):
     [
         ((1, 2, 64, 4, 128), jnp.float32, jnp.float32, "head dim 128 in float32"),
         ((1, 2, 128, 4, 24), jnp.bfloat16, jnp.float32, "head dim 24"),
-        ((1, 2, 100, 4, 64), jnp.bfloat16, jnp.bfloat16, "N=100"),
-        ((1, 2, 100, 4, 32), jnp.float32, jnp.float32, "N=100"),
+        ((1, 2, 100, 4, 128), jnp.bfloat16, jnp.bfloat16, "N=100"),
     ],
 )
 def test_unsupported_inputs_raise_naming_the_reason(shape, dtype, bias_dtype, fragment):
@@ -404,15 +406,17 @@ def test_n_a_multiple_of_8_is_supported():
     for n_res in (8, 64, 72, 200, 320):
         assert supports((1, 2, n_res, 4, 32), jnp.bfloat16, jnp.float32) is None, n_res
     for n_res in (0, 100, 333):
-        assert "multiple of 8" in supports((1, 2, n_res, 4, 64), jnp.bfloat16, jnp.float32)
+        assert "multiple of 8" in supports((1, 2, n_res, 4, 128), jnp.bfloat16, jnp.float32)
 
 
-def test_any_n_for_16_bit_and_d_up_to_32():
-    for head_dim in (8, 16, 32):
+def test_any_n_for_d_up_to_64():
+    for head_dim in (8, 16, 32, 64):
         for n_res in (1, 37, 100, 333):
             assert supports((1, 2, n_res, 4, head_dim), jnp.float16, jnp.float32) is None
-    for shape, dtype in (((1, 2, 100, 4, 64), jnp.bfloat16), ((1, 2, 100, 4, 32), jnp.float32)):
-        assert "multiple of 8" in supports(shape, dtype, jnp.float32)
+    # float32: the backward's bf16 pieces, d <= 64.
+    for head_dim in (8, 32, 64):
+        assert supports((1, 2, 100, 4, head_dim), jnp.float32, jnp.float32) is None
+    assert "multiple of 8" in supports((1, 2, 100, 4, 128), jnp.bfloat16, jnp.float32)
     assert "multiple of 8" in supports((1, 2, 0, 4, 32), jnp.bfloat16, jnp.float32)
     assert "bias dtype int8" in supports((1, 2, 64, 4, 32), jnp.bfloat16, jnp.int8)
 
@@ -463,10 +467,10 @@ def test_default_dispatch_on_hopper(monkeypatch):
     assert picks(200, 32, jnp.bfloat16) == picks(320, 32, jnp.bfloat16) == "mosaic"
     assert picks(256, 32, jnp.bfloat16) == "mosaic"
     assert picks(128, 32, jnp.bfloat16) == "pallas"
-    # N no multiple of 8: the Mosaic kernels where they take it (d <= 32).
+    # N no multiple of 8: the Mosaic kernels where they take it (d <= 64).
     assert picks(333, 32, jnp.bfloat16) == picks(1001, 8, jnp.bfloat16) == "mosaic"
-    assert picks(250, 32, jnp.bfloat16) == "mosaic"
-    assert picks(333, 64, jnp.bfloat16) == picks(181, 32, jnp.bfloat16) == "pallas"
+    assert picks(250, 32, jnp.bfloat16) == picks(333, 64, jnp.bfloat16) == "mosaic"
+    assert picks(333, 128, jnp.bfloat16) == picks(181, 32, jnp.bfloat16) == "pallas"
     # float32 with a float32 bias: the Mosaic backward from N = 256, d <= 64.
     assert picks(256, 32, jnp.float32) == picks(1024, 64, jnp.float32) == "mosaic"
     assert picks(384, 8, jnp.float32) == "mosaic"

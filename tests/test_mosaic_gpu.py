@@ -79,6 +79,17 @@ def test_float32_backward_against_float64(shape_id, seed):
 
 
 @pytest.mark.parametrize(
+    "shape", [(1, 3, 333, 8, 32), (2, 2, 101, 2, 64), (1, 4, 203, 4, 8)],
+    ids=lambda s: "x".join(map(str, s)),
+)
+def test_float32_backward_at_any_n(shape, seed):
+    """float32 at N no multiple of 8: every bf16 piece's row tiles through
+    `common.unaligned_row_tile`, at d = 64 the float32 gradients' tiles as
+    two column pieces, d = 8 padded to 16."""
+    check(device_inputs(seed, shape, jnp.float32), f"mosaic float32 {shape}")
+
+
+@pytest.mark.parametrize(
     "shape",
     [
         (1, 3, 256, 4, 32),  # odd S: one MSA row per CTA
@@ -94,6 +105,8 @@ def test_float32_backward_against_float64(shape_id, seed):
         (2, 3, 37, 4, 32),
         (1, 4, 333, 8, 8),
         (1, 2, 101, 2, 16),
+        # d = 64: the float32 residual as two column pieces (`common.row_tile`).
+        (1, 3, 203, 4, 64),
     ],
     ids=lambda s: "x".join(map(str, s)),
 )
@@ -310,11 +323,11 @@ def test_default_picks_on_hopper():
         return msa_pallas.resolve_implementation(None, q, 0.0, bias)
 
     # d = 8 (the extra-MSA stack) too: two heads per tile, H being even.
-    # N no multiple of 8 (250, 333) with d <= 32 too.
+    # N no multiple of 8 (250, 333) with d <= 64 too.
     for n_res, head_dim in ((256, 32), (384, 32), (384, 8), (1024, 64), (200, 32), (320, 32),
-                            (250, 32), (333, 8)):
+                            (250, 32), (333, 8), (333, 64)):
         assert picks(n_res, head_dim) == MOSAIC, (n_res, head_dim)
-    assert picks(128, 32) == picks(250, 64) == "pallas"
+    assert picks(128, 32) == picks(250, 128) == "pallas"
     # float32 with a float32 bias: the Triton forward, the Mosaic backward.
     assert picks(384, 32, jnp.float32) == MOSAIC
     assert picks(320, 32, jnp.float32) == "pallas"

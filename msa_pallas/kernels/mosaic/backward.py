@@ -52,9 +52,10 @@ N get `ds = 0` in dq), and the stores of q's layout and of the bias
 gradient drop what lies past N. As in the forward, only the bias and mask
 rows (and the bias gradient's) are padded, to whole TMA rows
 (`common.pad_residues`). N need not be a multiple of 8 where
-`common.takes_any_n` (16-bit, d <= 32): the tiles of q, k, v and `do` (and
-the gradients leaving through them) are then pairs of views
-(`common.unaligned_row_tile`), TMA copying through the untiled one; the
+`common.takes_any_n` (d <= 64): the tiles of q, k, v and `do` (and the
+gradients leaving through them; for float32 inputs each bf16 piece, and the
+float32 gradients' tiles, at d = 64 as two column pieces) are then pairs of
+views (`common.unaligned_row_tile`), TMA copying through the untiled one; the
 bias's rows are padded to a multiple of 8 (`common.pad_bias_rows`), the
 statistics to whole 16-byte rows, and the bias gradient's rows are
 allocated to a multiple of 8 and sliced.
@@ -82,10 +83,11 @@ from msa_pallas.kernels.mosaic.common import (
     FLOAT32_MAX_HEAD_DIM, MAX_SHARED_MEMORY, RESIDUE_MULTIPLE, WGMMA, WGMMA_COL, WGMMA_ROW,
     PingPong, accumulate_products, accumulator_bias, aligned_residues, as_head_pairs,
     batch_head_and_warpgroup, bias_tile, check_kernel_inputs, combine_head_columns,
-    consumer_registers, copy_tiles, heads_per_tile, kernel_head_dim, keys_before, launch,
-    matrix_operand, operand_at, own_head_columns, pad_bias_rows, pad_residues, produce,
-    producer_registers, row_view_names, smem_products, smem_tile, smem_vectors, split_float32,
-    split_row_views, split_tiles, store_own_head_tiles, takes_row_views, transposed, zeros,
+    consumer_registers, copy_row_tile_to_gmem, copy_tiles, heads_per_tile, kernel_head_dim,
+    keys_before, launch, matrix_operand, operand_at, own_head_columns, pad_bias_rows,
+    pad_residues, produce, producer_registers, row_tile, row_tile_at, row_view_names,
+    smem_products, smem_tile, smem_vectors, split_float32, split_row_views, split_tiles,
+    store_own_head_tiles, store_row_tile, takes_row_views, transposed, zeros,
 )
 
 
@@ -264,11 +266,13 @@ def _dkdv_kernel(
         dk, dv = combine_head_columns(dks), combine_head_columns(dvs)
         # 16-bit: K's and V's tiles are free again and hold the gradients on their way out.
         dk_name, dv_name = ("dk", "dv") if "dk" in smem else ("k", "v")
-        smem[dk_name].at[wg][...] = (dk * scale).astype(dtype)
-        smem[dv_name].at[wg][...] = dv.astype(dtype)
+        store_row_tile(row_tile_at(smem[dk_name], wg), (dk * scale).astype(dtype))
+        store_row_tile(row_tile_at(smem[dv_name], wg), dv.astype(dtype))
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(smem_tma[dk_name].at[wg], gmem["dk"].at[batch, row, keys, head])
-        plgpu.copy_smem_to_gmem(smem_tma[dv_name].at[wg], gmem["dv"].at[batch, row, keys, head])
+        for name, tile in (("dk", dk_name), ("dv", dv_name)):
+            copy_row_tile_to_gmem(
+                row_tile_at(smem_tma[tile], wg), gmem[name].at[batch, row, keys, head]
+            )
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == msa_rows)
@@ -372,10 +376,10 @@ def _dq_kernel(
         dq = combine_head_columns(dqs)
         # 16-bit: q's tile is free again and holds dq on its way out.
         out_name = "dq" if "dq" in smem else "q"
-        smem[out_name].at[wg][...] = (dq * scale).astype(dtype)
+        store_row_tile(row_tile_at(smem[out_name], wg), (dq * scale).astype(dtype))
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(
-            smem_tma[out_name].at[wg], gmem["dq"].at[batch, row, queries, head]
+        copy_row_tile_to_gmem(
+            row_tile_at(smem_tma[out_name], wg), gmem["dq"].at[batch, row, queries, head]
         )
         plgpu.wait_smem_to_gmem(0)
 
@@ -608,8 +612,8 @@ def backward_dkdv(
                 smem_tile((msa_rows, block_k, tile_dim), q.dtype) for _ in range(pair)
             )
     if pieces > 1:
-        smem["dk"] = smem_tile((msa_rows, block_k, tile_dim), jnp.float32)
-        smem["dv"] = smem_tile((msa_rows, block_k, tile_dim), jnp.float32)
+        smem["dk"] = row_tile((msa_rows, block_k, tile_dim), jnp.float32, row_views)
+        smem["dv"] = row_tile((msa_rows, block_k, tile_dim), jnp.float32, row_views)
     if mask is not None:
         smem["mask"] = smem_vectors((msa_rows, 1, block_k), mask.dtype)
     produced_step, consumed = _step_scratch(
@@ -671,7 +675,7 @@ def backward_dq(
                 smem_tile((msa_rows, block_q, tile_dim), q.dtype) for _ in range(pair)
             )
     if pieces > 1:
-        smem["dq"] = smem_tile((msa_rows, block_q, tile_dim), jnp.float32)
+        smem["dq"] = row_tile((msa_rows, block_q, tile_dim), jnp.float32, row_views)
     copies = 2 * msa_rows * pieces + pair
     if mask is not None:
         smem["mask"] = smem_vectors((stages, msa_rows, 1, block_k), mask.dtype)

@@ -32,12 +32,13 @@ FLOAT32_MAX_HEAD_DIM = 64
 # N must be a multiple of this (`supports`): Mosaic GPU's TMA descriptors
 # view each array in GMEM as the 8-row tiles of its swizzled shared-memory
 # tiles, so an array's residue axis must hold whole tiles of rows. The
-# kernels take other N where their row tiles are one swizzle wide
+# kernels take other N where their 16-bit row tiles are one swizzle wide
 # (`takes_any_n`), through `unaligned_row_tile`.
 RESIDUE_MULTIPLE = 8
-# Head dims (as the kernels see them) whose row tiles, 16-bit and the float32
-# residual, are each one swizzle wide (`unaligned_row_tile`).
-ANY_N_TILE_DIMS = (16, 32)
+# Head dims (as the kernels see them) whose 16-bit row tiles are each one
+# swizzle wide (`unaligned_row_tile`); the forward's float32 residual at
+# d = 64, two swizzles wide, is stored as two column pieces (`row_tile`).
+ANY_N_TILE_DIMS = (16, 32, 64)
 # TMA wants every global row stride a multiple of this many bytes.
 TMA_STRIDE_BYTES = 16
 # The width of a swizzled shared-memory tile of the bias (`smem_tile` with
@@ -71,11 +72,12 @@ COMPILER_PARAMS = plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes
 
 def takes_any_n(head_dim: int, q_dtype) -> bool:
     """Whether the Mosaic kernels take N that is no multiple of
-    `RESIDUE_MULTIPLE` at this head dim and q dtype: 16-bit, d <= 32 (d < 16
-    as the kernels read it, `kernel_head_dim`), where every row tile they
-    copy is one swizzle wide (`unaligned_row_tile`)."""
-    return (
-        jnp.dtype(q_dtype) in SIXTEEN_BIT and kernel_head_dim(head_dim) in ANY_N_TILE_DIMS
+    `RESIDUE_MULTIPLE` at this head dim and q dtype: d <= 64 (d < 16 as the
+    kernels read it, `kernel_head_dim`), 16-bit or float32 (the backward's
+    bf16 pieces), where every 16-bit row tile they copy is one swizzle wide
+    (`unaligned_row_tile`)."""
+    return jnp.dtype(q_dtype) in (*SIXTEEN_BIT, jnp.dtype(jnp.float32)) and (
+        kernel_head_dim(head_dim) in ANY_N_TILE_DIMS
     )
 
 
@@ -113,7 +115,7 @@ def supports(q_shape, q_dtype, bias_dtype) -> str | None:
     if n_res < 1 or (n_res % RESIDUE_MULTIPLE and not takes_any_n(head_dim, q_dtype)):
         return (
             f"N={n_res}: the Mosaic kernels need N to be a multiple of {RESIDUE_MULTIPLE} "
-            f"(any N for 16-bit q with d <= {max(ANY_N_TILE_DIMS)})"
+            f"(any N with d <= {max(ANY_N_TILE_DIMS)})"
         )
     return None
 
@@ -145,24 +147,75 @@ def takes_row_views(n_res: int, interpret: bool) -> bool:
 
 
 def row_view_names(smem: dict) -> tuple[str, ...]:
-    """The names of shared-memory specs that are `unaligned_row_tile` pairs
-    (`split_row_views`' `row_views`)."""
-    return tuple(name for name, spec in smem.items() if isinstance(spec, plgpu.RefUnion))
+    """The names of shared-memory specs that are `unaligned_row_tile` pairs,
+    or tuples of them (`row_tile`'s column pieces): `split_row_views`'
+    `row_views`."""
+    def is_pair(spec):
+        return isinstance(spec, plgpu.RefUnion)
+
+    return tuple(
+        name for name, spec in smem.items()
+        if is_pair(spec) or (isinstance(spec, tuple) and spec and all(map(is_pair, spec)))
+    )
 
 
 def split_row_views(smem: dict, row_views) -> tuple[dict, dict]:
     """`smem` for TMA copies and `smem` for everything else: each name in
-    `row_views` (a pair of views, `unaligned_row_tile`) replaced by its
-    first view in the one and by its second in the other."""
-    tma = {name: ref[0] if name in row_views else ref for name, ref in smem.items()}
-    return tma, {name: ref[1] if name in row_views else ref for name, ref in smem.items()}
+    `row_views` (a pair of views, `unaligned_row_tile`, or a tuple of
+    them) replaced by its first view in the one and by its second in the
+    other."""
+    def view(ref, which):
+        return tuple(piece[which] for piece in ref) if isinstance(ref, tuple) else ref[which]
+
+    tma = {name: view(ref, 0) if name in row_views else ref for name, ref in smem.items()}
+    return tma, {name: view(ref, 1) if name in row_views else ref for name, ref in smem.items()}
 
 
 def row_tile(shape, dtype, unaligned: bool):
     """Shared memory for a tile of rows of q, k, v, `do`, the gate or an output:
     `smem_tile`, or with `unaligned` (N % 8 != 0) `unaligned_row_tile`'s
-    pair of views."""
-    return unaligned_row_tile(shape, dtype) if unaligned else smem_tile(shape, dtype)
+    pair of views; a row wider than the widest swizzle (the forward's
+    float32 residual at d = 64) as a tuple of such pairs, one per column
+    piece one swizzle wide (`store_row_tile`, `copy_row_tile_to_gmem`)."""
+    if not unaligned:
+        return smem_tile(shape, dtype)
+    row_bytes = shape[-1] * jnp.dtype(dtype).itemsize
+    if row_bytes <= SWIZZLE_BYTES:
+        return unaligned_row_tile(shape, dtype)
+    width = SWIZZLE_BYTES // jnp.dtype(dtype).itemsize
+    return tuple(
+        unaligned_row_tile((*shape[:-1], width), dtype) for _ in range(row_bytes // SWIZZLE_BYTES)
+    )
+
+
+def row_tile_at(tile, index):
+    """`tile.at[index]` for a `row_tile`, also for one of column pieces."""
+    if isinstance(tile, tuple):
+        return tuple(piece.at[index] for piece in tile)
+    return tile.at[index]
+
+
+def store_row_tile(tile, value) -> None:
+    """Writes `value` (`[rows, width]`, registers) to a `row_tile` view
+    (`row_tile_at`), each column piece its own columns."""
+    if not isinstance(tile, tuple):
+        tile[...] = value
+        return
+    width = tile[0].shape[-1]
+    for i, piece in enumerate(tile):
+        piece[...] = value[:, i * width:(i + 1) * width]
+
+
+def copy_row_tile_to_gmem(tile, gmem_ref) -> None:
+    """`plgpu.copy_smem_to_gmem` of a `row_tile` view (`row_tile_at`, the
+    TMA views) to `gmem_ref` (`[rows, width]`), each column piece to its
+    own columns."""
+    if not isinstance(tile, tuple):
+        plgpu.copy_smem_to_gmem(tile, gmem_ref)
+        return
+    width = tile[0].shape[-1]
+    for i, piece in enumerate(tile):
+        plgpu.copy_smem_to_gmem(piece, gmem_ref.at[:, pl.ds(i * width, width)])
 
 
 def pad_residues(x, swizzled: bool):
@@ -354,11 +407,11 @@ def unaligned_row_tile(shape, dtype):
 
 def split_tiles(shape, dtype, pieces: int, unaligned: bool = False):
     """`row_tile(shape, dtype, unaligned)`, or for an operand split into
-    `pieces` > 1 bf16 pieces (`split_float32`; N a multiple of 8) a tuple of
-    one `smem_tile` per piece."""
+    `pieces` > 1 bf16 pieces (`split_float32`) a tuple of one bf16
+    `row_tile` per piece."""
     if pieces == 1:
         return row_tile(shape, dtype, unaligned)
-    return tuple(smem_tile(shape, jnp.bfloat16) for _ in range(pieces))
+    return tuple(row_tile(shape, jnp.bfloat16, unaligned) for _ in range(pieces))
 
 
 def smem_vectors(shape, dtype):

@@ -31,11 +31,12 @@ one CTA per item.
 
 N need not be a whole number of tiles: TMA reads past N as zeros, keys past
 N get a -inf logit and TMA stores of q's layout past N are dropped. N need
-not be a multiple of 8 either where the row tiles are one swizzle wide
-(`common.takes_any_n`: 16-bit, d <= 32): the tiles of q, k, v, the gate and
-the outputs are then pairs of views (`common.unaligned_row_tile`), an
+not be a multiple of 8 either where the 16-bit row tiles are one swizzle
+wide (`common.takes_any_n`: 16-bit, d <= 64): the tiles of q, k, v, the gate
+and the outputs are then pairs of views (`common.unaligned_row_tile`), an
 untiled one that TMA copies through and the 8-row tiled one that `wgmma`
-reads. q, k, v, the gate and the output are never padded; the bias and mask
+reads; the float32 residual at d = 64 as two column pieces of such pairs
+(`common.row_tile`). q, k, v, the gate and the output are never padded; the bias and mask
 rows are padded to whole TMA rows (`common.pad_residues`; with N % 8 != 0
 the bias's rows to a multiple of 8 too, `common.pad_bias_rows`), and the
 row statistics are written into planes padded to whole query tiles and
@@ -68,8 +69,9 @@ from msa_pallas.kernels.mosaic.common import (
     accumulator_bias, as_head_pairs, batch_head_and_warpgroup, bias_tile, check_kernel_inputs,
     combine_head_columns, consumer_registers, heads_per_tile, keys_before, launch,
     masked_accumulator_logit, multiprocessors, pad_bias_rows, pad_residues, producer_registers,
-    row_tile, row_view_names, sigmoid, smem_products, smem_tile, smem_vectors, split_row_views,
-    store_own_head_tiles, takes_row_views,
+    copy_row_tile_to_gmem, row_tile, row_tile_at, row_view_names, sigmoid, smem_products,
+    smem_tile, smem_vectors, split_row_views, store_own_head_tiles, store_row_tile,
+    takes_row_views,
 )
 
 
@@ -377,7 +379,7 @@ def _kernel(
         # The previous item's results have left the tiles written below.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         if save_stats:
-            smem["attention"][wg] = out
+            store_row_tile(row_tile_at(smem["attention"], wg), out)
             for h, (row_max, row_sum) in enumerate(zip(row_maxes, row_sums)):
                 # The backward's masked logit (base 2) for a row whose keys are
                 # all masked, so that its weights come out uniform there as here.
@@ -400,8 +402,9 @@ def _kernel(
             smem_tma[out_name].at[wg], gmem["out"].at[batch, row, queries, head]
         )
         if save_stats:
-            plgpu.copy_smem_to_gmem(
-                smem_tma["attention"].at[wg], gmem["attention"].at[batch, row, queries, head]
+            copy_row_tile_to_gmem(
+                row_tile_at(smem_tma["attention"], wg),
+                gmem["attention"].at[batch, row, queries, head],
             )
             # [pair, block_q] windows of the statistics' [H, N] planes.
             for name in ("row_max", "row_log2_sum"):
