@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import helpers
 import msa_pallas
@@ -38,7 +39,7 @@ from msa_pallas.kernels.mosaic import forward as mosaic_forward
 from msa_pallas.kernels.constants import LOG2E
 from msa_pallas.kernels.mosaic.common import (
     HEAD_DIMS, MAX_SHARED_MEMORY, accumulator_bias, masked_accumulator_logit, pad_head_dim,
-    supports,
+    row_tile, row_view_names, smem_tile, split_tiles, supports,
 )
 from msa_pallas.kernels.triton import forward as triton_forward
 from msa_pallas.kernels.vjp import fused_attention
@@ -361,6 +362,28 @@ def test_lowers_for_any_n_on_a_cpu(n_res, head_dim, bias_dtype, persistent):
     refuses such N at this point ("must have size smaller or a multiple of
     its tiling 8")."""
     assert "mosaic_gpu" in lowered_for_cuda(n_res, head_dim, bias_dtype, persistent=persistent)
+
+
+def test_row_tiles_are_view_pairs_one_swizzle_wide():
+    """`common.row_tile` at N no multiple of 8: a row up to one swizzle wide
+    is one pair of views (16-bit d <= 64, float32 d <= 32); a wider row
+    (float32 d = 64) is one pair per 128-byte column piece; and
+    `row_view_names` finds both kinds, and `split_tiles`' bf16 pieces."""
+    assert isinstance(row_tile((2, 64, 64), jnp.bfloat16, True), plgpu.RefUnion)
+    assert isinstance(row_tile((2, 64, 32), jnp.float32, True), plgpu.RefUnion)
+    pieces = row_tile((2, 64, 64), jnp.float32, True)
+    assert isinstance(pieces, tuple) and len(pieces) == 2
+    assert all(isinstance(piece, plgpu.RefUnion) for piece in pieces)
+    aligned = row_tile((2, 64, 64), jnp.float32, False)
+    assert not isinstance(aligned, (tuple, plgpu.RefUnion))
+    smem = {
+        "residual": pieces,
+        "q": row_tile((2, 64, 16), jnp.float16, True),
+        "k_pieces": split_tiles((2, 64, 32), jnp.float32, 3, True),
+        "bias": smem_tile((2, 64, 64), jnp.float32),
+        "k_heads": tuple(smem_tile((2, 64, 16), jnp.bfloat16) for _ in range(2)),
+    }
+    assert row_view_names(smem) == ("residual", "q", "k_pieces")
 
 
 @pytest.mark.parametrize("head_dim", (8, *HEAD_DIMS))

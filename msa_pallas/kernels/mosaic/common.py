@@ -36,8 +36,9 @@ FLOAT32_MAX_HEAD_DIM = 64
 # (`takes_any_n`), through `unaligned_row_tile`.
 RESIDUE_MULTIPLE = 8
 # Head dims (as the kernels see them) whose 16-bit row tiles are each one
-# swizzle wide (`unaligned_row_tile`); the forward's float32 residual at
-# d = 64, two swizzles wide, is stored as two column pieces (`row_tile`).
+# swizzle wide (`unaligned_row_tile`); float32 row tiles at d = 64 (the
+# forward's residual, the float32 backward's gradients), two swizzles wide,
+# are two column pieces (`row_tile`).
 ANY_N_TILE_DIMS = (16, 32, 64)
 # TMA wants every global row stride a multiple of this many bytes.
 TMA_STRIDE_BYTES = 16
@@ -148,8 +149,8 @@ def takes_row_views(n_res: int, interpret: bool) -> bool:
 
 def row_view_names(smem: dict) -> tuple[str, ...]:
     """The names of shared-memory specs that are `unaligned_row_tile` pairs,
-    or tuples of them (`row_tile`'s column pieces): `split_row_views`'
-    `row_views`."""
+    or tuples of them (`row_tile`'s column pieces, `split_tiles`' bf16
+    pieces): `split_row_views`' `row_views`."""
     def is_pair(spec):
         return isinstance(spec, plgpu.RefUnion)
 
@@ -174,9 +175,9 @@ def split_row_views(smem: dict, row_views) -> tuple[dict, dict]:
 def row_tile(shape, dtype, unaligned: bool):
     """Shared memory for a tile of rows of q, k, v, `do`, the gate or an output:
     `smem_tile`, or with `unaligned` (N % 8 != 0) `unaligned_row_tile`'s
-    pair of views; a row wider than the widest swizzle (the forward's
-    float32 residual at d = 64) as a tuple of such pairs, one per column
-    piece one swizzle wide (`store_row_tile`, `copy_row_tile_to_gmem`)."""
+    pair of views; a row wider than the widest swizzle (float32 at d = 64)
+    as a tuple of such pairs, one per column piece one swizzle wide
+    (`store_row_tile`, `copy_row_tile_to_gmem`)."""
     if not unaligned:
         return smem_tile(shape, dtype)
     row_bytes = shape[-1] * jnp.dtype(dtype).itemsize

@@ -36,10 +36,10 @@ wide (`common.takes_any_n`: 16-bit, d <= 64): the tiles of q, k, v, the gate
 and the outputs are then pairs of views (`common.unaligned_row_tile`), an
 untiled one that TMA copies through and the 8-row tiled one that `wgmma`
 reads; the float32 residual at d = 64 as two column pieces of such pairs
-(`common.row_tile`). q, k, v, the gate and the output are never padded; the bias and mask
-rows are padded to whole TMA rows (`common.pad_residues`; with N % 8 != 0
-the bias's rows to a multiple of 8 too, `common.pad_bias_rows`), and the
-row statistics are written into planes padded to whole query tiles and
+(`common.row_tile`). q, k, v, the gate and the output are never padded; the
+bias and mask rows are padded to whole TMA rows (`common.pad_residues`; with
+N % 8 != 0 the bias's rows to a multiple of 8 too, `common.pad_bias_rows`),
+and the row statistics are written into planes padded to whole query tiles and
 sliced: their `[1, block_q]` windows are contiguous, and Mosaic GPU stores a
 contiguous unswizzled window with a bulk copy that is clipped only at the
 end of the whole array, not at N, so a window running past N would
