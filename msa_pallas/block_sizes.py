@@ -184,12 +184,20 @@ class MosaicBackwardTiles:
         the MSA rows).
       ping_pong: the two consumers of the dk/dv and dq kernels take turns
         (`kernels.mosaic.common.PingPong`).
+      dq_dbias: None, or the tiles of the fused dq + dbias kernel
+        (`kernels.mosaic.backward.backward_dq_dbias`,
+        `kernels.mosaic.backward.dq_dbias_tiles`), which then replaces the
+        dq and dbias kernels: one exponential per logit for both instead of
+        two. It takes 16-bit inputs with d >= 16 and N up to about 512;
+        `kernels.mosaic.backward.default_tiles` sets it where it measured
+        faster (d = 32, N <= 256).
     """
 
     dkdv: MosaicTiles = MosaicTiles(block_q=64, block_k=128, num_stages=2, msa_rows=2)
     dq: MosaicTiles = MosaicTiles(block_q=128, block_k=64, num_stages=2, msa_rows=2)
     dbias: MosaicTiles = MosaicTiles(block_q=64, block_k=128, num_stages=2, msa_rows=2)
     ping_pong: bool = True
+    dq_dbias: MosaicTiles | None = None
 
 
 def dbias_in_bias_tile(pieces: int, bias_dtype) -> bool:

@@ -50,7 +50,7 @@ def residuals(inputs):
     """The kernels' operands from the Triton forward (interpreted), with the
     cotangent `dout` as the ungated output's cotangent `do`."""
     q, k, v, bias, mask, _, dout = inputs.args
-    mask = mask.astype(jnp.int8)
+    mask = None if mask is None else mask.astype(jnp.int8)
     scale = q.shape[-1] ** -0.5
     tiles = default_block_config(q.shape[2], q.shape[-1], q.dtype, bias.dtype).forward
     _, attention, row_max, row_log2_sum = triton_forward.attention_forward(
@@ -336,6 +336,23 @@ def test_default_tiles_fit_shared_memory(head_dim, bias_dtype):
     assert tiles.ping_pong == (jnp.dtype(bias_dtype).itemsize == 2)
 
 
+def test_default_tiles_fuse_dq_dbias_where_it_measured_faster():
+    """The fused dq + dbias kernel by default for 16-bit d = 32 up to N = 256
+    (the train crop), either bias dtype; not at N = 384, other head dims, or
+    float32 (benchmarks/RESULTS.md)."""
+    tiles = mosaic_backward.default_tiles
+    for bias_dtype in (jnp.float32, jnp.bfloat16):
+        for n_res in (192, 256):
+            fused = tiles((1, 128, n_res, 8, 32), jnp.bfloat16, bias_dtype).dq_dbias
+            assert fused == mosaic_backward.dq_dbias_tiles(
+                (1, 128, n_res, 8, 32), jnp.bfloat16, bias_dtype
+            ) and fused is not None
+        assert tiles((1, 512, 384, 8, 32), jnp.bfloat16, bias_dtype).dq_dbias is None
+        for head_dim in (8, 16, 64, 128):
+            assert tiles((1, 128, 256, 8, head_dim), jnp.bfloat16, bias_dtype).dq_dbias is None
+    assert tiles((1, 128, 256, 8, 32), jnp.float32, jnp.float32).dq_dbias is None
+
+
 def test_keys_past_n_pass_no_gradient(seed):
     """N = 72, no mask: the keys past N in the last key tile read zeros, and
     a query row whose logits are all near -430 (base 2) gives those keys a
@@ -438,3 +455,109 @@ def test_float32_kernels_lower_for_the_gpu_on_a_cpu(head_dim):
 def test_float32_head_dims_above_64_raise():
     with pytest.raises(ValueError, match="d <= 64"):
         mosaic_backward.default_tiles((1, 4, 384, 8, 128), jnp.float32, jnp.float32)
+
+
+# (S, N, d, q dtype, bias dtype, mask, tiles) of the fused dq + dbias kernel:
+# MSA-row pairs in chunks over several key tiles, N no whole number of tiles
+# without a mask (keys past N kept out of dq), one row per CTA at an odd S, fp16.
+FUSED_CASES = {
+    "pairs-N128": (4, 128, 32, jnp.bfloat16, jnp.float32, True, SMALL),
+    "tails-N72-no-mask": (2, 72, 32, jnp.bfloat16, jnp.bfloat16, False, SMALL),
+    "odd-S-fp16-d16": (3, 64, 16, jnp.float16, jnp.float16, True, SMALL),
+}
+
+
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+def test_fused_dq_dbias_against_float64(case, seed):
+    """`backward_dq_dbias`, one exponential per logit for dq and dbias: dq
+    bitwise equal to `backward_dq` with the same tiles (the same products in
+    the same order), dq and dbias within the dtype's tolerance of float64."""
+    rows, n_res, head_dim, dtype, bias_dtype, with_mask, tiles = FUSED_CASES[case]
+    inputs = helpers.random_inputs(
+        seed, 1, rows, n_res, 1, head_dim, dtype, 0.2 if with_mask else None,
+        bias_dtype=bias_dtype, gate=False, fully_masked_row=(0, rows - 1) if with_mask else None,
+    )
+    operands, scale = residuals(inputs)
+    bound = dict(scale=scale, tiles=tiles, interpret=True)
+    dq, dbias = mosaic_backward.backward_dq_dbias(*operands, **bound)
+    np.testing.assert_array_equal(
+        np.asarray(dq), np.asarray(mosaic_backward.backward_dq(*operands, **bound))
+    )
+    q, k, v, bias, mask, _, dout = inputs.args
+    expected = numpy_reference.vjp(q, k, v, bias, mask, None, scale, dout)
+    tolerance = helpers.tolerance(dtype)
+    for name, got, want in (("dq", dq, expected[0]), ("dbias", dbias, expected[3])):
+        helpers.assert_finite(got, name)
+        assert got.shape == want.shape, (name, got.shape)
+        assert helpers.rel_err(got, want) <= tolerance, (name, helpers.rel_err(got, want))
+
+
+@pytest.mark.parametrize(
+    "n_res, head_dim, bias_dtype, has_mask",
+    [(256, 32, jnp.bfloat16, True), (256, 32, jnp.float32, True), (384, 32, jnp.float32, False),
+     (333, 16, jnp.bfloat16, True), (200, 64, jnp.float32, True)],
+)
+def test_fused_dq_dbias_lowers_for_the_gpu_on_a_cpu(n_res, head_dim, bias_dtype, has_mask):
+    """`backward_dq_dbias` with `dq_dbias_tiles` (two MSA rows per CTA where
+    they fit, at train with a 16-bit bias; one elsewhere) lowers for CUDA: at
+    the train and finetune crops, N no multiple of 8 and N no whole number
+    of tiles."""
+    shape = (1, 4, n_res, 8, head_dim)
+    tiles = mosaic_backward.dq_dbias_tiles(shape, jnp.bfloat16, bias_dtype, has_mask)
+    assert tiles is not None
+    q = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((1, 8, n_res, n_res), bias_dtype)
+    mask = jax.ShapeDtypeStruct((1, 4, n_res), jnp.int8) if has_mask else None
+    stats = jax.ShapeDtypeStruct((1, 4, 8, 3, n_res), jnp.float32)
+    lowered = jax.jit(
+        lambda q, k, v, bias, mask, do, stats: mosaic_backward.backward_dq_dbias(
+            q, k, v, bias, mask, do, stats, scale=0.2, tiles=tiles, interpret=False
+        )
+    ).trace(q, q, q, bias, mask, q, stats).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+def test_fused_dq_dbias_tiles():
+    """Two MSA rows per CTA where their accumulators fit beside the ring, one
+    up to N = 512, none past it, nor for float32 or two heads per tile."""
+    tiles = mosaic_backward.dq_dbias_tiles
+    assert tiles((1, 128, 256, 8, 32), jnp.bfloat16, jnp.bfloat16).msa_rows == 2
+    assert tiles((1, 512, 384, 8, 32), jnp.bfloat16, jnp.float32).msa_rows == 1
+    assert tiles((1, 512, 512, 8, 32), jnp.bfloat16, jnp.float32).msa_rows == 1
+    assert tiles((1, 512, 1024, 8, 32), jnp.bfloat16, jnp.bfloat16) is None
+    assert tiles((1, 8, 256, 8, 32), jnp.float32, jnp.float32) is None
+    assert tiles((1, 8, 256, 8, 8), jnp.bfloat16, jnp.float32) is None
+
+
+def test_op_gradients_with_the_fused_dq_dbias(seed, monkeypatch):
+    """`MosaicBackwardTiles.dq_dbias` with `implementation="pallas"` and the
+    Mosaic backward: B = 2, H = 2 (the CTA's batch and head from its grid
+    index), a gate, a fully masked row; every gradient matches float64, and
+    dq, dk and dv equal those of the dq and dbias kernels bitwise (the same
+    products in the same order), dbias within float32 rounding."""
+    inputs = helpers.random_inputs(
+        seed, 2, 4, 72, 2, 32, jnp.bfloat16, bias_dtype=jnp.bfloat16, fully_masked_row=(1, 2)
+    )
+    config = dataclasses.replace(
+        default_block_config(72, 32, jnp.bfloat16, jnp.bfloat16), mosaic_backward=SMALL_TILES
+    )
+    fused_config = dataclasses.replace(
+        config, mosaic_backward=dataclasses.replace(SMALL_TILES, dq_dbias=SMALL)
+    )
+    separate = helpers.fwd_bwd("pallas", block_config=config)(*inputs.args)
+
+    def not_called(*args, **kwargs):
+        raise AssertionError("the fused kernel replaces the dq and dbias kernels")
+
+    monkeypatch.setattr(mosaic_backward, "backward_dq", not_called)
+    monkeypatch.setattr(mosaic_backward, "backward_dbias", not_called)
+    fused = helpers.fwd_bwd("pallas", block_config=fused_config)(*inputs.args)
+    helpers.assert_shapes_dtypes_finite(fused, inputs)
+    helpers.compare(
+        fused, helpers.numpy_results(inputs), helpers.tolerance(jnp.bfloat16), "fused dq dbias"
+    )
+    (_, (dq, dk, dv, dbias, dgate)), (_, expected) = fused, separate
+    for name, got, want in zip(("dq", "dk", "dv", "dgate"), (dq, dk, dv, dgate),
+                               (expected[0], expected[1], expected[2], expected[4])):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
+    assert helpers.rel_err(dbias, expected[3]) < 1e-2
