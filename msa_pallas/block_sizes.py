@@ -188,9 +188,9 @@ class MosaicBackwardTiles:
         (`kernels.mosaic.backward.backward_dq_dbias`,
         `kernels.mosaic.backward.dq_dbias_tiles`), which then replaces the
         dq and dbias kernels: one exponential per logit for both instead of
-        two. It takes 16-bit inputs with d >= 16 and N up to about 512;
-        `kernels.mosaic.backward.default_tiles` sets it where it measured
-        faster (d = 32, N <= 256).
+        two. It takes 16-bit inputs with d >= 16 and N up to about 512.
+        Opt-in: on the H200 it made the op's forward + backward no
+        measurably faster (benchmarks/RESULTS.md).
     """
 
     dkdv: MosaicTiles = MosaicTiles(block_q=64, block_k=128, num_stages=2, msa_rows=2)

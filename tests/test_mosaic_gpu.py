@@ -338,7 +338,7 @@ def test_default_picks_on_hopper():
 def test_fused_dq_dbias_against_float64(shape_id, bias_dtype, seed):
     """The fused dq + dbias kernel (`MosaicBackwardTiles.dq_dbias` with
     `dq_dbias_tiles`: two MSA rows per CTA at train with a bf16 bias, one
-    elsewhere; the default at train) at the crops it takes: every gradient against float64, the
+    elsewhere; opt-in) at the crops it takes: every gradient against float64, the
     same output and dk, dv as the dq and dbias kernels bitwise (it does not
     touch them), dq and dbias bitwise the same on a second run."""
     shape = SHAPES[shape_id]
@@ -346,9 +346,7 @@ def test_fused_dq_dbias_against_float64(shape_id, bias_dtype, seed):
     config = default_block_config(shape[2], shape[-1], jnp.bfloat16, bias_dtype)
     fused_tiles = mosaic_backward.dq_dbias_tiles(shape, jnp.bfloat16, bias_dtype)
     assert fused_tiles is not None
-    separate_tiles = dataclasses.replace(
-        mosaic_backward.default_tiles(shape, jnp.bfloat16, bias_dtype), dq_dbias=None
-    )
+    separate_tiles = mosaic_backward.default_tiles(shape, jnp.bfloat16, bias_dtype)
     config = dataclasses.replace(config, mosaic_backward=separate_tiles)
     fused_config = dataclasses.replace(
         config, mosaic_backward=dataclasses.replace(separate_tiles, dq_dbias=fused_tiles)

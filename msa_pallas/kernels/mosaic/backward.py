@@ -22,12 +22,12 @@ into a shared-memory ring; consumer warpgroups compute with `wgmma`).
 - dbias (`backward_dbias`): one CTA per (query tile, key tile) of one head,
   looping over the S MSA rows (or a chunk of them); its two consumer
   warpgroups split the query tile, and the sum over S stays in registers.
-- dq + dbias (`backward_dq_dbias`, in place of the two above where
-  `MosaicBackwardTiles.dq_dbias` is set; `default_tiles` sets it for d = 32
-  and N <= 256): the dq kernel's loop, each `ds` tile also added to the
-  consumer's float32 sum for its key tile in shared memory, so each logit's
-  probability is computed once for both gradients; those sums are written
-  per (row chunk, consumer) and added in a fixed order.
+- dq + dbias (`backward_dq_dbias`, opt-in: in place of the two above where
+  `MosaicBackwardTiles.dq_dbias` is set): the dq kernel's loop, each `ds`
+  tile also added to the consumer's float32 sum for its key tile in shared
+  memory, so each logit's probability is computed once for both gradients;
+  those sums are written per (row chunk, consumer) and added in a fixed
+  order.
 
 d = 8 with an even H, 16-bit (`tile_heads`): the kernels read q, k, v and
 `do` as they are, heads 2h and 2h + 1 in one 16-wide tile
@@ -98,13 +98,6 @@ from msa_pallas.kernels.mosaic.common import (
 )
 
 
-# The fused dq + dbias kernel is the default for 16-bit d = 32 up to this N:
-# at N = 256 (the train crop) it took 0.153 / 0.159 ms on an H200 where the dq
-# and dbias kernels took 0.185 / 0.194 (float32 / bf16 bias); at N = 384 the
-# two were within 2% of each other (benchmarks/RESULTS.md).
-FUSED_DQ_DBIAS_MAX_N = 256
-
-
 def default_tiles(q_shape, q_dtype, bias_dtype) -> MosaicBackwardTiles:
     """The backward kernels' tiles for these inputs: per kernel the first
     candidate that fits in shared memory, two MSA rows (consumers) before one.
@@ -120,9 +113,11 @@ def default_tiles(q_shape, q_dtype, bias_dtype) -> MosaicBackwardTiles:
     d = 8 with two heads per tile, `tile_heads`, with the shared memory
     of both heads' bias tiles).
 
-    16-bit inputs with d = 32 and N <= `FUSED_DQ_DBIAS_MAX_N` also get the
-    fused dq + dbias kernel's tiles (`dq_dbias_tiles`), which then replaces
-    the dq and dbias kernels."""
+    The fused dq + dbias kernel is not chosen here (opt-in:
+    `MosaicBackwardTiles.dq_dbias`, `dq_dbias_tiles`): faster than the dq
+    and dbias kernels on their own at the train crop, it did not make the
+    op's forward + backward measurably faster there, and its per-chunk
+    partial sums took 34 MB more with a bf16 bias (benchmarks/RESULTS.md)."""
     head_dim = kernel_head_dim(q_shape[-1])
     pair = tile_heads(q_shape, q_dtype)
     if jnp.dtype(q_dtype) == jnp.float32 and head_dim > FLOAT32_MAX_HEAD_DIM:
@@ -152,12 +147,57 @@ def default_tiles(q_shape, q_dtype, bias_dtype) -> MosaicBackwardTiles:
         if not fits:
             raise ValueError(f"no Mosaic {kernel} configuration fits head dim {head_dim}")
         chosen[kernel] = fits[0]
-    fused = None
-    if head_dim == 32 and pair == 1 and q_shape[2] <= FUSED_DQ_DBIAS_MAX_N:
-        fused = dq_dbias_tiles(q_shape, q_dtype, bias_dtype)
-    return MosaicBackwardTiles(
-        **chosen, ping_pong=jnp.dtype(bias_dtype).itemsize == 2, dq_dbias=fused
+    return MosaicBackwardTiles(**chosen, ping_pong=jnp.dtype(bias_dtype).itemsize == 2)
+
+
+def _chunk_batch_and_head(batch_heads: int, heads: int):
+    """The row chunk, batch element and head of this CTA, from its
+    `chunk_batch_heads` grid index (chunks slowest)."""
+    chunk_batch_head = lax.axis_index("chunk_batch_heads")
+    batch_head = lax.rem(chunk_batch_head, batch_heads)
+    return (
+        lax.div(chunk_batch_head, batch_heads), lax.div(batch_head, heads),
+        lax.rem(batch_head, heads),
     )
+
+
+def _copy_key_tiles(gmem, smem_tma, smem, rows, batch, keys, head, slot, barrier):
+    """The producer's copies of one key step of the dq-like loops: each of
+    `rows`' K and V tiles (and key-mask vector, where there is a mask) into
+    the consumer slots `(slot, 0..)`, all arriving on `barrier`."""
+    for consumer, row in enumerate(rows):
+        copy_tiles(
+            gmem, smem_tma, ("k", "v"), (batch, row, keys, head), (slot, consumer), barrier
+        )
+        if "mask" in gmem:
+            plgpu.copy_gmem_to_smem(
+                gmem["mask"].at[batch, pl.ds(row, 1), keys],
+                smem["mask"].at[slot, consumer, :, pl.ds(0, keys.size)], barrier,
+            )
+
+
+def _query_major_ds(
+    q_smem, do_smem, k_smem, v_smem, bias, mask_ref, stats, key_tile, turns, *, scale: float,
+    n_res: int, block_k: int, interpret: bool,
+):
+    """One `[block_q, block_k]` float32 `ds` tile of the dq-like loops
+    (`_dq_kernel`, `_dq_dbias_kernel`): `s = q k^T + bias` and `dp = do v^T`
+    from shared memory, then `ds` from the row statistics. `mask_ref` is the
+    consumer's `[1, >= block_k]` int8 key-mask slot, or None."""
+    s, dp = smem_products(
+        ((q_smem, transposed(k_smem)), (do_smem, transposed(v_smem))),
+        turns.hand_over, inits=(bias_tile(bias, scale), None), interpret=interpret,
+    )
+    keep = None
+    if mask_ref is not None:
+        keep = plgpu.load(mask_ref.at[0, pl.ds(0, block_k)], layout=WGMMA_COL) != 0
+    _, ds = _recompute(s, dp, keep, stats, scale=scale, query_axis=0, with_p=False)
+    if keep is None and n_res % block_k:
+        # Keys past N read zeros, whose probability is not 0: their ds must
+        # not reach dq (with a mask, the zeros read there mask them; the bias
+        # gradient's columns past N are dropped by its store).
+        ds = jnp.where(keys_before(n_res, key_tile, block_k, ds.shape), ds, 0.0)
+    return ds
 
 
 def _recompute(s, dp, keep, stats, *, scale: float, query_axis: int, with_p: bool):
@@ -365,23 +405,12 @@ def _dq_kernel(
             plgpu.barrier_wait(produced["step"].at[slot])
             k_smem, v_smem = operand_at(smem["k"], slot, wg), operand_at(smem["v"], slot, wg)
             for h in range(pair):
-                s, dp = smem_products(
-                    ((queries_of_head[h], transposed(k_smem)),
-                     (douts_of_head[h], transposed(v_smem))),
-                    turns.hand_over, inits=(bias_tile(smem["bias"][slot, h], scale), None),
+                ds = _query_major_ds(
+                    queries_of_head[h], douts_of_head[h], k_smem, v_smem,
+                    smem["bias"][slot, h], smem["mask"].at[slot, wg] if has_mask else None,
+                    stats[h], key_tile, turns, scale=scale, n_res=n_res, block_k=block_k,
                     interpret=interpret,
                 )
-                keep = None
-                if has_mask:
-                    keep = plgpu.load(
-                        smem["mask"].at[slot, wg, 0, pl.ds(0, block_k)], layout=WGMMA_COL
-                    ) != 0
-                _, ds = _recompute(s, dp, keep, stats[h], scale=scale, query_axis=0, with_p=False)
-                if keep is None and n_res % block_k:
-                    # Keys past N read zeros, whose probability is not 0: their
-                    # ds must not reach dq (with a mask, the zeros read there
-                    # mask them).
-                    ds = jnp.where(keys_before(n_res, key_tile, block_k, ds.shape), ds, 0.0)
                 ds = lax.optimization_barrier(matrix_operand(ds, dtype))
                 turns.release()
                 turns.take_turn()
@@ -414,16 +443,10 @@ def _dq_kernel(
         def issue_copies(key_tile, slot):
             keys = pl.ds(key_tile * block_k, block_k)
             barrier = produced["step"].at[slot]
-            for r in range(msa_rows):
-                row = first_row + r
-                copy_tiles(
-                    gmem, smem_tma, ("k", "v"), (batch, row, keys, head), (slot, r), barrier
-                )
-                if has_mask:
-                    plgpu.copy_gmem_to_smem(
-                        gmem["mask"].at[batch, pl.ds(row, 1), keys],
-                        smem["mask"].at[slot, r, :, pl.ds(0, block_k)], barrier,
-                    )
+            _copy_key_tiles(
+                gmem, smem_tma, smem, [first_row + r for r in range(msa_rows)],
+                batch, keys, head, slot, barrier,
+            )
             for h in range(pair):
                 plgpu.copy_gmem_to_smem(
                     gmem["bias"].at[batch, head * pair + h, queries, keys],
@@ -446,10 +469,7 @@ def _dbias_kernel(
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair = heads_per_tile
     has_mask = "mask" in gmem
-    chunk_batch_head = lax.axis_index("chunk_batch_heads")
-    chunk = lax.div(chunk_batch_head, batch_heads)
-    batch_head = lax.rem(chunk_batch_head, batch_heads)
-    batch, head = lax.div(batch_head, heads), lax.rem(batch_head, heads)
+    chunk, batch, head = _chunk_batch_and_head(batch_heads, heads)
     wg = lax.axis_index("wg")
     cta_queries = lax.axis_index("query_tiles") * block_q * consumers
     keys = pl.ds(lax.axis_index("key_tiles") * block_k, block_k)
@@ -821,10 +841,7 @@ def _dq_dbias_kernel(
     key_tiles = pl.cdiv(n_res, block_k)
     row_groups = rows_per_chunk // msa_rows
     has_mask = "mask" in gmem
-    chunk_batch_head = lax.axis_index("chunk_batch_heads")
-    chunk = lax.div(chunk_batch_head, batch_heads)
-    batch_head = lax.rem(chunk_batch_head, batch_heads)
-    batch, head = lax.div(batch_head, heads), lax.rem(batch_head, heads)
+    chunk, batch, head = _chunk_batch_and_head(batch_heads, heads)
     wg = lax.axis_index("wg")
     queries = pl.ds(lax.axis_index("query_tiles") * block_q, block_q)
     first_row = chunk * rows_per_chunk
@@ -872,21 +889,11 @@ def _dq_dbias_kernel(
                 slot = lax.rem(group * key_tiles + key_tile, stages)
                 plgpu.barrier_wait(produced["step"].at[slot])
                 k_smem, v_smem = operand_at(smem["k"], slot, wg), operand_at(smem["v"], slot, wg)
-                s, dp = smem_products(
-                    ((q_smem, transposed(k_smem)), (do_smem, transposed(v_smem))),
-                    turns.hand_over, inits=(bias_tile(smem["bias"][slot], scale), None),
-                    interpret=interpret,
+                ds = _query_major_ds(
+                    q_smem, do_smem, k_smem, v_smem, smem["bias"][slot],
+                    smem["mask"].at[slot, wg] if has_mask else None, stats, key_tile, turns,
+                    scale=scale, n_res=n_res, block_k=block_k, interpret=interpret,
                 )
-                keep = None
-                if has_mask:
-                    keep = plgpu.load(
-                        smem["mask"].at[slot, wg, 0, pl.ds(0, block_k)], layout=WGMMA_COL
-                    ) != 0
-                _, ds = _recompute(s, dp, keep, stats, scale=scale, query_axis=0, with_p=False)
-                if keep is None and n_res % block_k:
-                    # As in `_dq_kernel`: keys past N must not reach dq (their
-                    # bias gradient columns are dropped by the store).
-                    ds = jnp.where(keys_before(n_res, key_tile, block_k, ds.shape), ds, 0.0)
                 accumulator = accumulators.at[key_tile]
                 accumulator[...] = plgpu.load(accumulator, layout=WGMMA) + ds
                 ds = lax.optimization_barrier(matrix_operand(ds, dtype))
@@ -926,16 +933,10 @@ def _dq_dbias_kernel(
             group, key_tile = lax.div(step, key_tiles), lax.rem(step, key_tiles)
             keys = pl.ds(key_tile * block_k, block_k)
             barrier = produced["step"].at[slot]
-            for r in range(msa_rows):
-                row = first_row + group * msa_rows + r
-                copy_tiles(
-                    gmem, smem_tma, ("k", "v"), (batch, row, keys, head), (slot, r), barrier
-                )
-                if has_mask:
-                    plgpu.copy_gmem_to_smem(
-                        gmem["mask"].at[batch, pl.ds(row, 1), keys],
-                        smem["mask"].at[slot, r, :, pl.ds(0, block_k)], barrier,
-                    )
+            _copy_key_tiles(
+                gmem, smem_tma, smem, [first_row + group * msa_rows + r for r in range(msa_rows)],
+                batch, keys, head, slot, barrier,
+            )
             plgpu.copy_gmem_to_smem(
                 gmem["bias"].at[batch, head, queries, keys], smem["bias"].at[slot], barrier
             )
