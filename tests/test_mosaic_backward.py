@@ -522,6 +522,27 @@ def test_fused_dq_dbias_tiles():
     assert tiles((1, 8, 256, 8, 8), jnp.bfloat16, jnp.float32) is None
 
 
+@pytest.mark.parametrize(
+    "head_dim, dtype, n_res, message",
+    [(32, jnp.float32, 64, "float32"), (8, jnp.bfloat16, 64, "pad it to 16"),
+     (32, jnp.bfloat16, 1024, "shared memory")],
+)
+def test_fused_dq_dbias_refuses_what_it_does_not_take(head_dim, dtype, n_res, message):
+    """float32 q, d = 8 (no head pairs), and N whose per-key-tile sums do not fit:
+    a ValueError that says why, at trace time."""
+    shape = (1, 2, n_res, 2, head_dim)
+    q = jax.ShapeDtypeStruct(shape, dtype)
+    bias = jax.ShapeDtypeStruct((1, 2, n_res, n_res), jnp.float32)
+    stats = jax.ShapeDtypeStruct((1, 2, 2, 3, n_res), jnp.float32)
+    with pytest.raises(ValueError, match=message):
+        jax.eval_shape(
+            lambda q, bias, stats: mosaic_backward.backward_dq_dbias(
+                q, q, q, bias, None, q, stats, scale=0.2, tiles=SMALL, interpret=False
+            ),
+            q, bias, stats,
+        )
+
+
 def test_op_gradients_with_the_fused_dq_dbias(seed, monkeypatch):
     """`MosaicBackwardTiles.dq_dbias` with `implementation="pallas"` and the
     Mosaic backward: B = 2, H = 2 (the CTA's batch and head from its grid

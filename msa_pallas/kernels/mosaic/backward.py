@@ -1020,8 +1020,6 @@ def backward_dq_dbias(
     """
     check_kernel_inputs(q, bias)
     batch, rows, n_res, heads, tile_dim = q.shape
-    if tile_heads(q.shape, q.dtype) != 1:
-        raise ValueError("backward_dq_dbias takes one head per tile: d >= 16")
     msa_rows = tiles.msa_rows_for(rows)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     query_tiles = pl.cdiv(n_res, block_q)
