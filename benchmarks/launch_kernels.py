@@ -6,15 +6,11 @@ Mosaic GPU kernels' PTX is written to DIR as they compile (their SASS too with
 `MOSAIC_GPU_DUMP_SASS=1`, where `nvdisasm` is on PATH):
 
     python benchmarks/launch_kernels.py --shape 1x32x1024x8x32 --implementation mosaic
-
-`--dq-dbias` runs the Mosaic backward with the fused dq + dbias kernel
-(`MosaicBackwardTiles.dq_dbias`, its `dq_dbias_tiles`) where it takes the shape.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -28,8 +24,6 @@ from profile_forward import parse_shape  # noqa: E402
 from profile_kernels import make_inputs  # noqa: E402
 from shapes import DTYPES  # noqa: E402
 from msa_pallas import msa_row_attention  # noqa: E402
-from msa_pallas.block_sizes import default_block_config  # noqa: E402
-from msa_pallas.kernels.mosaic import backward as mosaic_backward  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -41,30 +35,16 @@ def main(argv=None) -> int:
                         help="msa_row_attention's implementation; default: its own choice")
     parser.add_argument("--calls", type=int, default=2, help="forward+backward calls")
     parser.add_argument("--no-gate", action="store_true")
-    parser.add_argument("--dq-dbias", action="store_true",
-                        help="the fused dq + dbias kernel in the Mosaic backward")
     args = parser.parse_args(argv)
     dtype = DTYPES[args.dtype]
     bias_dtype = dtype if args.bias_dtype == "input" else DTYPES[args.bias_dtype]
     q, k, v, do, gate, bias, mask = make_inputs(parse_shape(args.shape), dtype, bias_dtype=bias_dtype)
     gate = None if args.no_gate else gate
-    block_config = None
-    if args.dq_dbias:
-        fused = mosaic_backward.dq_dbias_tiles(q.shape, dtype, bias_dtype)
-        if fused is None:
-            parser.error(f"the fused dq + dbias kernel does not take {args.shape}")
-        block_config = dataclasses.replace(
-            default_block_config(q.shape[2], q.shape[-1], dtype, bias_dtype),
-            mosaic_backward=dataclasses.replace(
-                mosaic_backward.default_tiles(q.shape, dtype, bias_dtype), dq_dbias=fused
-            ),
-        )
 
     def loss(q, k, v, bias, gate):
         implementation = None if args.implementation == "default" else args.implementation
         out = msa_row_attention(
             q, k, v, bias, mask != 0, gate, implementation=implementation,
-            block_config=block_config,
         )
         return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32))
 

@@ -9,12 +9,9 @@ the op's forward + backward with `implementation="pallas"` and `"mosaic"`:
 
     python benchmarks/profile_backward.py --shapes train,finetune,long --dtypes bf16
     python benchmarks/profile_backward.py --shapes long --dkdv 64x128x2x2 --dbias 64x64x2x2
-    python benchmarks/profile_backward.py --shapes train --dq-dbias 64x64x2x2,64x64x2x1
 
 A candidate is BQxBKxSTAGESxROWS (`MosaicTiles`; what BQ, BK and ROWS mean
-per kernel: `MosaicBackwardTiles`). The fused dq + dbias kernel
-(`backward_dq_dbias`, opt-in) runs with `dq_dbias_tiles` where it takes the
-inputs, or with the `--dq-dbias` candidates. Without a GPU the kernels run in their
+per kernel: `MosaicBackwardTiles`). Without a GPU the kernels run in their
 interpreters at a small shape: only a check that it works.
 """
 
@@ -40,7 +37,7 @@ from msa_pallas.kernels.mosaic.common import supports  # noqa: E402
 from msa_pallas.kernels.triton import backward as triton_backward  # noqa: E402
 from msa_pallas.kernels.triton.forward import attention_forward  # noqa: E402
 
-MOSAIC_KERNELS = ("dkdv", "dq", "dbias", "dq_dbias")
+MOSAIC_KERNELS = ("dkdv", "dq", "dbias")
 
 
 def tiles_label(tiles) -> str:
@@ -58,7 +55,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", default="bf16")
     parser.add_argument("--bias-dtypes", default="f32,input", help="f32 and/or input (q's dtype)")
     for kernel in MOSAIC_KERNELS:
-        parser.add_argument(f"--{kernel.replace('_', '-')}", default="",
+        parser.add_argument(f"--{kernel}", default="",
                             help="candidates BQxBKxSTAGESxROWS")
     parser.add_argument("--ping-pong", default="default", choices=("default", "on", "off", "both"),
                         help="the dk/dv and dq kernels' two consumers taking turns "
@@ -106,7 +103,6 @@ def main(argv=None) -> int:
             )
             reference[kernel] = jax.tree.leaves(call())
             emit(f"triton {kernel}", tiles_label(tiles), time_it(call))
-        reference["dq_dbias"] = reference["dq"] + reference["dbias"]
 
         if supports(shape, dtype, bias_dtype) is not None:
             continue
@@ -114,13 +110,12 @@ def main(argv=None) -> int:
         turns = {"default": (defaults.ping_pong,), "on": (True,), "off": (False,),
                  "both": (True, False)}[args.ping_pong]
         defaults_of = {kernel: getattr(defaults, kernel) for kernel in MOSAIC_KERNELS}
-        defaults_of["dq_dbias"] = mosaic_backward.dq_dbias_tiles(shape, dtype, bias_dtype)
         for kernel in MOSAIC_KERNELS:
             function = getattr(mosaic_backward, f"backward_{kernel}")
             candidates = parse_mosaic(getattr(args, kernel)) or [defaults_of[kernel]]
             variants = [
                 (tiles, ping_pong)
-                for tiles in candidates if tiles is not None
+                for tiles in candidates
                 for ping_pong in (turns if kernel != "dbias" else (None,))
             ]
             for tiles, ping_pong in variants:

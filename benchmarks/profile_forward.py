@@ -10,7 +10,7 @@ against a float32 XLA forward, and the time against the exponential floor
     python benchmarks/profile_forward.py --shapes long --mosaic 64x128x2x2,64x64x3x2
     python benchmarks/profile_forward.py --shapes long --skip-triton --mosaic 128x64x2x2x1x1
 
-A candidate is BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT[xPIPELINED]]] (`MosaicTiles`).
+A candidate is BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT]] (`MosaicTiles`).
 Without a GPU both kernels run in their interpreters at the `seed` shape (the
 Mosaic one with one CTA per item): only a check that it works.
 """
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", default="bf16")
     parser.add_argument("--bias-dtypes", default="f32,input", help="f32 and/or input (q's dtype)")
     parser.add_argument("--mosaic", default="",
-                        help="candidates BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT[xPIPELINED]]], "
+                        help="candidates BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT]], "
                         "comma-separated")
     parser.add_argument("--skip-triton", action="store_true",
                         help="time the Mosaic candidates only (residuals then against the first)")

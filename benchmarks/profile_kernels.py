@@ -80,7 +80,7 @@ KERNELS = {
 
 
 def parse_mosaic(text: str) -> list[MosaicTiles]:
-    """`BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT[xPIPELINED]]]` candidates,
+    """`BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT]]` candidates,
     comma-separated (the flags 1 or 0; `MosaicTiles`' fields of those names)."""
     tiles = []
     for item in filter(None, text.split(",")):

@@ -106,9 +106,7 @@ class MosaicTiles:
       block_k: keys per pipeline stage (a multiple of 64).
       num_stages: depth of the shared-memory ring of K, V and bias tiles.
       msa_rows: consumer warpgroups per CTA, one MSA row each, sharing every
-        bias tile (1, 2 or 4; used as the largest divisor of S not above
-        it). Four consumers split the registers four ways (104 per thread,
-        `kernels.mosaic.common.consumer_register_budget`): 64 x 64 tiles.
+        bias tile (1 or 2; used as the largest divisor of S not above it).
       ping_pong: with two consumers, the forward's consumers take turns
         (`kernels.mosaic.common.PingPong`). The backward kernels follow
         `MosaicBackwardTiles.ping_pong` instead.
@@ -116,10 +114,6 @@ class MosaicTiles:
         its share of the (MSA-row group, query tile, batch-head) work items,
         so that one item's epilogue overlaps the loads of the next. The
         backward kernels ignore it.
-      pipelined: each forward consumer issues the next key tile's `q k^T`
-        before this tile's softmax and waits for it after this tile's
-        `p v`, so its matrix products run during its own softmax (one
-        logit tile more in registers). The backward kernels ignore it.
     """
 
     block_q: int = 64
@@ -128,7 +122,6 @@ class MosaicTiles:
     msa_rows: int = 2
     ping_pong: bool = True
     persistent: bool = False
-    pipelined: bool = False
 
     def __post_init__(self):
         if self.block_q not in (64, 128):
@@ -137,8 +130,8 @@ class MosaicTiles:
             raise ValueError(f"block_k={self.block_k}; expected 64, 128, 192 or 256.")
         if self.num_stages < 2:
             raise ValueError(f"num_stages={self.num_stages}; expected >= 2.")
-        if self.msa_rows not in (1, 2, 4):
-            raise ValueError(f"msa_rows={self.msa_rows}; expected 1, 2 or 4.")
+        if self.msa_rows not in (1, 2):
+            raise ValueError(f"msa_rows={self.msa_rows}; expected 1 or 2.")
 
     def msa_rows_for(self, rows: int) -> int:
         """MSA rows per CTA for S = `rows`: the largest divisor of S <= msa_rows."""
@@ -184,20 +177,12 @@ class MosaicBackwardTiles:
         the MSA rows).
       ping_pong: the two consumers of the dk/dv and dq kernels take turns
         (`kernels.mosaic.common.PingPong`).
-      dq_dbias: None, or the tiles of the fused dq + dbias kernel
-        (`kernels.mosaic.backward.backward_dq_dbias`,
-        `kernels.mosaic.backward.dq_dbias_tiles`), which then replaces the
-        dq and dbias kernels: one exponential per logit for both instead of
-        two. It takes 16-bit inputs with d >= 16 and N up to about 512.
-        Opt-in: on the H200 it made the op's forward + backward no
-        measurably faster (benchmarks/RESULTS.md).
     """
 
     dkdv: MosaicTiles = MosaicTiles(block_q=64, block_k=128, num_stages=2, msa_rows=2)
     dq: MosaicTiles = MosaicTiles(block_q=128, block_k=64, num_stages=2, msa_rows=2)
     dbias: MosaicTiles = MosaicTiles(block_q=64, block_k=128, num_stages=2, msa_rows=2)
     ping_pong: bool = True
-    dq_dbias: MosaicTiles | None = None
 
 
 def dbias_in_bias_tile(pieces: int, bias_dtype) -> bool:

@@ -77,7 +77,7 @@ def run_backward(operands, scale, tiles: MosaicBackwardTiles):
 # an N that is no whole number of tiles nor of TMA rows (N = 72: the last
 # query and key tiles run past N, the bias and mask rows are padded), and
 # float32 inputs split into bf16 pieces, with MSA-row pairs and with the
-# float32 default tiles at an odd S; four MSA rows per CTA in every kernel.
+# float32 default tiles at an odd S.
 # Turns on and off: test_ping_pong_changes_nothing; other head dims' tiles:
 # test_lowers_for_the_gpu_on_a_cpu.
 CASES = {
@@ -88,11 +88,6 @@ CASES = {
     # float32: three bf16 pieces per operand, six products per product.
     "float32-pieces": (2, 72, 32, jnp.float32, jnp.float32, SMALL_TILES),
     "float32-defaults-d16": (3, 64, 16, jnp.float32, jnp.float32, None),
-    # Four consumers per CTA (MosaicTiles.msa_rows = 4) in every kernel.
-    "four-rows": (
-        4, 136, 32, jnp.bfloat16, jnp.float32,
-        MosaicBackwardTiles(*(MosaicTiles(64, 64, 2, 4),) * 3),
-    ),
     # N no multiple of 8 (`common.takes_any_n`): the statistics padded to
     # whole TMA strides, the bias rows to 8, the dbias rows sliced.
     "any-N37": (2, 37, 32, jnp.bfloat16, jnp.float32, SMALL_TILES),
@@ -336,16 +331,6 @@ def test_default_tiles_fit_shared_memory(head_dim, bias_dtype):
     assert tiles.ping_pong == (jnp.dtype(bias_dtype).itemsize == 2)
 
 
-def test_default_tiles_leave_the_fused_dq_dbias_opt_in():
-    """The default tiles run the dq and dbias kernels (the fused kernel made
-    the op no faster on the H200, benchmarks/RESULTS.md), also where the
-    fused kernel takes the inputs."""
-    for bias_dtype in (jnp.float32, jnp.bfloat16):
-        for shape in ((1, 128, 256, 8, 32), (1, 512, 384, 8, 32), (1, 128, 256, 8, 64)):
-            assert mosaic_backward.dq_dbias_tiles(shape, jnp.bfloat16, bias_dtype) is not None
-            assert mosaic_backward.default_tiles(shape, jnp.bfloat16, bias_dtype).dq_dbias is None
-
-
 def test_keys_past_n_pass_no_gradient(seed):
     """N = 72, no mask: the keys past N in the last key tile read zeros, and
     a query row whose logits are all near -430 (base 2) gives those keys a
@@ -448,130 +433,3 @@ def test_float32_kernels_lower_for_the_gpu_on_a_cpu(head_dim):
 def test_float32_head_dims_above_64_raise():
     with pytest.raises(ValueError, match="d <= 64"):
         mosaic_backward.default_tiles((1, 4, 384, 8, 128), jnp.float32, jnp.float32)
-
-
-# (S, N, d, q dtype, bias dtype, mask, tiles) of the fused dq + dbias kernel:
-# MSA-row pairs in chunks over several key tiles, N no whole number of tiles
-# without a mask (keys past N kept out of dq), one row per CTA at an odd S, fp16.
-FUSED_CASES = {
-    "pairs-N128": (4, 128, 32, jnp.bfloat16, jnp.float32, True, SMALL),
-    "tails-N72-no-mask": (2, 72, 32, jnp.bfloat16, jnp.bfloat16, False, SMALL),
-    "odd-S-fp16-d16": (3, 64, 16, jnp.float16, jnp.float16, True, SMALL),
-}
-
-
-@pytest.mark.parametrize("case", list(FUSED_CASES))
-def test_fused_dq_dbias_against_float64(case, seed):
-    """`backward_dq_dbias`, one exponential per logit for dq and dbias: dq
-    bitwise equal to `backward_dq` with the same tiles (the same products in
-    the same order), dq and dbias within the dtype's tolerance of float64."""
-    rows, n_res, head_dim, dtype, bias_dtype, with_mask, tiles = FUSED_CASES[case]
-    inputs = helpers.random_inputs(
-        seed, 1, rows, n_res, 1, head_dim, dtype, 0.2 if with_mask else None,
-        bias_dtype=bias_dtype, gate=False, fully_masked_row=(0, rows - 1) if with_mask else None,
-    )
-    operands, scale = residuals(inputs)
-    bound = dict(scale=scale, tiles=tiles, interpret=True)
-    dq, dbias = mosaic_backward.backward_dq_dbias(*operands, **bound)
-    np.testing.assert_array_equal(
-        np.asarray(dq), np.asarray(mosaic_backward.backward_dq(*operands, **bound))
-    )
-    q, k, v, bias, mask, _, dout = inputs.args
-    expected = numpy_reference.vjp(q, k, v, bias, mask, None, scale, dout)
-    tolerance = helpers.tolerance(dtype)
-    for name, got, want in (("dq", dq, expected[0]), ("dbias", dbias, expected[3])):
-        helpers.assert_finite(got, name)
-        assert got.shape == want.shape, (name, got.shape)
-        assert helpers.rel_err(got, want) <= tolerance, (name, helpers.rel_err(got, want))
-
-
-@pytest.mark.parametrize(
-    "n_res, head_dim, bias_dtype, has_mask",
-    [(256, 32, jnp.bfloat16, True), (256, 32, jnp.float32, True), (384, 32, jnp.float32, False),
-     (333, 16, jnp.bfloat16, True), (200, 64, jnp.float32, True)],
-)
-def test_fused_dq_dbias_lowers_for_the_gpu_on_a_cpu(n_res, head_dim, bias_dtype, has_mask):
-    """`backward_dq_dbias` with `dq_dbias_tiles` (two MSA rows per CTA where
-    they fit, at train with a 16-bit bias; one elsewhere) lowers for CUDA: at
-    the train and finetune crops, N no multiple of 8 and N no whole number
-    of tiles."""
-    shape = (1, 4, n_res, 8, head_dim)
-    tiles = mosaic_backward.dq_dbias_tiles(shape, jnp.bfloat16, bias_dtype, has_mask)
-    assert tiles is not None
-    q = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-    bias = jax.ShapeDtypeStruct((1, 8, n_res, n_res), bias_dtype)
-    mask = jax.ShapeDtypeStruct((1, 4, n_res), jnp.int8) if has_mask else None
-    stats = jax.ShapeDtypeStruct((1, 4, 8, 3, n_res), jnp.float32)
-    lowered = jax.jit(
-        lambda q, k, v, bias, mask, do, stats: mosaic_backward.backward_dq_dbias(
-            q, k, v, bias, mask, do, stats, scale=0.2, tiles=tiles, interpret=False
-        )
-    ).trace(q, q, q, bias, mask, q, stats).lower(lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in lowered.as_text()
-
-
-def test_fused_dq_dbias_tiles():
-    """Two MSA rows per CTA where their accumulators fit beside the ring, one
-    up to N = 512, none past it, nor for float32 or two heads per tile."""
-    tiles = mosaic_backward.dq_dbias_tiles
-    assert tiles((1, 128, 256, 8, 32), jnp.bfloat16, jnp.bfloat16).msa_rows == 2
-    assert tiles((1, 512, 384, 8, 32), jnp.bfloat16, jnp.float32).msa_rows == 1
-    assert tiles((1, 512, 512, 8, 32), jnp.bfloat16, jnp.float32).msa_rows == 1
-    assert tiles((1, 512, 1024, 8, 32), jnp.bfloat16, jnp.bfloat16) is None
-    assert tiles((1, 8, 256, 8, 32), jnp.float32, jnp.float32) is None
-    assert tiles((1, 8, 256, 8, 8), jnp.bfloat16, jnp.float32) is None
-
-
-@pytest.mark.parametrize(
-    "head_dim, dtype, n_res, message",
-    [(32, jnp.float32, 64, "float32"), (8, jnp.bfloat16, 64, "pad it to 16"),
-     (32, jnp.bfloat16, 1024, "shared memory")],
-)
-def test_fused_dq_dbias_refuses_what_it_does_not_take(head_dim, dtype, n_res, message):
-    """float32 q, d = 8 (no head pairs), and N whose per-key-tile sums do not fit:
-    a ValueError that says why, at trace time."""
-    shape = (1, 2, n_res, 2, head_dim)
-    q = jax.ShapeDtypeStruct(shape, dtype)
-    bias = jax.ShapeDtypeStruct((1, 2, n_res, n_res), jnp.float32)
-    stats = jax.ShapeDtypeStruct((1, 2, 2, 3, n_res), jnp.float32)
-    with pytest.raises(ValueError, match=message):
-        jax.eval_shape(
-            lambda q, bias, stats: mosaic_backward.backward_dq_dbias(
-                q, q, q, bias, None, q, stats, scale=0.2, tiles=SMALL, interpret=False
-            ),
-            q, bias, stats,
-        )
-
-
-def test_op_gradients_with_the_fused_dq_dbias(seed, monkeypatch):
-    """`MosaicBackwardTiles.dq_dbias` with `implementation="pallas"` and the
-    Mosaic backward: B = 2, H = 2 (the CTA's batch and head from its grid
-    index), a gate, a fully masked row; every gradient matches float64, and
-    dq, dk and dv equal those of the dq and dbias kernels bitwise (the same
-    products in the same order), dbias within float32 rounding."""
-    inputs = helpers.random_inputs(
-        seed, 2, 4, 72, 2, 32, jnp.bfloat16, bias_dtype=jnp.bfloat16, fully_masked_row=(1, 2)
-    )
-    config = dataclasses.replace(
-        default_block_config(72, 32, jnp.bfloat16, jnp.bfloat16), mosaic_backward=SMALL_TILES
-    )
-    fused_config = dataclasses.replace(
-        config, mosaic_backward=dataclasses.replace(SMALL_TILES, dq_dbias=SMALL)
-    )
-    separate = helpers.fwd_bwd("pallas", block_config=config)(*inputs.args)
-
-    def not_called(*args, **kwargs):
-        raise AssertionError("the fused kernel replaces the dq and dbias kernels")
-
-    monkeypatch.setattr(mosaic_backward, "backward_dq", not_called)
-    monkeypatch.setattr(mosaic_backward, "backward_dbias", not_called)
-    fused = helpers.fwd_bwd("pallas", block_config=fused_config)(*inputs.args)
-    helpers.assert_shapes_dtypes_finite(fused, inputs)
-    helpers.compare(
-        fused, helpers.numpy_results(inputs), helpers.tolerance(jnp.bfloat16), "fused dq dbias"
-    )
-    (_, (dq, dk, dv, dbias, dgate)), (_, expected) = fused, separate
-    for name, got, want in zip(("dq", "dk", "dv", "dgate"), (dq, dk, dv, dgate),
-                               (expected[0], expected[1], expected[2], expected[4])):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
-    assert helpers.rel_err(dbias, expected[3]) < 1e-2

@@ -131,19 +131,13 @@ def _mosaic_backward(
         mosaic_backward.backward_dkdv, kernel_tiles=tiles.dkdv, out_layouts=(KEY_ROWS, KEY_ROWS),
         ping_pong=tiles.ping_pong,
     )
-    if tiles.dq_dbias is not None:
-        dq, dbias = call(
-            mosaic_backward.backward_dq_dbias, kernel_tiles=tiles.dq_dbias,
-            out_layouts=(QUERY_ROWS, BIAS), ping_pong=tiles.ping_pong,
-        )
-    else:
-        (dq,) = call(
-            mosaic_backward.backward_dq, kernel_tiles=tiles.dq, out_layouts=(QUERY_ROWS,),
-            ping_pong=tiles.ping_pong,
-        )
-        (dbias,) = call(
-            mosaic_backward.backward_dbias, kernel_tiles=tiles.dbias, out_layouts=(BIAS,)
-        )
+    (dq,) = call(
+        mosaic_backward.backward_dq, kernel_tiles=tiles.dq, out_layouts=(QUERY_ROWS,),
+        ping_pong=tiles.ping_pong,
+    )
+    (dbias,) = call(
+        mosaic_backward.backward_dbias, kernel_tiles=tiles.dbias, out_layouts=(BIAS,)
+    )
     head_dim = q.shape[-1]
     return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim], dbias
 

@@ -22,12 +22,6 @@ into a shared-memory ring; consumer warpgroups compute with `wgmma`).
 - dbias (`backward_dbias`): one CTA per (query tile, key tile) of one head,
   looping over the S MSA rows (or a chunk of them); its two consumer
   warpgroups split the query tile, and the sum over S stays in registers.
-- dq + dbias (`backward_dq_dbias`, opt-in: in place of the two above where
-  `MosaicBackwardTiles.dq_dbias` is set): the dq kernel's loop, each `ds`
-  tile also added to the consumer's float32 sum for its key tile in shared
-  memory, so each logit's probability is computed once for both gradients;
-  those sums are written per (row chunk, consumer) and added in a fixed
-  order.
 
 d = 8 with an even H, 16-bit (`tile_heads`): the kernels read q, k, v and
 `do` as they are, heads 2h and 2h + 1 in one 16-wide tile
@@ -111,13 +105,7 @@ def default_tiles(q_shape, q_dtype, bias_dtype) -> MosaicBackwardTiles:
 
     Tiles for d < 16 are chosen for the head dim the kernels see, 16 (for
     d = 8 with two heads per tile, `tile_heads`, with the shared memory
-    of both heads' bias tiles).
-
-    The fused dq + dbias kernel is not chosen here (opt-in:
-    `MosaicBackwardTiles.dq_dbias`, `dq_dbias_tiles`): faster than the dq
-    and dbias kernels on their own at the train crop, it did not make the
-    op's forward + backward measurably faster there, and its per-chunk
-    partial sums took 34 MB more with a bf16 bias (benchmarks/RESULTS.md)."""
+    of both heads' bias tiles)."""
     head_dim = kernel_head_dim(q_shape[-1])
     pair = tile_heads(q_shape, q_dtype)
     if jnp.dtype(q_dtype) == jnp.float32 and head_dim > FLOAT32_MAX_HEAD_DIM:
@@ -162,7 +150,7 @@ def _chunk_batch_and_head(batch_heads: int, heads: int):
 
 
 def _copy_key_tiles(gmem, smem_tma, smem, rows, batch, keys, head, slot, barrier):
-    """The producer's copies of one key step of the dq-like loops: each of
+    """The producer's copies of one key step of the dq kernel's loop: each of
     `rows`' K and V tiles (and key-mask vector, where there is a mask) into
     the consumer slots `(slot, 0..)`, all arriving on `barrier`."""
     for consumer, row in enumerate(rows):
@@ -180,8 +168,8 @@ def _query_major_ds(
     q_smem, do_smem, k_smem, v_smem, bias, mask_ref, stats, key_tile, turns, *, scale: float,
     n_res: int, block_k: int, interpret: bool,
 ):
-    """One `[block_q, block_k]` float32 `ds` tile of the dq-like loops
-    (`_dq_kernel`, `_dq_dbias_kernel`): `s = q k^T + bias` and `dp = do v^T`
+    """One `[block_q, block_k]` float32 `ds` tile of the dq kernel's loop
+    (`_dq_kernel`): `s = q k^T + bias` and `dp = do v^T`
     from shared memory, then `ds` from the row statistics. `mask_ref` is the
     consumer's `[1, >= block_k]` int8 key-mask slot, or None."""
     s, dp = smem_products(
@@ -819,172 +807,6 @@ def backward_dbias(
     return partial_sums[0] if chunks == 1 else partial_sums.sum(axis=0)
 
 
-def _dq_dbias_kernel(
-    gmem, smem, produced, consumed, schedule, *, scale: float, n_res: int, tiles: MosaicTiles,
-    msa_rows: int, rows_per_chunk: int, batch_heads: int, heads: int, dtype, ping_pong: bool,
-    interpret: bool, row_views: tuple[str, ...] = (),
-):
-    """dq and the bias gradient from one exponential per logit.
-
-    One CTA per (query tile, chunk of MSA rows, batch x head). Its `msa_rows`
-    consumers take the chunk's rows that many at a time, one row each, and
-    loop over every key tile as `_dq_kernel` does; each `ds` tile is also
-    added to the consumer's float32 accumulator of that key tile in shared
-    memory (`[key_tiles, block_q, block_k]`). A row's dq is written when its
-    key loop ends; each consumer's accumulators, the sum over its rows of the
-    chunk, are written at the chunk's end as a partial sum of their own,
-    which the caller adds in a fixed order. The loop over a row's key tiles
-    is where tiles that the key mask removes entirely will be skipped.
-    """
-    smem_tma, smem = split_row_views(smem, row_views)
-    block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
-    key_tiles = pl.cdiv(n_res, block_k)
-    row_groups = rows_per_chunk // msa_rows
-    has_mask = "mask" in gmem
-    chunk, batch, head = _chunk_batch_and_head(batch_heads, heads)
-    wg = lax.axis_index("wg")
-    queries = pl.ds(lax.axis_index("query_tiles") * block_q, block_q)
-    first_row = chunk * rows_per_chunk
-
-    @pl.when(wg < msa_rows)
-    def _consumer():
-        consumer_registers(msa_rows)
-        accumulators = smem["dbias"].at[wg]
-
-        def load_row(group, buffer):
-            """The consumer's q, do and statistics of row group `group` into
-            its buffer `buffer` (two, so the next row's land during this one)."""
-            row = first_row + group * msa_rows + wg
-            barrier = produced["q"].at[buffer * msa_rows + wg]
-            copy_tiles(gmem, smem_tma, ("q", "do"), (batch, row, queries, head), (buffer, wg), barrier)
-            plgpu.copy_gmem_to_smem(
-                gmem["stats"].at[batch, row, pl.ds(head, 1), :, queries],
-                smem["stats"].at[buffer, wg], barrier,
-            )
-
-        @pl.loop(0, key_tiles)
-        def _(key_tile):
-            accumulators.at[key_tile][...] = zeros((block_q, block_k))
-
-        load_row(0, 0)
-        turns = PingPong(schedule, wg, enabled=ping_pong and msa_rows == 2)
-        turns.start()
-
-        def visit_row_group(group, carry):
-            buffer = lax.rem(group, 2)
-            row = first_row + group * msa_rows + wg
-
-            @pl.when(group + 1 < row_groups)
-            def _():
-                # The other buffer's readers are done: the previous row's
-                # products, and the store of its dq (which leaves through it).
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                load_row(group + 1, 1 - buffer)
-
-            plgpu.barrier_wait(produced["q"].at[buffer * msa_rows + wg])
-            q_smem, do_smem = (operand_at(smem[n], buffer, wg) for n in ("q", "do"))
-            stats = _load_stats(smem["stats"].at[buffer, wg, 0], WGMMA_ROW)
-
-            def visit_key_tile(key_tile, dq):
-                slot = lax.rem(group * key_tiles + key_tile, stages)
-                plgpu.barrier_wait(produced["step"].at[slot])
-                k_smem, v_smem = operand_at(smem["k"], slot, wg), operand_at(smem["v"], slot, wg)
-                ds = _query_major_ds(
-                    q_smem, do_smem, k_smem, v_smem, smem["bias"][slot],
-                    smem["mask"].at[slot, wg] if has_mask else None, stats, key_tile, turns,
-                    scale=scale, n_res=n_res, block_k=block_k, interpret=interpret,
-                )
-                accumulator = accumulators.at[key_tile]
-                accumulator[...] = plgpu.load(accumulator, layout=WGMMA) + ds
-                ds = lax.optimization_barrier(matrix_operand(ds, dtype))
-                turns.release()
-                turns.take_turn()
-                (dq,) = accumulate_products((dq,), (ds,), (k_smem,), interpret)
-                plgpu.barrier_arrive(consumed.at[slot])
-                return dq
-
-            tile_dim = gmem["dq"].shape[-1]
-            dq = lax.fori_loop(0, key_tiles, visit_key_tile, zeros((block_q, tile_dim)))
-            # q's tile is free again and holds dq on its way out.
-            store_row_tile(row_tile_at(smem["q"], (buffer, wg)), (dq * scale).astype(dtype))
-            plgpu.commit_smem()
-            copy_row_tile_to_gmem(
-                row_tile_at(smem_tma["q"], (buffer, wg)), gmem["dq"].at[batch, row, queries, head]
-            )
-            return carry
-
-        lax.fori_loop(0, row_groups, visit_row_group, None)
-        turns.finish()
-        # Every thread's additions to the accumulators are done.
-        plgpu.commit_smem()
-        part = chunk * msa_rows + wg
-        for key_tile in range(key_tiles):
-            plgpu.copy_smem_to_gmem(
-                accumulators.at[key_tile],
-                gmem["dbias"].at[part, batch, head, queries, pl.ds(key_tile * block_k, block_k)],
-            )
-        plgpu.wait_smem_to_gmem(0)
-
-    @pl.when(wg == msa_rows)
-    def _producer():
-        producer_registers()
-
-        def issue_copies(step, slot):
-            group, key_tile = lax.div(step, key_tiles), lax.rem(step, key_tiles)
-            keys = pl.ds(key_tile * block_k, block_k)
-            barrier = produced["step"].at[slot]
-            _copy_key_tiles(
-                gmem, smem_tma, smem, [first_row + group * msa_rows + r for r in range(msa_rows)],
-                batch, keys, head, slot, barrier,
-            )
-            plgpu.copy_gmem_to_smem(
-                gmem["bias"].at[batch, head, queries, keys], smem["bias"].at[slot], barrier
-            )
-
-        produce(row_groups * key_tiles, stages, issue_copies, consumed)
-
-
-def _dq_dbias_smem(
-    tiles: MosaicTiles, msa_rows: int, n_res: int, tile_dim: int, dtype, bias_dtype,
-    has_mask: bool, row_views: bool,
-) -> dict:
-    """`_dq_dbias_kernel`'s shared memory: the consumers' bias gradient
-    accumulators, two buffers of q (dq leaves through it), do and the
-    statistics per consumer, and the copy ring of K, V, mask and bias tiles."""
-    block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
-    smem = {
-        "dbias": smem_tile((msa_rows, pl.cdiv(n_res, block_k), block_q, block_k), jnp.float32),
-        "q": row_tile((2, msa_rows, block_q, tile_dim), dtype, row_views),
-        "do": row_tile((2, msa_rows, block_q, tile_dim), dtype, row_views),
-        "stats": smem_vectors((2, msa_rows, 1, 3, block_q), jnp.float32),
-        "k": row_tile((stages, msa_rows, block_k, tile_dim), dtype, row_views),
-        "v": row_tile((stages, msa_rows, block_k, tile_dim), dtype, row_views),
-        "bias": smem_tile((stages, block_q, block_k), bias_dtype),
-    }
-    if has_mask:
-        smem["mask"] = smem_vectors((stages, msa_rows, 1, block_k), jnp.int8)
-    return smem
-
-
-def dq_dbias_tiles(q_shape, q_dtype, bias_dtype, has_mask: bool = True) -> MosaicTiles | None:
-    """Tiles of `backward_dq_dbias` for these inputs: 64 x 64 tiles and two
-    MSA rows per CTA where they fit in shared memory, else one; None where
-    the kernel does not take the inputs (not 16-bit, two heads per tile) or
-    no tiles fit (N above about 512 with one row per CTA)."""
-    *_, rows, n_res, heads, head_dim = q_shape
-    if jnp.dtype(q_dtype) not in SIXTEEN_BIT or head_dim not in HEAD_DIMS:
-        return None
-    for msa_rows in (2, 1):
-        tiles = MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=msa_rows)
-        rows_per_cta = tiles.msa_rows_for(rows)
-        smem = _dq_dbias_smem(
-            tiles, rows_per_cta, n_res, head_dim, q_dtype, bias_dtype, has_mask, True
-        )
-        if shared_memory_bytes(smem) <= MAX_SHARED_MEMORY:
-            return tiles
-    return None
-
-
 def shared_memory_bytes(smem: dict) -> int:
     """The bytes of a kernel's shared-memory specs (a `RefUnion`'s views
     share theirs; tuples are summed)."""
@@ -996,77 +818,3 @@ def shared_memory_bytes(smem: dict) -> int:
         return math.prod(spec.shape) * jnp.dtype(spec.dtype).itemsize
 
     return sum(size(spec) for spec in smem.values())
-
-
-@functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret", "ping_pong"))
-def backward_dq_dbias(
-    q, k, v, bias, mask, do, stats, *, scale: float, tiles: MosaicTiles, interpret: bool,
-    ping_pong: bool = True,
-):
-    """dq `[B, S, N, H, d]` in q's dtype and dbias `[B, H, N, N]` float32 from
-    one kernel (`_dq_dbias_kernel`), which computes each logit's probability
-    once for both, where `backward_dq` and `backward_dbias` compute it once
-    each (arguments as in the module docstring).
-
-    16-bit q with one head per tile (d >= 16); the consumers' float32 bias
-    gradient accumulators for every key tile of their query tile
-    (`msa_rows x N x block_q x 4` bytes) must fit in shared memory beside the
-    copy ring, so it takes N up to about 512. The rows are split into
-    chunks as in `backward_dbias`; each (chunk, consumer) writes a partial
-    sum, added in a fixed order: the gradients are bitwise repeatable.
-
-    Raises:
-      ValueError: for other inputs, or when the tiles do not fit.
-    """
-    check_kernel_inputs(q, bias)
-    batch, rows, n_res, heads, tile_dim = q.shape
-    msa_rows = tiles.msa_rows_for(rows)
-    block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
-    query_tiles = pl.cdiv(n_res, block_q)
-    key_tiles = pl.cdiv(n_res, block_k)
-    chunks = row_chunks(query_tiles * batch * heads, rows // msa_rows)
-    rows_per_chunk = rows // chunks
-    inputs = _operands(
-        q=q, k=k, v=v, bias=accumulator_bias(bias, scale), mask=mask, do=do, stats=stats,
-    )
-    # Rows of whole 8-row tiles, columns of whole key tiles (each written
-    # whole, from a static offset), sliced back to N below.
-    dbias_shape = (
-        chunks * msa_rows, batch, heads, pl.cdiv(n_res, RESIDUE_MULTIPLE) * RESIDUE_MULTIPLE,
-        key_tiles * block_k,
-    )
-    out_types = {
-        "dq": jax.ShapeDtypeStruct(q.shape, q.dtype),
-        "dbias": jax.ShapeDtypeStruct(dbias_shape, jnp.float32),
-    }
-    smem = _dq_dbias_smem(
-        tiles, msa_rows, n_res, tile_dim, q.dtype, bias.dtype, mask is not None,
-        takes_row_views(n_res, interpret),
-    )
-    copies = (3 if mask is not None else 2) * msa_rows + 1
-    used = shared_memory_bytes(smem)
-    if used > MAX_SHARED_MEMORY:
-        raise ValueError(
-            f"backward_dq_dbias with {tiles} at N={n_res}, d={tile_dim} needs {used} bytes of "
-            f"shared memory, over {MAX_SHARED_MEMORY}: fewer MSA rows or smaller tiles"
-        )
-    produced_step, consumed = _step_scratch(copies, stages, msa_rows)
-    produced = {
-        "q": plgpu.Barrier(num_arrivals=3, num_barriers=2 * msa_rows),
-        "step": produced_step,
-    }
-    body = functools.partial(
-        _dq_dbias_kernel, scale=scale, n_res=n_res, tiles=tiles, msa_rows=msa_rows,
-        rows_per_chunk=rows_per_chunk, batch_heads=batch * heads, heads=heads, dtype=q.dtype,
-        ping_pong=ping_pong, interpret=interpret, row_views=row_view_names(smem),
-    )
-    dq, partial_sums = launch(
-        body, name="msa_mosaic_dq_dbias",
-        scratch=(smem, produced, consumed, plgpu.Barrier(num_arrivals=msa_rows)),
-        inputs=inputs, out_types=out_types,
-        grid=(query_tiles, chunks * batch * heads),
-        grid_names=("query_tiles", "chunk_batch_heads"),
-        consumers=msa_rows, interpret=interpret,
-    )
-    partial_sums = partial_sums[..., :n_res, :n_res]
-    return dq, partial_sums.sum(axis=0)

@@ -614,7 +614,7 @@ def consumer_register_budget(consumers: int) -> int:
     thread's count at launch, in units of 8, at most 65536 in all); an
     increase that asks for more than the decreases freed waits for ever.
     With 1 consumer the per-thread ceiling binds (240 of 255); with 2, 168
-    at launch leave 232; with 4, 96 at launch leave 104.
+    at launch leave 232.
     """
     threads = (consumers + 1) * WARPGROUP_THREADS
     at_launch = min(MAX_THREAD_REGISTERS, REGISTER_FILE // threads // 8 * 8)

@@ -14,11 +14,7 @@ built around:
   online softmax in float32 (base 2), and multiplies the 16-bit
   probabilities, straight from registers, with V by `wgmma`;
 - with two consumers, a schedule barrier makes them alternate, so one's
-  softmax (the exponential unit) overlaps the other's matrix products;
-  with `MosaicTiles.pipelined` each consumer instead overlaps its own
-  products with its softmax, a tile ahead (FlashAttention-3's
-  intra-warpgroup pipelining; measured no faster at d = 32,
-  benchmarks/RESULTS.md).
+  softmax (the exponential unit) overlaps the other's matrix products.
 
 The work items are (B * H, query tiles, S / msa_rows), the MSA rows fastest,
 so the CTAs that run at the same time read the same bias tiles and find them
@@ -269,106 +265,7 @@ def _kernel(
                 0, key_tiles, visit_key_tile, ((acc,) * pair, (row_max,) * pair, (row_sum,) * pair)
             )
 
-        def pipelined_key_loop(logits_ref, acc_ref):
-            """The loop of `MosaicTiles.pipelined`, FlashAttention-3's
-            intra-warpgroup overlap: in step j the consumer issues key tile
-            j + 1's `q k^T`, runs tile j's softmax while it and tile j - 1's
-            `p v` run, waits for `p v` alone, rescales the output, issues
-            tile j's `p v` and waits for `q k^T` alone. `logits_ref` and
-            `acc_ref` are the two wgmma accumulators (None in the
-            interpreter, whose products are computed where issued)."""
-
-            def issue_logits(key_tile):
-                """Starts `bias + q k^T` of `key_tile`: in the interpreter,
-                returns it."""
-                slot = slot_of(key_tile)
-                plgpu.barrier_wait(produced["k"].at[slot])
-                init = bias_tile(smem["bias"][slot, 0], scale)
-                keys_t = smem["k"].at[slot, wg].T
-                if interpret:
-                    return smem_products(((q_smem, keys_t),), inits=(init,), interpret=True)[0]
-                logits_ref[...] = init
-                plgpu.wgmma(logits_ref, q_smem, keys_t)
-                return None
-
-            def logits_of(issued, wait_n):
-                """The logits `issue_logits` started, once at most `wait_n`
-                products are left running."""
-                if interpret:
-                    return issued
-                return plgpu.wgmma_accumulator_load(logits_ref, wait_n=wait_n)
-
-            acc = plgpu.layout_cast(jnp.zeros((block_q, tile_dim), jnp.float32), WGMMA)
-            if not interpret:
-                acc_ref[...] = acc
-                acc = None
-            logits = logits_of(issue_logits(jnp.int32(0)), 0)
-            if key_tiles == 1:
-                prefetch_next_queries(True)
-
-            def visit_key_tile(key_tile, carry, last: bool):
-                logits, row_max, row_sum, acc = carry
-                slot = slot_of(key_tile)
-                (t,) = mask_logits((logits,), slot, key_tile)
-                plgpu.barrier_arrive(consumed["k"].at[slot])
-                issued = None if last else issue_logits(key_tile + 1)
-                turns.hand_over()
-
-                p, rescale, new_max, row_sum = online_softmax(t, row_max, row_sum)
-                p, rescale, new_max, row_sum = lax.optimization_barrier(
-                    (p, rescale, new_max, row_sum)
-                )
-                turns.release()
-
-                # The previous tile's `p v` is done (the next `q k^T` may run
-                # on). Only now may this tile's 16-bit probabilities take the
-                # registers that product read them from: written while it
-                # runs, ptxas would serialise every wgmma of the kernel.
-                if not interpret:
-                    plgpu.wgmma_wait(0 if last else 1)
-                p16 = p.astype(dtype)
-
-                @pl.when(key_tile > 0)
-                def _():
-                    plgpu.barrier_arrive(consumed["v"].at[slot_of(key_tile - 1)])
-
-                plgpu.barrier_wait(produced["v"].at[slot])
-                turns.take_turn()
-                values = smem["v"].at[slot, wg]
-                if interpret:
-                    (acc,) = accumulate_products((rescaled(acc, rescale),), (p16,), (values,), True)
-                else:
-                    acc_ref[...] = rescaled(
-                        plgpu.wgmma_accumulator_load(acc_ref, wait_n=None), rescale
-                    )
-                    plgpu.wgmma(acc_ref, p16, values)
-                if not last:
-                    logits = logits_of(issued, 1)
-                    prefetch_next_queries(key_tile + 1 == key_tiles - 1)
-                return logits, new_max, row_sum, acc
-
-            carry = lax.fori_loop(
-                0, key_tiles - 1, functools.partial(visit_key_tile, last=False),
-                (logits, row_max, row_sum, acc),
-            )
-            _, final_max, final_sum, acc = visit_key_tile(
-                jnp.int32(key_tiles - 1), carry, last=True
-            )
-            if not interpret:
-                acc = plgpu.wgmma_accumulator_load(acc_ref, wait_n=0)
-            plgpu.barrier_arrive(consumed["v"].at[slot_of(key_tiles - 1)])
-            return (acc,), (final_max,), (final_sum,)
-
-        if not tiles.pipelined:
-            accs, row_maxes, row_sums = key_loop()
-        elif interpret:
-            accs, row_maxes, row_sums = pipelined_key_loop(None, None)
-        else:
-            accs, row_maxes, row_sums = pl.run_scoped(
-                pipelined_key_loop,
-                plgpu.ACC((block_q, block_k), jnp.float32),
-                plgpu.ACC((block_q, tile_dim), jnp.float32),
-            )
+        accs, row_maxes, row_sums = key_loop()
 
         # Each head's columns of the tile come from its own accumulator.
         outs = [
@@ -568,8 +465,6 @@ def attention_forward(
     shapes = {"out": q.shape, "attention": q.shape}
     pair = heads_per_tile(head_dim, heads)
     if pair > 1:
-        if tiles.pipelined:
-            raise ValueError("MosaicTiles.pipelined takes one head per tile: d >= 16")
         # [..., H, 8] seen as [..., H / 2, 16]: heads 2h and 2h + 1 in one tile.
         q, k, v = (as_head_pairs(x, pair) for x in (q, k, v))
         gate = None if gate is None else as_head_pairs(gate, pair)
