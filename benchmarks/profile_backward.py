@@ -33,7 +33,7 @@ from profile_kernels import batched_ms, make_inputs  # noqa: E402
 from msa_pallas import msa_row_attention  # noqa: E402
 from msa_pallas.block_sizes import default_block_config  # noqa: E402
 from msa_pallas.kernels.mosaic import backward as mosaic_backward  # noqa: E402
-from msa_pallas.kernels.mosaic.common import supports  # noqa: E402
+from msa_pallas.kernels.mosaic.support import supports  # noqa: E402
 from msa_pallas.kernels.triton import backward as triton_backward  # noqa: E402
 from msa_pallas.kernels.triton.forward import attention_forward  # noqa: E402
 

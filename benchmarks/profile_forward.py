@@ -32,7 +32,7 @@ from profile_kernels import batched_ms, make_inputs, parse_mosaic  # noqa: E402
 from shapes import DIMS as SHAPES, DTYPES  # noqa: E402
 from msa_pallas.block_sizes import default_block_config  # noqa: E402
 from msa_pallas.kernels.mosaic import forward as mosaic_forward  # noqa: E402
-from msa_pallas.kernels.mosaic.common import supports  # noqa: E402
+from msa_pallas.kernels.mosaic.support import supports  # noqa: E402
 from msa_pallas.kernels.triton import forward as triton_forward  # noqa: E402
 from msa_pallas.reference import msa_row_attention_xla  # noqa: E402
 

@@ -36,9 +36,8 @@ from shapes import DIMS as SHAPES, DTYPES  # noqa: E402
 from msa_pallas.timing import batched_times_ms  # noqa: E402
 
 from msa_pallas.attention import msa_row_attention  # noqa: E402
-from msa_pallas.block_sizes import (  # noqa: E402
-    KernelTiles, MosaicTiles, default_block_config, next_power_of_2,
-)
+from msa_pallas.block_sizes import KernelTiles, default_block_config, next_power_of_2  # noqa: E402
+from msa_pallas.kernels.mosaic.tiles import MosaicTiles  # noqa: E402
 from msa_pallas.kernels.mosaic import backward as mosaic_backward  # noqa: E402
 from msa_pallas.kernels.triton import backward  # noqa: E402
 from msa_pallas.kernels.triton.forward import attention_forward  # noqa: E402

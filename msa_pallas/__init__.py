@@ -20,9 +20,8 @@ Modules:
 """
 
 from msa_pallas.attention import msa_row_attention, resolve_implementation
-from msa_pallas.block_sizes import (
-    BlockConfig, KernelTiles, MosaicBackwardTiles, MosaicTiles, default_block_config,
-)
+from msa_pallas.block_sizes import BlockConfig, KernelTiles, default_block_config
+from msa_pallas.kernels.mosaic.tiles import MosaicBackwardTiles, MosaicTiles
 from msa_pallas.layers import MSARowAttentionWithPairBias
 from msa_pallas.nnx_layers import MSARowAttentionWithPairBiasNNX
 from msa_pallas import autotune, convert

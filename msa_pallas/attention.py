@@ -11,8 +11,9 @@ import jax.numpy as jnp
 from msa_pallas.block_sizes import BlockConfig, default_block_config
 from msa_pallas.kernels.mosaic import backward as mosaic_backward
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
-from msa_pallas.kernels.mosaic.common import pad_head_dim, pairs_heads
-from msa_pallas.kernels.mosaic.common import supports as mosaic_supports
+from msa_pallas.kernels.mosaic.heads import pairs_heads
+from msa_pallas.kernels.mosaic.support import pad_head_dim
+from msa_pallas.kernels.mosaic.support import supports as mosaic_supports
 from msa_pallas.kernels.vjp import fused_attention
 from msa_pallas.reference import msa_row_attention_xla
 from msa_pallas.validation import (

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from msa_pallas.block_sizes import BlockConfig
-from msa_pallas.kernels.mosaic.common import supports as mosaic_supports
+from msa_pallas.kernels.mosaic.support import supports as mosaic_supports
 
 KERNEL_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 XLA_DTYPES = KERNEL_DTYPES + (jnp.dtype(jnp.float64),)

@@ -7,7 +7,7 @@ the float64 NumPy gradients; the op's gradients through
 tests/test_mosaic_forward.py. The interpreter's wgmma takes operands from
 shared memory only, so the products with an operand in registers are
 float32-accumulated `jnp.dot`s of the same 16-bit operands there
-(`common.accumulate_products`).
+(`matmul.accumulate_products`).
 
 Most cases have one batch element and one head and cover the other axes:
 MSA-row pairs and odd S, several query and key tiles, head dims 16, 32 and
@@ -28,14 +28,16 @@ import pytest
 
 import helpers
 import numpy_reference
-from msa_pallas.block_sizes import (
-    MosaicBackwardTiles, MosaicTiles, default_block_config, mosaic_backward_shared_memory_bytes,
-    row_chunks,
-)
+from msa_pallas.block_sizes import default_block_config, row_chunks
 from msa_pallas.kernels.mosaic import backward as mosaic_backward
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
 from msa_pallas.kernels.constants import FLOAT32_PIECES
-from msa_pallas.kernels.mosaic.common import HEAD_DIMS, MAX_SHARED_MEMORY, split_float32
+from msa_pallas.kernels.mosaic.matmul import split_float32
+from msa_pallas.kernels.mosaic.smem import MAX_SHARED_MEMORY
+from msa_pallas.kernels.mosaic.support import HEAD_DIMS
+from msa_pallas.kernels.mosaic.tiles import (
+    MosaicBackwardTiles, MosaicTiles, mosaic_backward_shared_memory_bytes,
+)
 from msa_pallas.kernels.triton import forward as triton_forward
 
 SMALL = MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=2)
@@ -88,7 +90,7 @@ CASES = {
     # float32: three bf16 pieces per operand, six products per product.
     "float32-pieces": (2, 72, 32, jnp.float32, jnp.float32, SMALL_TILES),
     "float32-defaults-d16": (3, 64, 16, jnp.float32, jnp.float32, None),
-    # N no multiple of 8 (`common.takes_any_n`): the statistics padded to
+    # N no multiple of 8 (`support.takes_any_n`): the statistics padded to
     # whole TMA strides, the bias rows to 8, the dbias rows sliced.
     "any-N37": (2, 37, 32, jnp.bfloat16, jnp.float32, SMALL_TILES),
     "any-N101-odd-S-fp16": (3, 101, 16, jnp.float16, jnp.float16, ONE_DBIAS_CONSUMER),
@@ -286,7 +288,7 @@ def test_lowers_for_the_gpu_on_a_cpu():
     default tiles of every head dim (d = 8 two heads per tile) and both bias
     widths, at N = 200 (no whole number of tiles; bias rows padded to whole
     TMA rows) with and without a mask, and at N = 333, 101 and 203 (no
-    multiple of 8, `common.unaligned_row_tile`; d = 64 at 333; float32
+    multiple of 8, `smem.unaligned_row_tile`; d = 64 at 333; float32
     pieces at 333 and 101, d = 64 with the float32 gradients' tiles as
     column pieces): a shape error, an
     unsupported layout or a misaligned GMEM row fails here, not first on the

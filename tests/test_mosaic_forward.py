@@ -15,7 +15,7 @@ the residuals saved, unless XLA's concurrency-optimised CPU scheduler is
 off, as tests/conftest.py sets.)
 
 The persistent grid (`MosaicTiles.persistent`, one CTA per SM looping over
-work items; `common.INTERPRETED_CTAS` CTAs in the interpreter) is checked
+work items; `pipeline.INTERPRETED_CTAS` CTAs in the interpreter) is checked
 bitwise against the grid of one CTA per item, here and on the GPU
 (tests/test_mosaic_gpu.py), and lowered for CUDA here.
 """
@@ -34,13 +34,15 @@ import helpers
 import msa_pallas
 import numpy_reference
 from msa_pallas.attention import resolve_implementation
-from msa_pallas.block_sizes import MosaicTiles, default_block_config, mosaic_shared_memory_bytes
+from msa_pallas.block_sizes import default_block_config
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
 from msa_pallas.kernels.constants import LOG2E
-from msa_pallas.kernels.mosaic.common import (
-    HEAD_DIMS, MAX_SHARED_MEMORY, accumulator_bias, masked_accumulator_logit, pad_head_dim,
-    row_tile, row_view_names, smem_tile, split_tiles, supports,
+from msa_pallas.kernels.mosaic.logits import accumulator_bias, masked_accumulator_logit
+from msa_pallas.kernels.mosaic.smem import (
+    MAX_SHARED_MEMORY, row_tile, row_view_names, smem_tile, split_tiles,
 )
+from msa_pallas.kernels.mosaic.support import HEAD_DIMS, pad_head_dim, supports
+from msa_pallas.kernels.mosaic.tiles import MosaicTiles, mosaic_shared_memory_bytes
 from msa_pallas.kernels.triton import forward as triton_forward
 from msa_pallas.kernels.vjp import fused_attention
 from msa_pallas.reference import MASKED_LOGIT
@@ -91,7 +93,7 @@ CASES = {
     "d128": (1, 2, 128, 128, jnp.float16, jnp.float32, MosaicTiles(64, 64, 2, 1)),
     "tails-N72": (2, 2, 72, 32, jnp.bfloat16, jnp.float32, SMALL_TILES),
     "N8-fp16": (1, 2, 8, 16, jnp.float16, jnp.float16, SMALL_TILES),
-    # N no multiple of 8 (`common.takes_any_n`): the bias rows padded to 8.
+    # N no multiple of 8 (`support.takes_any_n`): the bias rows padded to 8.
     "any-N37": (2, 2, 37, 32, jnp.bfloat16, jnp.float32, SMALL_TILES),
     "any-N100-odd-S-fp16": (1, 3, 100, 16, jnp.float16, jnp.float16, SMALL_TILES),
 }
@@ -116,7 +118,7 @@ def test_forward_against_float64_and_triton_residuals(case, seed):
 
 
 # (B, S, N, H, q dtype, bias dtype, tiles) with d = 8: two heads per tile
-# (`common.pairs_heads`), H = 2: one pair (two pairs in the backward's
+# (`heads.pairs_heads`), H = 2: one pair (two pairs in the backward's
 # tests/test_mosaic_backward.py::test_several_heads_and_batch_elements).
 PAIRED_CASES = {
     "pair-bf16": (2, 4, 128, jnp.bfloat16, jnp.float32, SMALL_TILES),
@@ -245,7 +247,7 @@ def test_op_gradients_through_the_mosaic_kernels(dtype, n_res, seed):
     Mosaic backward kernels; the gradients match float64. float32: the
     Triton forward and the Mosaic backward on bf16 pieces, within float32's
     tolerance. N = 37, no multiple of 8: the row tiles of every kernel
-    (float32: of every bf16 piece) through `common.unaligned_row_tile`
+    (float32: of every bf16 piece) through `smem.unaligned_row_tile`
     (compiled; here as 8-row tiles)."""
     inputs = helpers.random_inputs(seed, 1, 2, n_res, 1, 32, dtype, fully_masked_row=True)
     result = helpers.fwd_bwd("mosaic")(*inputs.args)
@@ -318,7 +320,7 @@ def test_lowers_for_the_gpu_on_a_cpu(n_res, bias_dtype, persistent, head_dim):
 )
 def test_lowers_for_any_n_on_a_cpu(n_res, head_dim, bias_dtype, persistent):
     """N no multiple of 8 lowers for CUDA: the row tiles' TMA copies go
-    through untiled views (`common.unaligned_row_tile`; at d = 64 the float32
+    through untiled views (`smem.unaligned_row_tile`; at d = 64 the float32
     residual as two column pieces); through the 8-row tiled ones Mosaic GPU
     refuses such N at this point ("must have size smaller or a multiple of
     its tiling 8")."""
@@ -326,7 +328,7 @@ def test_lowers_for_any_n_on_a_cpu(n_res, head_dim, bias_dtype, persistent):
 
 
 def test_row_tiles_are_view_pairs_one_swizzle_wide():
-    """`common.row_tile` at N no multiple of 8: a row up to one swizzle wide
+    """`smem.row_tile` at N no multiple of 8: a row up to one swizzle wide
     is one pair of views (16-bit d <= 64, float32 d <= 32); a wider row
     (float32 d = 64) is one pair per 128-byte column piece; and
     `row_view_names` finds both kinds, and `split_tiles`' bf16 pieces."""

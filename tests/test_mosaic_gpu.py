@@ -28,7 +28,7 @@ from msa_pallas.attention import on_hopper
 from msa_pallas.block_sizes import default_block_config
 from msa_pallas.kernels.mosaic import backward as mosaic_backward
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
-from msa_pallas.kernels.mosaic.common import unaligned_row_tile
+from msa_pallas.kernels.mosaic.smem import unaligned_row_tile
 from msa_pallas.kernels.triton import forward as triton_forward
 from test_gpu import SHAPES, chunk_rows, device_inputs
 
@@ -83,7 +83,7 @@ def test_float32_backward_against_float64(shape_id, seed):
 )
 def test_float32_backward_at_any_n(shape, seed):
     """float32 at N no multiple of 8: every bf16 piece's row tiles through
-    `common.unaligned_row_tile`, at d = 64 the float32 gradients' tiles as
+    `smem.unaligned_row_tile`, at d = 64 the float32 gradients' tiles as
     two column pieces, d = 8 padded to 16."""
     check(device_inputs(seed, shape, jnp.float32), f"mosaic float32 {shape}")
 
@@ -100,11 +100,11 @@ def test_float32_backward_at_any_n(shape, seed):
         (2, 3, 328, 8, 32),
         (1, 2, 8, 2, 16),
         # N no multiple of 8: every kernel's row tiles through
-        # `common.unaligned_row_tile`.
+        # `smem.unaligned_row_tile`.
         (2, 3, 37, 4, 32),
         (1, 4, 333, 8, 8),
         (1, 2, 101, 2, 16),
-        # d = 64: the float32 residual as two column pieces (`common.row_tile`).
+        # d = 64: the float32 residual as two column pieces (`smem.row_tile`).
         (1, 3, 203, 4, 64),
     ],
     ids=lambda s: "x".join(map(str, s)),
@@ -173,7 +173,7 @@ def test_persistent_forward_equals_one_cta_per_item(shape, bias_dtype, seed):
 
 @pytest.mark.parametrize("n_res", [37, 100, 64])
 def test_unaligned_row_tile_copies_any_n(n_res, seed):
-    """`common.unaligned_row_tile`, the building block for N % 8 != 0: q and
+    """`smem.unaligned_row_tile`, the building block for N % 8 != 0: q and
     k tiles of `[B, S, N, H, 32]` copied in by TMA through the untiled view,
     `q k^T` by `wgmma` from the tiled view against float64 NumPy (keys past
     N read as zeros), and q's tile written through the tiled view and

@@ -37,7 +37,7 @@ from jax import lax
 from msa_pallas.block_sizes import BlockConfig
 from msa_pallas.kernels.mosaic import backward as mosaic_backward
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
-from msa_pallas.kernels.mosaic.common import pad_head_dim
+from msa_pallas.kernels.mosaic.support import pad_head_dim
 from msa_pallas.kernels.triton import forward as triton_forward
 from msa_pallas.kernels.triton.backward import (
     backward_dbias, backward_dkdv, backward_dq, backward_dq_dbias,

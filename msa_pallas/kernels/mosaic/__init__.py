@@ -1,9 +1,23 @@
-"""Pallas Mosaic GPU kernels: Hopper (sm90), 16-bit inputs.
+"""Pallas Mosaic GPU kernels: Hopper (sm90), 16-bit inputs (float32 in the
+backward, as bf16 pieces).
+
+The kernels, each in a file of its own:
 
 - `forward`: the forward kernel (TMA, wgmma, warp-specialised, MSA rows
   sharing each bias tile).
-- `backward`: the dk/dv, dq and dbias kernels (the same machinery; the bias
-  gradient summed over S inside the dbias kernel).
-- `common`: what they share: which inputs they take, shared-memory tiles, the
-  producer's copy ring, the wgmma products, the consumers' ping-pong.
+- `backward/`: the dk/dv, dq and dbias kernels (`dkdv`, `dq`, `dbias`;
+  `operands`: what they share; the bias gradient summed over S inside the
+  dbias kernel).
+
+The mechanisms they share, each once:
+
+- `support`: which inputs the kernels take (`supports`) and the XLA-side
+  padding of the head dim, the bias and the mask.
+- `tiles`: the kernels' configurations (`MosaicTiles`, `MosaicBackwardTiles`).
+- `smem`: shared-memory tiles, row views for N no multiple of 8, bytes.
+- `pipeline`: the producer's copy ring, the consumers' ping-pong, register
+  budgets, the launch.
+- `matmul`: the `wgmma` products and float32 operands as bf16 pieces.
+- `logits`: the bias as the products start from it, the masked logit.
+- `heads`: two heads per tile for d = 8.
 """

@@ -28,13 +28,13 @@ one CTA per item.
 N need not be a whole number of tiles: TMA reads past N as zeros, keys past
 N get a -inf logit and TMA stores of q's layout past N are dropped. N need
 not be a multiple of 8 either where the 16-bit row tiles are one swizzle
-wide (`common.takes_any_n`: 16-bit, d <= 64): the tiles of q, k, v, the gate
-and the outputs are then pairs of views (`common.unaligned_row_tile`), an
+wide (`support.takes_any_n`: 16-bit, d <= 64): the tiles of q, k, v, the gate
+and the outputs are then pairs of views (`smem.unaligned_row_tile`), an
 untiled one that TMA copies through and the 8-row tiled one that `wgmma`
 reads; the float32 residual at d = 64 as two column pieces of such pairs
-(`common.row_tile`). q, k, v, the gate and the output are never padded; the
-bias and mask rows are padded to whole TMA rows (`common.pad_residues`; with
-N % 8 != 0 the bias's rows to a multiple of 8 too, `common.pad_bias_rows`),
+(`smem.row_tile`). q, k, v, the gate and the output are never padded; the
+bias and mask rows are padded to whole TMA rows (`support.pad_residues`; with
+N % 8 != 0 the bias's rows to a multiple of 8 too, `support.pad_bias_rows`),
 and the row statistics are written into planes padded to whole query tiles and
 sliced: their `[1, block_q]` windows are contiguous, and Mosaic GPU stores a
 contiguous unswizzled window with a bulk copy that is clipped only at the
@@ -58,17 +58,26 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from msa_pallas.block_sizes import MosaicTiles, mosaic_shared_memory_bytes
 from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2
-from msa_pallas.kernels.mosaic.common import (
-    MAX_SHARED_MEMORY, WGMMA, WGMMA_COL, WGMMA_ROW, PingPong, accumulate_products,
-    accumulator_bias, as_head_pairs, batch_head_and_warpgroup, bias_tile, check_kernel_inputs,
-    combine_head_columns, consumer_registers, heads_per_tile, keys_before, launch,
-    masked_accumulator_logit, multiprocessors, pad_bias_rows, pad_residues, producer_registers,
-    copy_row_tile_to_gmem, row_tile, row_tile_at, row_view_names, sigmoid, smem_products,
-    smem_tile, smem_vectors, split_row_views, store_own_head_tiles, store_row_tile,
-    takes_row_views,
+from msa_pallas.kernels.mosaic.heads import (
+    as_head_pairs, combine_head_columns, heads_per_tile, store_own_head_tiles,
 )
+from msa_pallas.kernels.mosaic.logits import (
+    accumulator_bias, bias_tile, keys_before, masked_accumulator_logit,
+)
+from msa_pallas.kernels.mosaic.matmul import (
+    WGMMA, WGMMA_COL, WGMMA_ROW, accumulate_products, smem_products,
+)
+from msa_pallas.kernels.mosaic.pipeline import (
+    PingPong, batch_head_and_warpgroup, consumer_registers, launch, multiprocessors,
+    producer_registers,
+)
+from msa_pallas.kernels.mosaic.smem import (
+    MAX_SHARED_MEMORY, copy_row_tile_to_gmem, row_tile, row_tile_at, row_view_names, smem_tile,
+    smem_vectors, split_row_views, store_row_tile, takes_row_views,
+)
+from msa_pallas.kernels.mosaic.support import check_kernel_inputs, pad_bias_rows, pad_residues
+from msa_pallas.kernels.mosaic.tiles import MosaicTiles, mosaic_shared_memory_bytes
 
 
 def default_tiles(
@@ -84,7 +93,7 @@ def default_tiles(
     shapes, within 1% at one) where its output tile fits beside them,
     unless `persistent` is False (the Mosaic GPU interpreter stalls on it
     on a machine with few cores). With d = 8 and an even H (two heads per
-    tile, `common.pairs_heads`) the consumers hold two heads' logits, so
+    tile, `heads.pairs_heads`) the consumers hold two heads' logits, so
     64-key stages.
     """
     *_, heads, head_dim = q_shape
@@ -114,9 +123,9 @@ def _kernel(
     interpret: bool, row_views: tuple[str, ...] = (),
 ):
     """`heads`: the heads of q, k and v as the kernel sees them, each
-    `heads_per_tile` heads of the bias (2 for d = 8, `common.pairs_heads`).
+    `heads_per_tile` heads of the bias (2 for d = 8, `heads.pairs_heads`).
     `row_views`: the names of `smem` that are pairs of views
-    (`common.unaligned_row_tile`, N % 8 != 0): TMA copies go through the
+    (`smem.unaligned_row_tile`, N % 8 != 0): TMA copies go through the
     first, everything else through the second."""
     smem_tma, smem = split_row_views(smem, row_views)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
@@ -433,6 +442,10 @@ def _kernel(
             pl.when(warp == 1)(lambda: feed("v"))
 
 
+def sigmoid(x):
+    return 1.0 / (1.0 + jnp.exp2(x * -LOG2E))
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret", "save_stats"))
 def attention_forward(
     q, k, v, bias, mask, gate, *, scale: float, tiles: MosaicTiles, interpret: bool,
@@ -442,9 +455,9 @@ def attention_forward(
 
     Args:
       q, k, v: `[B, S, N, H, d]`, bfloat16 / float16, d in `HEAD_DIMS` or
-        d = 8 with H even (two heads per tile, `common.pairs_heads`), N a
-        multiple of `common.RESIDUE_MULTIPLE` or any N where
-        `common.takes_any_n`.
+        d = 8 with H even (two heads per tile, `heads.pairs_heads`), N a
+        multiple of `support.RESIDUE_MULTIPLE` or any N where
+        `support.takes_any_n`.
       bias: `[B, H, N, N]`, 16- or 32-bit float.
       mask: `[B, S, N]` int8 (nonzero keeps) or None.
       gate: `[B, S, N, H, d]` gate logits or None.

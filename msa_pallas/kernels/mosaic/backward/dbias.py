@@ -1,0 +1,238 @@
+"""The Mosaic GPU bias-gradient kernel (`backward_dbias`): one CTA per
+(query tile, key tile) of one head, looping over the S MSA rows (or a chunk
+of them); its consumer warpgroups split the query tile, and the sum over S
+stays in registers."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from msa_pallas.block_sizes import row_chunks
+from msa_pallas.kernels.mosaic.backward.operands import (
+    kernel_operands, load_stats, recompute, split_operands, step_barriers,
+)
+from msa_pallas.kernels.mosaic.heads import own_head_columns, tile_heads, tiles_of_head_pairs
+from msa_pallas.kernels.mosaic.logits import accumulator_bias, bias_tile
+from msa_pallas.kernels.mosaic.matmul import (
+    WGMMA, WGMMA_COL, WGMMA_ROW, accumulate_products, smem_products, zeros,
+)
+from msa_pallas.kernels.mosaic.pipeline import (
+    consumer_registers, copy_tiles, launch, produce, producer_registers,
+)
+from msa_pallas.kernels.mosaic.smem import (
+    operand_at, row_view_names, smem_tile, smem_vectors, split_row_views, split_tiles,
+    takes_row_views, transposed,
+)
+from msa_pallas.kernels.mosaic.support import (
+    RESIDUE_MULTIPLE, aligned_residues, check_kernel_inputs,
+)
+from msa_pallas.kernels.mosaic.tiles import MosaicTiles, dbias_in_bias_tile
+
+
+def _chunk_batch_and_head(batch_heads: int, heads: int):
+    """The row chunk, batch element and head of this CTA, from its
+    `chunk_batch_heads` grid index (chunks slowest)."""
+    chunk_batch_head = lax.axis_index("chunk_batch_heads")
+    batch_head = lax.rem(chunk_batch_head, batch_heads)
+    return (
+        lax.div(chunk_batch_head, batch_heads), lax.div(batch_head, heads),
+        lax.rem(batch_head, heads),
+    )
+
+
+def _dbias_kernel(
+    gmem, smem, produced, consumed, *, scale: float, tiles: MosaicTiles, consumers: int,
+    rows_per_chunk: int, batch_heads: int, heads: int, heads_per_tile: int, interpret: bool,
+    row_views: tuple[str, ...] = (),
+):
+    """`heads`, `heads_per_tile` and `row_views` as in `dkdv._dkdv_kernel`: with
+    two heads per tile the CTA sums one head's gradient over the chunk's
+    rows, then the other's, each head's bias tile loaded into the same
+    shared memory."""
+    smem_tma, smem = split_row_views(smem, row_views)
+    block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
+    pair = heads_per_tile
+    has_mask = "mask" in gmem
+    chunk, batch, head = _chunk_batch_and_head(batch_heads, heads)
+    wg = lax.axis_index("wg")
+    cta_queries = lax.axis_index("query_tiles") * block_q * consumers
+    keys = pl.ds(lax.axis_index("key_tiles") * block_k, block_k)
+    first_row = chunk * rows_per_chunk
+
+    @pl.when(wg < consumers)
+    def _consumer():
+        consumer_registers(consumers)
+        queries = pl.ds(cta_queries + wg * block_q, block_q)
+
+        def logit_products(h, slot):
+            """`q k^T` started from head h's bias tile, and `do v^T`."""
+            q_smem, do_smem = (operand_at(smem[n], slot, wg) for n in ("q", "do"))
+            k_smem, v_smem = (operand_at(smem[n], slot) for n in ("k", "v"))
+            # The bias tile is read from shared memory at every step (held in
+            # registers across the loop, a float32 tile would crowd out s and
+            # dp) into the logits' accumulator.
+            bias = bias_tile(smem["bias"][wg], scale)
+            if pair == 1:
+                return smem_products(
+                    ((q_smem, transposed(k_smem)), (do_smem, transposed(v_smem))),
+                    inits=(bias, None), interpret=interpret,
+                )
+            # q and do tiles of both heads, from registers with the other
+            # head's columns zeroed: the products sum over head h's alone.
+            own_q, own_do = (
+                own_head_columns(plgpu.load(tile, layout=WGMMA), pair)[h]
+                for tile in (q_smem, do_smem)
+            )
+            return accumulate_products(
+                (bias, zeros((block_q, block_k))), (own_q, own_do),
+                (transposed(k_smem), transposed(v_smem)), interpret,
+            )
+
+        for h in range(pair):
+            if h > 0 and "dbias" not in smem:
+                # The previous head's result is leaving through the bias tile.
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            plgpu.copy_gmem_to_smem(
+                gmem["bias"].at[batch, head * pair + h, queries, keys], smem["bias"].at[wg],
+                produced["bias"].at[wg],
+            )
+            plgpu.barrier_wait(produced["bias"].at[wg])
+
+            def visit_msa_row(row, dbias, h=h):
+                slot = lax.rem(h * rows_per_chunk + row, stages)
+                plgpu.barrier_wait(produced["step"].at[slot])
+                s, dp = logit_products(h, slot)
+                stats = load_stats(smem["stats"].at[slot, wg], WGMMA_ROW)
+                keep = None
+                if has_mask:
+                    keep = plgpu.load(
+                        smem["mask"].at[slot, 0, pl.ds(0, block_k)], layout=WGMMA_COL
+                    ) != 0
+                plgpu.barrier_arrive(consumed.at[slot])
+                _, ds = recompute(s, dp, keep, stats, scale=scale, query_axis=0, with_p=False)
+                return dbias + ds
+
+            dbias = lax.fori_loop(0, rows_per_chunk, visit_msa_row, zeros((block_q, block_k)))
+            # Without a tile of its own, the result leaves through the float32
+            # bias tile, which this consumer alone has read.
+            if "dbias" in smem:
+                out_smem = smem["dbias"].at[wg]
+                if h > 0:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            else:
+                out_smem = smem["bias"].at[wg]
+            out_smem[...] = dbias
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(
+                out_smem, gmem["dbias"].at[chunk, batch, head * pair + h, queries, keys]
+            )
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == consumers)
+    def _producer():
+        producer_registers()
+
+        def issue_copies(step, slot):
+            # Step h * rows_per_chunk + r: row r of the chunk for head h.
+            h, row = 0, first_row + step
+            if pair > 1:
+                h, row = lax.div(step, rows_per_chunk), first_row + lax.rem(step, rows_per_chunk)
+            barrier = produced["step"].at[slot]
+            for w in range(consumers):
+                queries = pl.ds(cta_queries + w * block_q, block_q)
+                copy_tiles(
+                    gmem, smem_tma, ("q", "do"), (batch, row, queries, head), (slot, w), barrier
+                )
+                plgpu.copy_gmem_to_smem(
+                    gmem["stats"].at[batch, row, head * pair + h, :, queries],
+                    smem["stats"].at[slot, w], barrier,
+                )
+            copy_tiles(gmem, smem_tma, ("k", "v"), (batch, row, keys, head), slot, barrier)
+            if has_mask:
+                plgpu.copy_gmem_to_smem(
+                    gmem["mask"].at[batch, pl.ds(row, 1), keys],
+                    smem["mask"].at[slot, :, pl.ds(0, block_k)], barrier,
+                )
+
+        produce(pair * rows_per_chunk, stages, issue_copies, consumed)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
+def backward_dbias(
+    q, k, v, bias, mask, do, stats, *, scale: float, tiles: MosaicTiles, interpret: bool
+):
+    """dbias `[B, H, N, N]` float32, summed over the S MSA rows (arguments as
+    in `kernels.mosaic.backward`'s docstring; q, k, v and do may also be float32).
+
+    When (tiles x heads x batch) gives too few CTAs to fill the GPU, the rows
+    are split into chunks (`block_sizes.row_chunks`), one CTA each, and the
+    chunks' float32 partial sums are added in a fixed order.
+
+    float32 q, k, v and do enter as `FLOAT32_PIECES` bfloat16 pieces each
+    (`matmul.split_float32`, a pass over them in XLA), and each product is
+    the sum of the pieces' products (`matmul.piece_pairs`): float32
+    accuracy from the 16-bit `wgmma`.
+    """
+    check_kernel_inputs(q, bias, float32=True, paired_heads=q.dtype != jnp.float32)
+    batch, rows, n_res, heads, _ = q.shape
+    consumers = tiles.msa_rows
+    block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
+    query_tiles = pl.cdiv(n_res, block_q * consumers)
+    key_tiles = pl.cdiv(n_res, block_k)
+    pair = tile_heads(q.shape, q.dtype)
+    chunks = row_chunks(query_tiles * key_tiles * batch * heads // pair, rows)
+    pieces, (q, k, v, do) = split_operands(*tiles_of_head_pairs(pair, q, k, v, do))
+    tile_dim = k.shape[-1]
+    inputs = kernel_operands(
+        q=q, k=k, v=v, bias=accumulator_bias(bias, scale), mask=mask, do=do,
+        stats=stats,
+    )
+    # Rows of whole 8-row tiles and columns of a whole TMA stride, sliced
+    # back to N below.
+    dbias_shape = (
+        chunks, batch, heads, pl.cdiv(n_res, RESIDUE_MULTIPLE) * RESIDUE_MULTIPLE,
+        aligned_residues(n_res, jnp.float32, True),
+    )
+    out_types = {"dbias": jax.ShapeDtypeStruct(dbias_shape, jnp.float32)}
+    row_views = takes_row_views(n_res, interpret)
+    operand_tiles = lambda shape: split_tiles(shape, q.dtype, pieces, row_views)  # noqa: E731
+    smem = {"bias": smem_tile((consumers, block_q, block_k), bias.dtype)}
+    if not dbias_in_bias_tile(pieces, bias.dtype):
+        smem["dbias"] = smem_tile((consumers, block_q, block_k), jnp.float32)
+    smem |= {
+        "q": operand_tiles((stages, consumers, block_q, tile_dim)),
+        "do": operand_tiles((stages, consumers, block_q, tile_dim)),
+        "stats": smem_vectors((stages, consumers, 3, block_q), jnp.float32),
+        "k": operand_tiles((stages, block_k, tile_dim)),
+        "v": operand_tiles((stages, block_k, tile_dim)),
+    }
+    copies = (2 * consumers + 2) * pieces + consumers
+    if mask is not None:
+        smem["mask"] = smem_vectors((stages, 1, block_k), mask.dtype)
+        copies += 1
+    produced_step, consumed = step_barriers(copies, stages, consumers)
+    produced = {
+        "bias": plgpu.Barrier(num_arrivals=1, num_barriers=consumers),
+        "step": produced_step,
+    }
+    body = functools.partial(
+        _dbias_kernel, scale=scale, tiles=tiles, consumers=consumers,
+        rows_per_chunk=rows // chunks, batch_heads=batch * heads // pair,
+        heads=heads // pair, heads_per_tile=pair, interpret=interpret,
+        row_views=row_view_names(smem),
+    )
+    (partial_sums,) = launch(
+        body, name="msa_mosaic_dbias", scratch=(smem, produced, consumed),
+        inputs=inputs, out_types=out_types,
+        grid=(query_tiles, key_tiles, chunks * batch * heads // pair),
+        grid_names=("query_tiles", "key_tiles", "chunk_batch_heads"),
+        consumers=consumers, interpret=interpret,
+    )
+    partial_sums = partial_sums[..., :n_res, :n_res]
+    return partial_sums[0] if chunks == 1 else partial_sums.sum(axis=0)

@@ -1,0 +1,222 @@
+"""The Mosaic GPU dk/dv kernel (`backward_dkdv`): one CTA per key tile of
+one head for `msa_rows` MSA rows, looping over query tiles. Each consumer
+warpgroup owns one row's K and V tile and works in the transposed
+orientation, keys along the wgmma rows: `s^T = k q^T` and `dp^T = v do^T`
+from shared memory, then `dv += p^T do` and `dk += ds^T q` with `p^T` and
+`ds^T` straight from registers. Per query tile the producer loads the rows'
+q and do tiles and row statistics and ONE tile of the transposed bias,
+shared by the rows (`bias^T` is made once per call: B·H·N² elements against
+the kernel's B·S·H·N² logits)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from msa_pallas.kernels.mosaic.backward.operands import (
+    kernel_operands, load_stats, recompute, split_operands, step_barriers,
+)
+from msa_pallas.kernels.mosaic.heads import (
+    combine_head_columns, held_tiles_per_head, tile_heads, tiles_of_head_pairs,
+)
+from msa_pallas.kernels.mosaic.logits import accumulator_bias, bias_tile
+from msa_pallas.kernels.mosaic.matmul import (
+    WGMMA_COL, WGMMA_ROW, accumulate_products, matrix_operand, smem_products, zeros,
+)
+from msa_pallas.kernels.mosaic.pipeline import (
+    PingPong, batch_head_and_warpgroup, consumer_registers, copy_tiles, launch, produce,
+    producer_registers,
+)
+from msa_pallas.kernels.mosaic.smem import (
+    copy_row_tile_to_gmem, operand_at, row_tile, row_tile_at, row_view_names, smem_tile,
+    smem_vectors, split_row_views, split_tiles, store_row_tile, takes_row_views, transposed,
+)
+from msa_pallas.kernels.mosaic.support import check_kernel_inputs
+from msa_pallas.kernels.mosaic.tiles import MosaicTiles
+
+
+def _dkdv_kernel(
+    gmem, smem, produced, consumed, schedule, *, scale: float, n_res: int, tiles: MosaicTiles,
+    msa_rows: int, heads: int, heads_per_tile: int, dtype, ping_pong: bool, interpret: bool,
+    row_views: tuple[str, ...] = (),
+):
+    """`heads`: the heads of q, k and v as the kernel sees them, each
+    `heads_per_tile` heads of the bias and statistics (2 for d = 8).
+    `row_views`: the names of `smem` that are pairs of views (N % 8 != 0,
+    `smem.split_row_views`): copies go through `smem_tma`."""
+    smem_tma, smem = split_row_views(smem, row_views)
+    block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
+    pair = heads_per_tile
+    query_tiles = pl.cdiv(n_res, block_q)
+    has_mask = "mask" in gmem
+    batch, head, wg = batch_head_and_warpgroup(heads)
+    row_group = lax.axis_index("row_groups")
+    keys = pl.ds(lax.axis_index("key_tiles") * block_k, block_k)
+
+    @pl.when(wg < msa_rows)
+    def _consumer():
+        consumer_registers(msa_rows)
+        row = row_group * msa_rows + wg
+        k_smem, v_smem = operand_at(smem["k"], wg), operand_at(smem["v"], wg)
+        copy_tiles(
+            gmem, smem_tma, ("k", "v"), (batch, row, keys, head), wg, produced["kv"].at[wg]
+        )
+        keep = None
+        if has_mask:
+            plgpu.copy_gmem_to_smem(
+                gmem["mask"].at[batch, pl.ds(row, 1), keys],
+                smem["mask"].at[wg, :, pl.ds(0, block_k)], produced["kv"].at[wg],
+            )
+        plgpu.barrier_wait(produced["kv"].at[wg])
+        if has_mask:
+            keep = plgpu.load(smem["mask"].at[wg, 0, pl.ds(0, block_k)], layout=WGMMA_ROW) != 0
+        # A product of a head's K or V with q or do tiles of both heads
+        # sums over that head's columns alone.
+        keys_of_head, values_of_head = held_tiles_per_head(
+            smem, {"k": k_smem, "v": v_smem}, wg, pair
+        )
+        turns = PingPong(schedule, wg, enabled=ping_pong and msa_rows == 2)
+        turns.start()
+
+        def visit_query_tile(query_tile, carry):
+            dks, dvs = (list(c) for c in carry)
+            slot = lax.rem(query_tile, stages)
+            plgpu.barrier_wait(produced["step"].at[slot])
+            q_smem, do_smem = operand_at(smem["q"], slot, wg), operand_at(smem["do"], slot, wg)
+            # One head after the other, each a full turn: the registers hold
+            # one head's logits at a time.
+            for h in range(pair):
+                s_t, dp_t = smem_products(
+                    ((keys_of_head[h], transposed(q_smem)),
+                     (values_of_head[h], transposed(do_smem))),
+                    turns.hand_over, inits=(bias_tile(smem["bias"][slot, h], scale), None),
+                    interpret=interpret,
+                )
+                stats = load_stats(smem["stats"].at[slot, wg, h], WGMMA_COL)
+                p_t, ds_t = recompute(
+                    s_t, dp_t, keep, stats, scale=scale, query_axis=1, with_p=True
+                )
+                # Finish the elementwise work before handing the turn over.
+                p_t, ds_t = lax.optimization_barrier(
+                    (matrix_operand(p_t, dtype), matrix_operand(ds_t, dtype))
+                )
+                turns.release()
+                turns.take_turn()
+                # Against q and do tiles of both heads: this head's columns of
+                # dv and dk are right, the other's are dropped below.
+                dvs[h], dks[h] = accumulate_products(
+                    (dvs[h], dks[h]), (p_t, ds_t), (do_smem, q_smem), interpret
+                )
+            plgpu.barrier_arrive(consumed.at[slot])
+            return tuple(dks), tuple(dvs)
+
+        tile_dim = gmem["dk"].shape[-1]
+        start = (zeros((block_k, tile_dim)),) * pair
+        dks, dvs = lax.fori_loop(0, query_tiles, visit_query_tile, (start, start))
+        turns.finish()
+        dk, dv = combine_head_columns(dks), combine_head_columns(dvs)
+        # 16-bit: K's and V's tiles are free again and hold the gradients on their way out.
+        dk_name, dv_name = ("dk", "dv") if "dk" in smem else ("k", "v")
+        store_row_tile(row_tile_at(smem[dk_name], wg), (dk * scale).astype(dtype))
+        store_row_tile(row_tile_at(smem[dv_name], wg), dv.astype(dtype))
+        plgpu.commit_smem()
+        for name, tile in (("dk", dk_name), ("dv", dv_name)):
+            copy_row_tile_to_gmem(
+                row_tile_at(smem_tma[tile], wg), gmem[name].at[batch, row, keys, head]
+            )
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == msa_rows)
+    def _producer():
+        producer_registers()
+        first_row = row_group * msa_rows
+
+        def issue_copies(query_tile, slot):
+            queries = pl.ds(query_tile * block_q, block_q)
+            barrier = produced["step"].at[slot]
+            for r in range(msa_rows):
+                row = first_row + r
+                copy_tiles(
+                    gmem, smem_tma, ("q", "do"), (batch, row, queries, head), (slot, r), barrier
+                )
+                plgpu.copy_gmem_to_smem(
+                    gmem["stats"].at[batch, row, pl.ds(head * pair, pair), :, queries],
+                    smem["stats"].at[slot, r], barrier,
+                )
+            for h in range(pair):
+                plgpu.copy_gmem_to_smem(
+                    gmem["bias_t"].at[batch, head * pair + h, keys, queries],
+                    smem["bias"].at[slot, h], barrier,
+                )
+
+        produce(query_tiles, stages, issue_copies, consumed)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret", "ping_pong"))
+def backward_dkdv(
+    q, k, v, bias, mask, do, stats, *, scale: float, tiles: MosaicTiles, interpret: bool,
+    ping_pong: bool = True,
+):
+    """dk, dv `[B, S, N, H, d]` in q's dtype (arguments as in
+    `kernels.mosaic.backward`'s docstring; float32 q, k, v and do as in
+    `backward_dbias`)."""
+    check_kernel_inputs(q, bias, float32=True, paired_heads=q.dtype != jnp.float32)
+    batch, rows, n_res, heads, _ = q.shape
+    msa_rows = tiles.msa_rows_for(rows)
+    block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
+    pair = tile_heads(q.shape, q.dtype)
+    pieces, (q_in, k, v, do) = split_operands(*tiles_of_head_pairs(pair, q, k, v, do))
+    inputs = kernel_operands(
+        q=q_in, k=k, v=v, bias_t=jnp.swapaxes(accumulator_bias(bias, scale), -1, -2),
+        mask=mask, do=do, stats=stats,
+    )
+    tile_dim = k.shape[-1]
+    out_types = {"dk": jax.ShapeDtypeStruct(k.shape[pieces > 1:], q.dtype),
+                 "dv": jax.ShapeDtypeStruct(k.shape[pieces > 1:], q.dtype)}
+    row_views = takes_row_views(n_res, interpret)
+    operand_tiles = lambda shape: split_tiles(shape, q.dtype, pieces, row_views)  # noqa: E731
+    smem = {
+        "k": operand_tiles((msa_rows, block_k, tile_dim)),
+        "v": operand_tiles((msa_rows, block_k, tile_dim)),
+        "q": operand_tiles((stages, msa_rows, block_q, tile_dim)),
+        "do": operand_tiles((stages, msa_rows, block_q, tile_dim)),
+        "stats": smem_vectors((stages, msa_rows, pair, 3, block_q), jnp.float32),
+        "bias": smem_tile((stages, pair, block_k, block_q), bias.dtype),
+    }
+    if pair > 1:
+        for name in ("k_heads", "v_heads"):
+            smem[name] = tuple(
+                smem_tile((msa_rows, block_k, tile_dim), q.dtype) for _ in range(pair)
+            )
+    if pieces > 1:
+        smem["dk"] = row_tile((msa_rows, block_k, tile_dim), jnp.float32, row_views)
+        smem["dv"] = row_tile((msa_rows, block_k, tile_dim), jnp.float32, row_views)
+    if mask is not None:
+        smem["mask"] = smem_vectors((msa_rows, 1, block_k), mask.dtype)
+    produced_step, consumed = step_barriers(
+        (2 * pieces + 1) * msa_rows + pair, stages, msa_rows
+    )
+    kv_copies = 2 * pieces + (1 if mask is not None else 0)
+    produced = {
+        "kv": plgpu.Barrier(num_arrivals=kv_copies, num_barriers=msa_rows),
+        "step": produced_step,
+    }
+    body = functools.partial(
+        _dkdv_kernel, scale=scale, n_res=n_res, tiles=tiles,
+        msa_rows=msa_rows, heads=heads // pair, heads_per_tile=pair, dtype=q.dtype,
+        ping_pong=ping_pong, interpret=interpret, row_views=row_view_names(smem),
+    )
+    dk, dv = launch(
+        body, name="msa_mosaic_dkdv",
+        scratch=(smem, produced, consumed, plgpu.Barrier(num_arrivals=msa_rows)),
+        inputs=inputs, out_types=out_types,
+        grid=(rows // msa_rows, pl.cdiv(n_res, block_k), batch * heads // pair),
+        grid_names=("row_groups", "key_tiles", "batch_heads"),
+        consumers=msa_rows, interpret=interpret,
+    )
+    return dk.reshape(q.shape), dv.reshape(q.shape)

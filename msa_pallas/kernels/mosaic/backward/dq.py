@@ -1,0 +1,228 @@
+"""The Mosaic GPU dq kernel (`backward_dq`): one CTA per query tile of one
+head for `msa_rows` rows, looping over key tiles, the forward's loop with
+`dp = do v^T`, `ds = p (dp - delta)` and `dq += ds k` in place of the
+online softmax."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from msa_pallas.kernels.mosaic.backward.operands import (
+    kernel_operands, load_stats, recompute, split_operands, step_barriers,
+)
+from msa_pallas.kernels.mosaic.heads import (
+    combine_head_columns, held_tiles_per_head, tile_heads, tiles_of_head_pairs,
+)
+from msa_pallas.kernels.mosaic.logits import accumulator_bias, bias_tile, keys_before
+from msa_pallas.kernels.mosaic.matmul import (
+    WGMMA_COL, WGMMA_ROW, accumulate_products, matrix_operand, smem_products, zeros,
+)
+from msa_pallas.kernels.mosaic.pipeline import (
+    PingPong, batch_head_and_warpgroup, consumer_registers, copy_tiles, launch, produce,
+    producer_registers,
+)
+from msa_pallas.kernels.mosaic.smem import (
+    copy_row_tile_to_gmem, operand_at, row_tile, row_tile_at, row_view_names, smem_tile,
+    smem_vectors, split_row_views, split_tiles, store_row_tile, takes_row_views, transposed,
+)
+from msa_pallas.kernels.mosaic.support import check_kernel_inputs
+from msa_pallas.kernels.mosaic.tiles import MosaicTiles
+
+
+def _copy_key_tiles(gmem, smem_tma, smem, rows, batch, keys, head, slot, barrier):
+    """The producer's copies of one key step of the dq kernel's loop: each of
+    `rows`' K and V tiles (and key-mask vector, where there is a mask) into
+    the consumer slots `(slot, 0..)`, all arriving on `barrier`."""
+    for consumer, row in enumerate(rows):
+        copy_tiles(
+            gmem, smem_tma, ("k", "v"), (batch, row, keys, head), (slot, consumer), barrier
+        )
+        if "mask" in gmem:
+            plgpu.copy_gmem_to_smem(
+                gmem["mask"].at[batch, pl.ds(row, 1), keys],
+                smem["mask"].at[slot, consumer, :, pl.ds(0, keys.size)], barrier,
+            )
+
+
+def _query_major_ds(
+    q_smem, do_smem, k_smem, v_smem, bias, mask_ref, stats, key_tile, turns, *, scale: float,
+    n_res: int, block_k: int, interpret: bool,
+):
+    """One `[block_q, block_k]` float32 `ds` tile of the dq kernel's loop
+    (`_dq_kernel`): `s = q k^T + bias` and `dp = do v^T`
+    from shared memory, then `ds` from the row statistics. `mask_ref` is the
+    consumer's `[1, >= block_k]` int8 key-mask slot, or None."""
+    s, dp = smem_products(
+        ((q_smem, transposed(k_smem)), (do_smem, transposed(v_smem))),
+        turns.hand_over, inits=(bias_tile(bias, scale), None), interpret=interpret,
+    )
+    keep = None
+    if mask_ref is not None:
+        keep = plgpu.load(mask_ref.at[0, pl.ds(0, block_k)], layout=WGMMA_COL) != 0
+    _, ds = recompute(s, dp, keep, stats, scale=scale, query_axis=0, with_p=False)
+    if keep is None and n_res % block_k:
+        # Keys past N read zeros, whose probability is not 0: their ds must
+        # not reach dq (with a mask, the zeros read there mask them; the bias
+        # gradient's columns past N are dropped by its store).
+        ds = jnp.where(keys_before(n_res, key_tile, block_k, ds.shape), ds, 0.0)
+    return ds
+
+
+def _dq_kernel(
+    gmem, smem, produced, consumed, schedule, *, scale: float, n_res: int, tiles: MosaicTiles,
+    msa_rows: int, heads: int, heads_per_tile: int, dtype, ping_pong: bool, interpret: bool,
+    row_views: tuple[str, ...] = (),
+):
+    """`heads`, `heads_per_tile` and `row_views` as in `dkdv._dkdv_kernel`."""
+    smem_tma, smem = split_row_views(smem, row_views)
+    block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
+    pair = heads_per_tile
+    key_tiles = pl.cdiv(n_res, block_k)
+    has_mask = "mask" in gmem
+    batch, head, wg = batch_head_and_warpgroup(heads)
+    row_group = lax.axis_index("row_groups")
+    queries = pl.ds(lax.axis_index("query_tiles") * block_q, block_q)
+
+    @pl.when(wg < msa_rows)
+    def _consumer():
+        consumer_registers(msa_rows)
+        row = row_group * msa_rows + wg
+        q_smem, do_smem = operand_at(smem["q"], wg), operand_at(smem["do"], wg)
+        copy_tiles(
+            gmem, smem_tma, ("q", "do"), (batch, row, queries, head), wg, produced["q"].at[wg]
+        )
+        plgpu.copy_gmem_to_smem(
+            gmem["stats"].at[batch, row, pl.ds(head * pair, pair), :, queries],
+            smem["stats"].at[wg], produced["q"].at[wg],
+        )
+        plgpu.barrier_wait(produced["q"].at[wg])
+        stats = [load_stats(smem["stats"].at[wg, h], WGMMA_ROW) for h in range(pair)]
+        queries_of_head, douts_of_head = held_tiles_per_head(
+            smem, {"q": q_smem, "do": do_smem}, wg, pair
+        )
+        turns = PingPong(schedule, wg, enabled=ping_pong and msa_rows == 2)
+        turns.start()
+
+        def visit_key_tile(key_tile, dqs):
+            dqs = list(dqs)
+            slot = lax.rem(key_tile, stages)
+            plgpu.barrier_wait(produced["step"].at[slot])
+            k_smem, v_smem = operand_at(smem["k"], slot, wg), operand_at(smem["v"], slot, wg)
+            for h in range(pair):
+                ds = _query_major_ds(
+                    queries_of_head[h], douts_of_head[h], k_smem, v_smem,
+                    smem["bias"][slot, h], smem["mask"].at[slot, wg] if has_mask else None,
+                    stats[h], key_tile, turns, scale=scale, n_res=n_res, block_k=block_k,
+                    interpret=interpret,
+                )
+                ds = lax.optimization_barrier(matrix_operand(ds, dtype))
+                turns.release()
+                turns.take_turn()
+                # Against K tiles of both heads: the other head's columns are
+                # dropped below.
+                (dqs[h],) = accumulate_products((dqs[h],), (ds,), (k_smem,), interpret)
+            plgpu.barrier_arrive(consumed.at[slot])
+            return tuple(dqs)
+
+        tile_dim = gmem["dq"].shape[-1]
+        dqs = lax.fori_loop(
+            0, key_tiles, visit_key_tile, (zeros((block_q, tile_dim)),) * pair
+        )
+        turns.finish()
+        dq = combine_head_columns(dqs)
+        # 16-bit: q's tile is free again and holds dq on its way out.
+        out_name = "dq" if "dq" in smem else "q"
+        store_row_tile(row_tile_at(smem[out_name], wg), (dq * scale).astype(dtype))
+        plgpu.commit_smem()
+        copy_row_tile_to_gmem(
+            row_tile_at(smem_tma[out_name], wg), gmem["dq"].at[batch, row, queries, head]
+        )
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == msa_rows)
+    def _producer():
+        producer_registers()
+        first_row = row_group * msa_rows
+
+        def issue_copies(key_tile, slot):
+            keys = pl.ds(key_tile * block_k, block_k)
+            barrier = produced["step"].at[slot]
+            _copy_key_tiles(
+                gmem, smem_tma, smem, [first_row + r for r in range(msa_rows)],
+                batch, keys, head, slot, barrier,
+            )
+            for h in range(pair):
+                plgpu.copy_gmem_to_smem(
+                    gmem["bias"].at[batch, head * pair + h, queries, keys],
+                    smem["bias"].at[slot, h], barrier,
+                )
+
+        produce(key_tiles, stages, issue_copies, consumed)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret", "ping_pong"))
+def backward_dq(
+    q, k, v, bias, mask, do, stats, *, scale: float, tiles: MosaicTiles, interpret: bool,
+    ping_pong: bool = True,
+):
+    """dq `[B, S, N, H, d]` in q's dtype (arguments as in
+    `kernels.mosaic.backward`'s docstring; float32 q, k, v and do as in
+    `backward_dbias`)."""
+    check_kernel_inputs(q, bias, float32=True, paired_heads=q.dtype != jnp.float32)
+    batch, rows, n_res, heads, _ = q.shape
+    msa_rows = tiles.msa_rows_for(rows)
+    block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
+    pair = tile_heads(q.shape, q.dtype)
+    pieces, (q_in, k, v, do) = split_operands(*tiles_of_head_pairs(pair, q, k, v, do))
+    inputs = kernel_operands(
+        q=q_in, k=k, v=v, bias=accumulator_bias(bias, scale), mask=mask, do=do,
+        stats=stats,
+    )
+    tile_dim = k.shape[-1]
+    out_types = {"dq": jax.ShapeDtypeStruct(k.shape[pieces > 1:], q.dtype)}
+    row_views = takes_row_views(n_res, interpret)
+    operand_tiles = lambda shape: split_tiles(shape, q.dtype, pieces, row_views)  # noqa: E731
+    smem = {
+        "q": operand_tiles((msa_rows, block_q, tile_dim)),
+        "do": operand_tiles((msa_rows, block_q, tile_dim)),
+        "stats": smem_vectors((msa_rows, pair, 3, block_q), jnp.float32),
+        "k": operand_tiles((stages, msa_rows, block_k, tile_dim)),
+        "v": operand_tiles((stages, msa_rows, block_k, tile_dim)),
+        "bias": smem_tile((stages, pair, block_q, block_k), bias.dtype),
+    }
+    if pair > 1:
+        for name in ("q_heads", "do_heads"):
+            smem[name] = tuple(
+                smem_tile((msa_rows, block_q, tile_dim), q.dtype) for _ in range(pair)
+            )
+    if pieces > 1:
+        smem["dq"] = row_tile((msa_rows, block_q, tile_dim), jnp.float32, row_views)
+    copies = 2 * msa_rows * pieces + pair
+    if mask is not None:
+        smem["mask"] = smem_vectors((stages, msa_rows, 1, block_k), mask.dtype)
+        copies += msa_rows
+    produced_step, consumed = step_barriers(copies, stages, msa_rows)
+    produced = {
+        "q": plgpu.Barrier(num_arrivals=2 * pieces + 1, num_barriers=msa_rows),
+        "step": produced_step,
+    }
+    body = functools.partial(
+        _dq_kernel, scale=scale, n_res=n_res, tiles=tiles,
+        msa_rows=msa_rows, heads=heads // pair, heads_per_tile=pair, dtype=q.dtype,
+        ping_pong=ping_pong, interpret=interpret, row_views=row_view_names(smem),
+    )
+    (dq,) = launch(
+        body, name="msa_mosaic_dq",
+        scratch=(smem, produced, consumed, plgpu.Barrier(num_arrivals=msa_rows)),
+        inputs=inputs, out_types=out_types,
+        grid=(rows // msa_rows, pl.cdiv(n_res, block_q), batch * heads // pair),
+        grid_names=("row_groups", "query_tiles", "batch_heads"),
+        consumers=msa_rows, interpret=interpret,
+    )
+    return dq.reshape(q.shape)

@@ -1,0 +1,79 @@
+"""What the Mosaic GPU backward kernels share: their operands as the kernels
+read them (float32 as bf16 pieces, the bias, mask and statistics rows
+padded), the forward's row statistics, and the probabilities and logit
+gradient recomputed from them (`recompute`)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from msa_pallas.kernels.constants import FLOAT32_PIECES, LOG2E, MASKED_LOGIT_LOG2
+from msa_pallas.kernels.mosaic.matmul import split_float32
+from msa_pallas.kernels.mosaic.support import pad_bias_rows, pad_residues
+
+
+def recompute(s, dp, keep, stats, *, scale: float, query_axis: int, with_p: bool):
+    """The probabilities `p` (if `with_p`, else None) and the logit gradient
+    `ds` of one tile, float32, as the forward computed them.
+
+    Args:
+      s: `q . k + bias / scale` of the tile (the product started from the
+        bias tile, `logits.bias_tile`); dp: `do . v`; both in the same
+        orientation, queries along `query_axis`.
+      keep: `[keys]` bool (nonzero keeps) or None.
+      stats: row max, log2 row sum and delta, `[queries]` float32 each.
+    """
+    row_max, row_log2_sum, delta = stats
+    per_query = lambda x: lax.broadcast_in_dim(x, s.shape, [query_axis])  # noqa: E731
+    # For a row with a kept key the row max is an ordinary logit, so one
+    # subtraction of m + log2(l) is exact enough; masked keys take their own
+    # value below (m is -1.44e9 for a fully masked row). One FMA per logit.
+    x = s * (scale * LOG2E) - per_query(row_max + row_log2_sum)
+    if keep is not None:
+        keep = lax.broadcast_in_dim(keep, s.shape, [1 - query_axis])
+        if with_p:
+            masked = per_query((MASKED_LOGIT_LOG2 - row_max) - row_log2_sum)
+            x = jnp.where(keep, x, masked)
+    p = jnp.exp2(x)
+    ds = p * (dp - per_query(delta))
+    if keep is not None:
+        # A masked key's logit is a constant: no gradient flows through it.
+        ds = jnp.where(keep, ds, 0.0)
+    return (p if with_p else None), ds
+
+
+def load_stats(stats_ref, layout):
+    """Row max, log2 row sum and delta: the rows of a `[3, queries]` tile."""
+    return tuple(plgpu.load(stats_ref.at[i], layout=layout) for i in range(3))
+
+
+def split_operands(*operands):
+    """(pieces, operands): 1 and the operands as they are for 16-bit inputs;
+    for float32 ones `FLOAT32_PIECES` and each operand's bf16 pieces stacked
+    on a new leading axis (`matmul.split_float32`, one XLA pass each)."""
+    if operands[0].dtype != jnp.float32:
+        return 1, operands
+    return FLOAT32_PIECES, tuple(jnp.stack(split_float32(x, FLOAT32_PIECES)) for x in operands)
+
+
+def kernel_operands(**named):
+    """The kernel's inputs by name, the bias, mask and statistics rows
+    padded to whole TMA rows (`support.pad_residues`) and the bias's rows to
+    whole 8-row tiles (`support.pad_bias_rows`; N % 8 != 0); None entries
+    dropped."""
+    swizzled = {"bias": True, "bias_t": True, "mask": False, "stats": False}
+    padded = {
+        name: pad_residues(x, swizzled[name]) if name in swizzled else x
+        for name, x in named.items() if x is not None
+    }
+    return {
+        name: pad_bias_rows(x) if name in ("bias", "bias_t") else x for name, x in padded.items()
+    }
+
+
+def step_barriers(copies: int, stages: int, consumers: int):
+    produced = plgpu.Barrier(num_arrivals=copies, num_barriers=stages)
+    consumed = plgpu.Barrier(num_arrivals=consumers, num_barriers=stages)
+    return produced, consumed
