@@ -27,17 +27,17 @@ import numpy as np
 import pytest
 
 import helpers
+import mosaic_lowering
 import numpy_reference
 from msa_pallas.block_sizes import default_block_config, row_chunks
 from msa_pallas.kernels.mosaic import backward as mosaic_backward
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
 from msa_pallas.kernels.constants import FLOAT32_PIECES
 from msa_pallas.kernels.mosaic.matmul import split_float32
+from msa_pallas.kernels.mosaic.plan import dbias_plan, dkdv_plan, dq_plan
 from msa_pallas.kernels.mosaic.smem import MAX_SHARED_MEMORY
 from msa_pallas.kernels.mosaic.support import HEAD_DIMS
-from msa_pallas.kernels.mosaic.tiles import (
-    MosaicBackwardTiles, MosaicTiles, mosaic_backward_shared_memory_bytes,
-)
+from msa_pallas.kernels.mosaic.tiles import MosaicBackwardTiles, MosaicTiles
 from msa_pallas.kernels.triton import forward as triton_forward
 
 SMALL = MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=2)
@@ -320,15 +320,78 @@ def test_lowers_for_the_gpu_on_a_cpu():
                 assert "mosaic_gpu" in lowered.as_text(), label
 
 
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+KERNELS = {"dkdv": dkdv_plan, "dq": dq_plan, "dbias": dbias_plan}
+
+
+def lowered_and_planned_bytes(kernel, shape, dtype, bias_dtype, tiles, has_mask=True):
+    """The shared memory the lowered `kernel` ("dkdv", "dq" or "dbias") asks
+    for at q of `shape` with `tiles`, and its plan's."""
+    operands = mosaic_lowering.backward_operands(shape, dtype, bias_dtype, has_mask)
+    function = getattr(mosaic_backward, f"backward_{kernel}")
+    used = mosaic_lowering.lowered_shared_memory(
+        lambda *args: function(*args, scale=0.2, tiles=tiles, interpret=False), *operands
+    )
+    plan = KERNELS[kernel](
+        shape, dtype, bias_dtype, tiles, mask_dtype=jnp.int8 if has_mask else None,
+        interpret=False,
+    )
+    return used, plan.shared_memory_bytes
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize(
+    "shape, dtype, bias_dtype, tiles, has_mask",
+    [
+        ((1, 4, 256, 8, 32), jnp.bfloat16, jnp.float32, SMALL, True),
+        ((1, 3, 200, 4, 8), jnp.bfloat16, jnp.bfloat16, MosaicTiles(64, 128, 3, 2), False),
+        ((1, 4, 333, 8, 64), jnp.float32, jnp.float32, MosaicTiles(64, 64, 2, 1), True),
+        ((1, 2, 101, 8, 32), jnp.float32, jnp.bfloat16, SMALL, False),
+    ],
+    ids=["d32", "d8-pairs-odd-S", "float32-N333-d64", "float32-N101-bias-bf16"],
+)
+def test_plan_bytes_are_what_the_lowered_kernel_allocates(
+    kernel, shape, dtype, bias_dtype, tiles, has_mask
+):
+    """Each backward kernel's plan gives the shared memory its lowered
+    kernel asks for: two heads per tile's held copies, float32 operands'
+    bf16 pieces and float32 gradient tiles (column pieces at d = 64 with
+    N no multiple of 8), the dbias result through the bias tile (float32
+    q and bias) or a tile of its own, and every barrier."""
+    used, planned = lowered_and_planned_bytes(kernel, shape, dtype, bias_dtype, tiles, has_mask)
+    assert used == planned, (used, planned)
+
+
+def test_barrier_arrivals_count_the_copies():
+    """A step's barrier awaits one arrival per copy, three per float32
+    operand (its bf16 pieces)."""
+    shape = (1, 4, 128, 2, 32)
+    for dtype, pieces in ((jnp.bfloat16, 1), (jnp.float32, 3)):
+        plans = {
+            name: plan(shape, dtype, jnp.float32, SMALL, mask_dtype=jnp.int8, interpret=True)
+            for name, plan in KERNELS.items()
+        }
+        # Per consumer (2): q, do, stats; one bias tile.
+        assert plans["dkdv"].arrivals("step") == 2 * (2 * pieces + 1) + 1
+        assert plans["dkdv"].arrivals("kv") == 2 * pieces + 1
+        # Per consumer: K, V, mask; one bias tile.
+        assert plans["dq"].arrivals("step") == 2 * (2 * pieces + 1) + 1
+        assert plans["dq"].arrivals("q") == 2 * pieces + 1
+        # Per consumer: q, do, stats; the row's K, V and mask.
+        assert plans["dbias"].arrivals("step") == 2 * (2 * pieces + 1) + 2 * pieces + 1
+
+
+@pytest.mark.parametrize("head_dim", (8, *HEAD_DIMS))
 @pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16])
 def test_default_tiles_fit_shared_memory(head_dim, bias_dtype):
-    tiles = mosaic_backward.default_tiles((1, 4, 256, 8, head_dim), jnp.bfloat16, bias_dtype)
-    for kernel in ("dkdv", "dq", "dbias"):
-        used = mosaic_backward_shared_memory_bytes(
-            kernel, getattr(tiles, kernel), head_dim, jnp.bfloat16, bias_dtype
+    """The default tiles' kernels, lowered, ask for no more shared memory
+    than a CTA has, as their plans say."""
+    shape = (1, 4, 256, 8, head_dim)
+    tiles = mosaic_backward.default_tiles(shape, jnp.bfloat16, bias_dtype)
+    for kernel in KERNELS:
+        used, planned = lowered_and_planned_bytes(
+            kernel, shape, jnp.bfloat16, bias_dtype, getattr(tiles, kernel)
         )
-        assert used <= MAX_SHARED_MEMORY, (kernel, used)
+        assert used == planned <= MAX_SHARED_MEMORY, (kernel, used, planned)
     # Turns pay with a 16-bit bias only (benchmarks/RESULTS.md).
     assert tiles.ping_pong == (jnp.dtype(bias_dtype).itemsize == 2)
 
@@ -417,12 +480,12 @@ def test_float32_kernels_lower_for_the_gpu_on_a_cpu(head_dim):
     mask = jax.ShapeDtypeStruct((1, 4, 384), jnp.int8)
     stats = jax.ShapeDtypeStruct((1, 4, 8, 3, 384), jnp.float32)
     tiles = mosaic_backward.default_tiles(shape, jnp.float32, jnp.float32)
-    for kernel in ("dkdv", "dq", "dbias"):
+    for kernel in KERNELS:
         kernel_tiles = getattr(tiles, kernel)
-        used = mosaic_backward_shared_memory_bytes(
-            kernel, kernel_tiles, head_dim, jnp.float32, jnp.float32
+        used, planned = lowered_and_planned_bytes(
+            kernel, shape, jnp.float32, jnp.float32, kernel_tiles
         )
-        assert used <= MAX_SHARED_MEMORY, (kernel, used)
+        assert used == planned <= MAX_SHARED_MEMORY, (kernel, used, planned)
         function = getattr(mosaic_backward, f"backward_{kernel}")
         lowered = jax.jit(
             lambda *args: function(  # noqa: B023

@@ -31,6 +31,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import helpers
+import mosaic_lowering
 import msa_pallas
 import numpy_reference
 from msa_pallas.attention import resolve_implementation
@@ -42,7 +43,8 @@ from msa_pallas.kernels.mosaic.smem import (
     MAX_SHARED_MEMORY, row_tile, row_view_names, smem_tile, split_tiles,
 )
 from msa_pallas.kernels.mosaic.support import HEAD_DIMS, pad_head_dim, supports
-from msa_pallas.kernels.mosaic.tiles import MosaicTiles, mosaic_shared_memory_bytes
+from msa_pallas.kernels.mosaic.plan import forward_plan
+from msa_pallas.kernels.mosaic.tiles import MosaicTiles
 from msa_pallas.kernels.triton import forward as triton_forward
 from msa_pallas.kernels.vjp import fused_attention
 from msa_pallas.reference import MASKED_LOGIT
@@ -279,21 +281,40 @@ def test_triton_backward_follows_the_mosaic_forward(seed):
     )
 
 
-def lowered_for_cuda(n_res, head_dim, bias_dtype, **tile_changes) -> str:
-    """The forward with its residuals, at (1, 4, N, 8, d) bf16 with a mask and
-    a gate and the default tiles changed by `tile_changes`, lowered for CUDA
-    on this machine: its text."""
+def compiled_forward(
+    n_res, head_dim, bias_dtype, tiles=None, has_mask=True, has_gate=True, save_stats=True,
+    **tile_changes,
+):
+    """The compiled forward at (1, 4, N, 8, d) bf16, with or without a mask,
+    a gate and the residuals, with `tiles` (default: the default tiles)
+    changed by `tile_changes`: (the function, its arguments as
+    `jax.ShapeDtypeStruct`s, its plan)."""
     shape = (1, 4, n_res, 8, head_dim)
     q = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
     bias = jax.ShapeDtypeStruct((1, 8, n_res, n_res), bias_dtype)
-    mask = jax.ShapeDtypeStruct((1, 4, n_res), jnp.int8)
-    tiles = mosaic_forward.default_tiles(shape, jnp.bfloat16, bias_dtype, save_stats=True)
+    mask = jax.ShapeDtypeStruct((1, 4, n_res), jnp.int8) if has_mask else None
+    gate = q if has_gate else None
+    if tiles is None:
+        tiles = mosaic_forward.default_tiles(
+            shape, jnp.bfloat16, bias_dtype, save_stats=save_stats, has_gate=has_gate
+        )
     tiles = dataclasses.replace(tiles, **tile_changes)
-    forward = lambda *args: mosaic_forward.attention_forward(  # noqa: E731
-        *args, scale=0.2, tiles=tiles, interpret=False, save_stats=True
+    forward = lambda q, k, v, bias, mask, gate: mosaic_forward.attention_forward(  # noqa: E731
+        q, k, v, bias, mask, gate, scale=0.2, tiles=tiles, interpret=False,
+        save_stats=save_stats,
     )
-    lowered = jax.jit(forward).trace(q, q, q, bias, mask, q).lower(lowering_platforms=("cuda",))
-    return lowered.as_text()
+    plan = forward_plan(
+        shape, jnp.bfloat16, bias_dtype, tiles, mask_dtype=jnp.int8 if has_mask else None,
+        gate_dtype=jnp.bfloat16 if has_gate else None, save_stats=save_stats, interpret=False,
+    )
+    return forward, (q, q, q, bias, mask, gate), plan
+
+
+def lowered_for_cuda(n_res, head_dim, bias_dtype, **tile_changes) -> str:
+    """The forward with its residuals, a mask and a gate (`compiled_forward`)
+    lowered for CUDA on this machine: its text."""
+    forward, args, _ = compiled_forward(n_res, head_dim, bias_dtype, **tile_changes)
+    return mosaic_lowering.lowered_for_cuda(forward, *args)
 
 
 @pytest.mark.parametrize("head_dim", [32, 8])
@@ -349,18 +370,63 @@ def test_row_tiles_are_view_pairs_one_swizzle_wide():
     assert row_view_names(smem) == ("residual", "q", "k_pieces")
 
 
+@pytest.mark.parametrize(
+    "n_res, head_dim, bias_dtype, tiles, has_mask, has_gate, save_stats",
+    [
+        (256, 32, jnp.float32, MosaicTiles(128, 64, 2, 2, persistent=True), True, True, True),
+        (256, 32, jnp.bfloat16, MosaicTiles(64, 128, 3, 1), False, False, False),
+        (200, 8, jnp.bfloat16, MosaicTiles(128, 64, 2, 2), True, True, True),
+        (333, 64, jnp.float32, MosaicTiles(64, 64, 2, 2, persistent=True), True, False, True),
+        (37, 16, jnp.float32, MosaicTiles(64, 64, 2, 2), False, True, False),
+    ],
+    ids=["d32-persistent", "d32-one-row-3-stages", "d8-pairs", "N333-d64-views", "N37-d16"],
+)
+def test_plan_bytes_are_what_the_lowered_kernel_allocates(
+    n_res, head_dim, bias_dtype, tiles, has_mask, has_gate, save_stats
+):
+    """`plan.forward_plan`'s shared-memory bytes are those Mosaic GPU's lowering
+    asks for at launch: every spec (two heads per tile's q copies, the row
+    views of N no multiple of 8, the float32 residual's column pieces, the
+    persistent output tile) and barrier is in the plan, aligned as Mosaic
+    GPU aligns it."""
+    forward, args, plan = compiled_forward(
+        n_res, head_dim, bias_dtype, tiles, has_mask, has_gate, save_stats
+    )
+    assert mosaic_lowering.lowered_shared_memory(forward, *args) == plan.shared_memory_bytes
+
+
+def test_barrier_arrivals_count_the_copies():
+    """Each `produced` barrier awaits one arrival per copy: per consumer its
+    q and gate tiles; per ring step each consumer's K tile and mask vector
+    and each head's bias tile, and each consumer's V tile."""
+    shape = (1, 4, 128, 2, 8)
+    plan = forward_plan(
+        shape, jnp.bfloat16, jnp.float32, SMALL_TILES, mask_dtype=jnp.int8,
+        gate_dtype=jnp.bfloat16, save_stats=True, interpret=True,
+    )
+    assert {name: plan.arrivals(name) for name in plan.copies} == {"q": 2, "k": 2 + 2 + 2, "v": 2}
+    produced, consumed, turn = plan.barriers()
+    assert produced["k"].num_arrivals == 6 and produced["q"].num_arrivals == 2
+    assert consumed["v"].num_arrivals == 2 and len(turn) == 1
+    no_mask = forward_plan(
+        shape, jnp.bfloat16, jnp.float32, SMALL_TILES, mask_dtype=None, gate_dtype=None,
+        save_stats=False, interpret=True,
+    )
+    assert no_mask.arrivals("q") == 1 and no_mask.arrivals("k") == 2 + 2
+
+
 @pytest.mark.parametrize("head_dim", (8, *HEAD_DIMS))
 @pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("save_stats", [False, True])
 def test_default_tiles_fit_shared_memory(head_dim, bias_dtype, save_stats):
-    tiles = mosaic_forward.default_tiles((1, 4, 256, 8, head_dim), jnp.bfloat16, bias_dtype, save_stats)
-    # d = 8: two heads per 16-wide tile.
-    heads_per_tile = 2 if head_dim == 8 else 1
-    used = mosaic_shared_memory_bytes(
-        tiles, head_dim * heads_per_tile, jnp.bfloat16, bias_dtype, has_mask=True,
-        has_gate=True, save_stats=save_stats, heads_per_tile=heads_per_tile,
+    """The default tiles' kernel, lowered with a mask and a gate, asks for
+    no more shared memory than a CTA has, as its plan says."""
+    forward, args, plan = compiled_forward(256, head_dim, bias_dtype, save_stats=save_stats)
+    used = mosaic_lowering.lowered_shared_memory(forward, *args)
+    assert used == plan.shared_memory_bytes <= MAX_SHARED_MEMORY
+    tiles = mosaic_forward.default_tiles(
+        (1, 4, 256, 8, head_dim), jnp.bfloat16, bias_dtype, save_stats
     )
-    assert used <= MAX_SHARED_MEMORY
     if head_dim == 8:
         assert tiles == MosaicTiles(128, 64, 2, 2, persistent=True)
     # The preferred (largest) tiles are taken where they fit, persistent.

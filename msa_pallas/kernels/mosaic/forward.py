@@ -69,52 +69,18 @@ from msa_pallas.kernels.mosaic.matmul import (
     WGMMA, WGMMA_COL, WGMMA_ROW, accumulate_products, smem_products,
 )
 from msa_pallas.kernels.mosaic.pipeline import (
-    PingPong, batch_head_and_warpgroup, consumer_registers, launch, multiprocessors,
-    producer_registers,
+    PingPong, batch_head_and_warpgroup, consumer_registers, launch, producer_registers,
 )
+from msa_pallas.kernels.mosaic.plan import forward_plan
 from msa_pallas.kernels.mosaic.smem import (
-    MAX_SHARED_MEMORY, copy_row_tile_to_gmem, row_tile, row_tile_at, row_view_names, smem_tile,
-    smem_vectors, split_row_views, store_row_tile, takes_row_views,
+    copy_row_tile_to_gmem, row_tile_at, row_view_names, split_row_views, store_row_tile,
 )
 from msa_pallas.kernels.mosaic.support import check_kernel_inputs, pad_bias_rows, pad_residues
-from msa_pallas.kernels.mosaic.tiles import MosaicTiles, mosaic_shared_memory_bytes
+from msa_pallas.kernels.mosaic.tiles import MosaicTiles, forward_tiles
 
 
-def default_tiles(
-    q_shape, q_dtype, bias_dtype, save_stats: bool, has_gate: bool = True,
-    persistent: bool = True,
-):
-    """The fastest configuration measured on an H200 that fits in shared memory.
-
-    128-query tiles per warpgroup and 2 MSA rows per CTA win at every N
-    (benchmarks/RESULTS.md); 128-key stages where they fit (a 16-bit bias),
-    else 64-key stages; one MSA row per CTA only for head dims too large for
-    two. The persistent grid (with the residuals 2-22% faster at the SPEC
-    shapes, within 1% at one) where its output tile fits beside them,
-    unless `persistent` is False (the Mosaic GPU interpreter stalls on it
-    on a machine with few cores). With d = 8 and an even H (two heads per
-    tile, `heads.pairs_heads`) the consumers hold two heads' logits, so
-    64-key stages.
-    """
-    *_, heads, head_dim = q_shape
-    pair = heads_per_tile(head_dim, heads)
-    shapes = ((128, 128, 2, 2), (128, 64, 2, 2), (64, 64, 2, 2), (64, 64, 2, 1))
-    if pair > 1:
-        # Two heads' logit tiles in registers at once: 64 keys.
-        shapes = tuple(shape for shape in shapes if shape[1] == 64)
-    preferred = [
-        MosaicTiles(*shape, persistent=grid)
-        for shape in shapes
-        for grid in ((True, False) if persistent else (False,))
-    ]
-    for tiles in preferred:
-        used = mosaic_shared_memory_bytes(
-            tiles, head_dim * pair, q_dtype, bias_dtype, has_mask=True,
-            has_gate=has_gate, save_stats=save_stats, heads_per_tile=pair,
-        )
-        if used <= MAX_SHARED_MEMORY:
-            return tiles
-    raise ValueError(f"no Mosaic configuration fits head dim {head_dim} in shared memory")
+# The tiles `attention_forward` takes by default (`tiles.forward_tiles`).
+default_tiles = forward_tiles
 
 
 def _kernel(
@@ -472,9 +438,8 @@ def attention_forward(
       and log2 row sum, each `[B, S, H, N]`, in base-2 units.
     """
     check_kernel_inputs(q, bias, paired_heads=True)
-    batch, rows, n_res, heads, head_dim = q.shape
+    shape = batch, rows, n_res, heads, head_dim = q.shape
     msa_rows = tiles.msa_rows_for(rows)
-    block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     shapes = {"out": q.shape, "attention": q.shape}
     pair = heads_per_tile(head_dim, heads)
     if pair > 1:
@@ -489,69 +454,28 @@ def attention_forward(
     inputs = {"q": q, "k": k, "v": v, "bias": bias, "mask": mask, "gate": gate}
     inputs = {name: x for name, x in inputs.items() if x is not None}
     out_types = {"out": jax.ShapeDtypeStruct(q.shape, q.dtype)}
-    query_tiles = pl.cdiv(n_res, block_q)
+    query_tiles = pl.cdiv(n_res, tiles.block_q)
     if save_stats:
         # Whole query tiles, so that no statistics window runs past its plane.
-        stats = jax.ShapeDtypeStruct((batch, rows, heads, query_tiles * block_q), jnp.float32)
+        stats = jax.ShapeDtypeStruct(
+            (batch, rows, heads, query_tiles * tiles.block_q), jnp.float32
+        )
         out_types |= {
             "attention": jax.ShapeDtypeStruct(q.shape, jnp.float32),
             "row_max": stats, "row_log2_sum": stats,
         }
 
-    tile_dim = q.shape[-1]
-    row_views = takes_row_views(n_res, interpret)
-    rows_tile = lambda shape, dtype: row_tile(shape, dtype, row_views)  # noqa: E731
-    smem = {
-        "q": rows_tile((msa_rows, block_q, tile_dim), q.dtype),
-        "k": rows_tile((stages, msa_rows, block_k, tile_dim), k.dtype),
-        "v": rows_tile((stages, msa_rows, block_k, tile_dim), v.dtype),
-        "bias": smem_tile((stages, pair, block_q, block_k), bias.dtype),
-    }
-    if pair > 1:
-        # One ref per head: a wgmma operand indexed by a constant fails to lower.
-        smem["q_heads"] = tuple(
-            smem_tile((msa_rows, block_q, tile_dim), q.dtype) for _ in range(pair)
-        )
-    k_copies = msa_rows + pair
-    if mask is not None:
-        smem["mask"] = smem_vectors((stages, msa_rows, 1, block_k), mask.dtype)
-        k_copies += msa_rows
-    if gate is not None:
-        smem["gate"] = rows_tile((msa_rows, block_q, tile_dim), gate.dtype)
-    if save_stats:
-        smem["attention"] = rows_tile((msa_rows, block_q, tile_dim), jnp.float32)
-        smem["row_max"] = plgpu.SMEM((msa_rows, pair, block_q), jnp.float32)
-        smem["row_log2_sum"] = plgpu.SMEM((msa_rows, pair, block_q), jnp.float32)
-    if tiles.persistent:
-        smem["out"] = rows_tile((msa_rows, block_q, tile_dim), q.dtype)
-    produced = {
-        # q's and the gate's copies.
-        "q": plgpu.Barrier(num_arrivals=2 if gate is not None else 1, num_barriers=msa_rows),
-        "k": plgpu.Barrier(num_arrivals=k_copies, num_barriers=stages),
-        "v": plgpu.Barrier(num_arrivals=msa_rows, num_barriers=stages),
-    }
-    consumed = {
-        name: plgpu.Barrier(num_arrivals=msa_rows, num_barriers=stages) for name in ("k", "v")
-    }
-    schedule = plgpu.Barrier(num_arrivals=msa_rows)
-
-    # Work items, the MSA-row groups fastest.
-    items = (batch * heads // pair, query_tiles, rows // msa_rows)
+    kernel_plan = forward_plan(
+        shape, q.dtype, bias.dtype, tiles, mask_dtype=None if mask is None else mask.dtype,
+        gate_dtype=None if gate is None else gate.dtype, save_stats=save_stats,
+        interpret=interpret,
+    )
     body = functools.partial(
         _kernel, scale=scale, n_res=n_res, tiles=tiles, msa_rows=msa_rows,
-        heads=heads // pair, heads_per_tile=pair, grid=items, dtype=q.dtype,
-        interpret=interpret,
-        row_views=row_view_names(smem),
+        heads=heads // pair, heads_per_tile=pair, grid=kernel_plan.work_items, dtype=q.dtype,
+        interpret=interpret, row_views=row_view_names(kernel_plan.smem),
     )
-    if tiles.persistent:
-        grid, grid_names = (min(math.prod(items), multiprocessors(interpret)),), ("ctas",)
-    else:
-        grid, grid_names = items[::-1], ("row_groups", "query_tiles", "batch_heads")
-    outs = launch(
-        body, name="msa_mosaic_forward", scratch=(smem, produced, consumed, schedule),
-        inputs=inputs, out_types=out_types, grid=grid, grid_names=grid_names,
-        consumers=msa_rows, interpret=interpret,
-    )
+    outs = launch(body, kernel_plan, inputs=inputs, out_types=out_types, interpret=interpret)
     outs = tuple(x.reshape(shapes.get(name, x.shape)) for name, x in zip(out_types, outs))
     if not save_stats:
         return outs[0]

@@ -158,29 +158,28 @@ def multiprocessors(interpret: bool) -> int:
     return HOPPER_MULTIPROCESSORS
 
 
-def launch(body, *, name: str, scratch, inputs: dict, out_types: dict, grid, grid_names,
-           consumers: int, interpret: bool):
-    """Runs `body(gmem, *scratch_refs)` as a warp-specialised kernel of
-    `consumers` consumer warpgroups and one producer (the last `wg`).
+def launch(body, plan, *, inputs: dict, out_types: dict, interpret: bool):
+    """Runs `body(gmem, *plan.scratch())` as the warp-specialised kernel of
+    `plan` (a `plan.KernelPlan`): `plan.consumers` consumer warpgroups and
+    one producer (the last `wg`), on `plan.grid`.
 
-    `gmem` maps the names of `inputs` and `out_types` to their refs. `name`
-    is the kernel's name on the GPU (what a profiler lists).
+    `gmem` maps the names of `inputs` and `out_types` to their refs.
     """
     names = (*inputs, *out_types)
 
     def entry(*refs):
         gmem = dict(zip(names, refs))
-        pl.run_scoped(lambda *scratch_refs: body(gmem, *scratch_refs), *scratch,
+        pl.run_scoped(lambda *scratch_refs: body(gmem, *scratch_refs), *plan.scratch(),
                       collective_axes="wg")
 
     return plgpu.kernel(
         entry,
         out_type=tuple(out_types.values()),
-        grid=grid,
-        grid_names=grid_names,
-        num_threads=consumers + 1,
+        grid=plan.grid,
+        grid_names=plan.grid_names,
+        num_threads=plan.consumers + 1,
         thread_name="wg",
-        kernel_name=name,
+        kernel_name=plan.name,
         compiler_params=COMPILER_PARAMS,
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(*inputs.values())

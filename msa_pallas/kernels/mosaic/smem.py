@@ -1,12 +1,10 @@
 """Shared memory of the Mosaic GPU kernels: tiles swizzled and tiled as TMA
 and `wgmma` want them, per-residue vectors, the pairs of views that take
 N no multiple of 8 (`unaligned_row_tile`, `row_tile`), operands split into
-bf16 pieces (`split_tiles`, `operand_at`), and the bytes a kernel's specs
-take (`shared_memory_bytes`)."""
+bf16 pieces (`split_tiles`, `operand_at`)."""
 
 from __future__ import annotations
 
-import math
 
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -163,16 +161,3 @@ def transposed(operand):
     if isinstance(operand, tuple):
         return tuple(piece.T for piece in operand)
     return operand.T
-
-
-def shared_memory_bytes(smem: dict) -> int:
-    """The bytes of a kernel's shared-memory specs (a `RefUnion`'s views
-    share theirs; tuples are summed)."""
-    def size(spec) -> int:
-        if isinstance(spec, tuple):
-            return sum(map(size, spec))
-        if isinstance(spec, plgpu.RefUnion):
-            return max(map(size, spec.refs))
-        return math.prod(spec.shape) * jnp.dtype(spec.dtype).itemsize
-
-    return sum(size(spec) for spec in smem.values())

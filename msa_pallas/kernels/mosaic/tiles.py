@@ -1,5 +1,7 @@
-"""The configurations of the Mosaic GPU kernels: `MosaicTiles` (the forward,
-and each backward kernel's) and `MosaicBackwardTiles`."""
+"""The configurations of the Mosaic GPU kernels, `MosaicTiles` (the forward,
+and each backward kernel's) and `MosaicBackwardTiles`, and their default
+choice for given inputs (`forward_tiles`, `backward_tiles`): the fastest
+measured candidates whose plan fits in shared memory."""
 
 from __future__ import annotations
 
@@ -7,7 +9,12 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from msa_pallas.kernels.constants import FLOAT32_PIECES
+from msa_pallas.kernels.mosaic.heads import heads_per_tile, tile_heads
+from msa_pallas.kernels.mosaic.plan import dbias_plan, dkdv_plan, dq_plan, forward_plan
+from msa_pallas.kernels.mosaic.smem import MAX_SHARED_MEMORY
+from msa_pallas.kernels.mosaic.support import FLOAT32_MAX_HEAD_DIM, kernel_head_dim
+
+
 
 
 def _largest_divisor_at_most(rows: int, limit: int) -> int:
@@ -56,30 +63,6 @@ class MosaicTiles:
         return _largest_divisor_at_most(rows, self.msa_rows)
 
 
-def mosaic_shared_memory_bytes(
-    tiles: MosaicTiles, head_dim: int, dtype, bias_dtype, *, has_mask: bool, has_gate: bool,
-    save_stats: bool, heads_per_tile: int = 1,
-) -> int:
-    """Shared memory the Mosaic forward kernel allocates with `tiles`;
-    `head_dim` is the width of its tiles, `heads_per_tile` the heads that
-    share one (2 for d = 8: `kernels.mosaic.heads.pairs_heads`)."""
-    rows, stages = tiles.msa_rows, tiles.num_stages
-    item, bias_item = jnp.dtype(dtype).itemsize, jnp.dtype(bias_dtype).itemsize
-    query_tile = rows * tiles.block_q * head_dim
-    used = query_tile * item  # q, then the output
-    used += query_tile * item * heads_per_tile if heads_per_tile > 1 else 0  # q per head
-    used += 2 * stages * rows * tiles.block_k * head_dim * item  # K and V
-    used += stages * heads_per_tile * tiles.block_q * tiles.block_k * bias_item
-    used += stages * rows * max(tiles.block_k, 128) if has_mask else 0
-    used += query_tile * item if has_gate else 0
-    stats = 2 * rows * heads_per_tile * tiles.block_q * 4
-    used += query_tile * 4 + stats if save_stats else 0
-    # Persistent: the output leaves through a tile of its own, as q's holds
-    # the next item's queries.
-    used += query_tile * item if tiles.persistent else 0
-    return used + 2048  # barriers and alignment
-
-
 @dataclasses.dataclass(frozen=True)
 class MosaicBackwardTiles:
     """Tiles of the three Mosaic GPU backward kernels (`msa_pallas.kernels.mosaic.backward`).
@@ -102,56 +85,92 @@ class MosaicBackwardTiles:
     ping_pong: bool = True
 
 
-def dbias_in_bias_tile(pieces: int, bias_dtype) -> bool:
-    """Whether the Mosaic dbias kernel writes its result through the bias
-    tile's shared memory instead of a tile of its own: for float32 q (split
-    into `pieces` > 1, which need the room) with a float32 bias."""
-    return pieces > 1 and jnp.dtype(bias_dtype).itemsize == 4
+def forward_tiles(
+    q_shape, q_dtype, bias_dtype, save_stats: bool, has_gate: bool = True,
+    persistent: bool = True,
+):
+    """The fastest configuration measured on an H200 that fits in shared memory.
+
+    128-query tiles per warpgroup and 2 MSA rows per CTA win at every N
+    (benchmarks/RESULTS.md); 128-key stages where they fit (a 16-bit bias),
+    else 64-key stages; one MSA row per CTA only for head dims too large for
+    two. The persistent grid (with the residuals 2-22% faster at the SPEC
+    shapes, within 1% at one) where its output tile fits beside them,
+    unless `persistent` is False (the Mosaic GPU interpreter stalls on it
+    on a machine with few cores). With d = 8 and an even H (two heads per
+    tile, `heads.pairs_heads`) the consumers hold two heads' logits, so
+    64-key stages.
+    """
+    *_, heads, head_dim = q_shape
+    pair = heads_per_tile(head_dim, heads)
+    shapes = ((128, 128, 2, 2), (128, 64, 2, 2), (64, 64, 2, 2), (64, 64, 2, 1))
+    if pair > 1:
+        # Two heads' logit tiles in registers at once: 64 keys.
+        shapes = tuple(shape for shape in shapes if shape[1] == 64)
+    preferred = [
+        MosaicTiles(*shape, persistent=grid)
+        for shape in shapes
+        for grid in ((True, False) if persistent else (False,))
+    ]
+    for tiles in preferred:
+        # Sized for the candidate's MSA rows, whatever S: the choice does
+        # not depend on S.
+        rows_shape = (q_shape[0], tiles.msa_rows, *q_shape[2:])
+        kernel_plan = forward_plan(
+            rows_shape, q_dtype, bias_dtype, tiles, mask_dtype=jnp.int8,
+            gate_dtype=q_dtype if has_gate else None, save_stats=save_stats, interpret=False,
+        )
+        if kernel_plan.shared_memory_bytes <= MAX_SHARED_MEMORY:
+            return tiles
+    raise ValueError(f"no Mosaic configuration fits head dim {head_dim} in shared memory")
 
 
-def mosaic_backward_shared_memory_bytes(
-    kernel: str, tiles: MosaicTiles, head_dim: int, dtype, bias_dtype, heads_per_tile: int = 1
-) -> int:
-    """Shared memory the backward kernel `kernel` ("dkdv", "dq" or
-    "dbias") allocates with `tiles`; `head_dim` is the width of its tiles,
-    `heads_per_tile` the heads that share one (2 for d = 8: in dk/dv and
-    dq the bias and statistics tiles of each head, and one copy per head of
-    the tiles held across the loop; dbias takes the heads one at a time).
-    float32 operands take three bf16 pieces each
-    (`kernels.mosaic.matmul.split_float32`), and the float32 gradients of
-    q, k and v their own output tiles."""
-    rows, stages, pair = tiles.msa_rows, tiles.num_stages, heads_per_tile
-    item, bias_item = jnp.dtype(dtype).itemsize, jnp.dtype(bias_dtype).itemsize
-    float32 = item == 4
-    if float32:
-        item = 2 * FLOAT32_PIECES  # bf16 pieces
-    bias_tile = tiles.block_q * tiles.block_k * bias_item
-    stats = 3 * max(tiles.block_q, 32) * 4
-    mask = max(tiles.block_k, 128)
-    held_copies = 1 + (pair if pair > 1 else 0)  # the tile and its per-head copies
-    if kernel == "dkdv":
-        used = 2 * held_copies * rows * tiles.block_k * head_dim * item + rows * mask  # K, V
-        used += 2 * rows * tiles.block_k * head_dim * 4 if float32 else 0  # dK, dV
-        used += stages * (
-            2 * rows * tiles.block_q * head_dim * item + rows * pair * stats + pair * bias_tile
+def backward_tiles(q_shape, q_dtype, bias_dtype) -> MosaicBackwardTiles:
+    """The backward kernels' tiles for these inputs: per kernel the first
+    candidate that fits in shared memory, two MSA rows (consumers) before one.
+    The tiles of d <= 32 are the fastest of an H200 sweep (benchmarks/RESULTS.md);
+    larger head dims take smaller tiles, for the registers their accumulators
+    need (not swept yet). The consumers take turns (ping-pong) with a 16-bit
+    bias; with a float32 bias that measured slower.
+
+    float32 inputs (three bf16 pieces per operand in shared memory, the
+    split products' registers) take 64 x 64 tiles, not timed yet.
+
+    Tiles for d < 16 are chosen for the head dim the kernels see, 16 (for
+    d = 8 with two heads per tile, `tile_heads`, with the shared memory
+    of both heads' bias tiles)."""
+    head_dim = kernel_head_dim(q_shape[-1])
+    pair = tile_heads(q_shape, q_dtype)
+    # q as the kernels take it: d < 16 zero-padded to 16 unless two heads
+    # share a tile.
+    kernel_shape = (*q_shape[:-1], q_shape[-1] if pair > 1 else head_dim)
+    if jnp.dtype(q_dtype) == jnp.float32 and head_dim > FLOAT32_MAX_HEAD_DIM:
+        raise ValueError(
+            f"head dim {head_dim} in float32: the Mosaic backward takes d <= {FLOAT32_MAX_HEAD_DIM}"
         )
-    elif kernel == "dq":
-        used = 2 * held_copies * rows * tiles.block_q * head_dim * item  # q, do
-        used += rows * pair * stats
-        used += rows * tiles.block_q * head_dim * 4 if float32 else 0  # dq
-        used += stages * (
-            2 * rows * tiles.block_k * head_dim * item + rows * mask + pair * bias_tile
-        )
-    elif kernel == "dbias":
-        # The bias tiles, then the float32 result tiles (for float32 q with a
-        # float32 bias, the result leaves through the bias tiles).
-        used = rows * bias_tile  # one head's at a time
-        if not dbias_in_bias_tile(FLOAT32_PIECES if float32 else 1, bias_dtype):
-            used += rows * tiles.block_q * tiles.block_k * 4
-        used += stages * (
-            2 * rows * tiles.block_q * head_dim * item + rows * stats
-            + 2 * tiles.block_k * head_dim * item + mask
-        )
-    else:
-        raise ValueError(f"kernel={kernel!r}; expected 'dkdv', 'dq' or 'dbias'.")
-    return used + 2048  # barriers and alignment
+    preferred = {
+        "dkdv": {32: [(64, 128)], 64: [(128, 64)], 128: [(64, 64)]},
+        "dq": {32: [(128, 64)], 64: [(128, 64)], 128: [(64, 64)]},
+        "dbias": {32: [(64, 128)], 64: [(64, 128), (64, 64)], 128: [(64, 128), (64, 64)]},
+    }
+    if jnp.dtype(q_dtype) == jnp.float32:
+        preferred = {kernel: {64: [(64, 64)]} for kernel in preferred}
+    plans = {"dkdv": dkdv_plan, "dq": dq_plan, "dbias": dbias_plan}
+    chosen = {}
+    for kernel, by_head_dim in preferred.items():
+        blocks = by_head_dim[min(d for d in by_head_dim if d >= head_dim)]
+        candidates = [
+            MosaicTiles(block_q, block_k, num_stages=2, msa_rows=rows)
+            for rows in (2, 1) for block_q, block_k in blocks
+        ]
+        fits = [
+            tiles for tiles in candidates
+            # Sized for the candidate's MSA rows, whatever S.
+            if plans[kernel](
+                (kernel_shape[0], tiles.msa_rows, *kernel_shape[2:]), q_dtype, bias_dtype, tiles, mask_dtype=jnp.int8, interpret=False
+            ).shared_memory_bytes <= MAX_SHARED_MEMORY
+        ]
+        if not fits:
+            raise ValueError(f"no Mosaic {kernel} configuration fits head dim {head_dim}")
+        chosen[kernel] = fits[0]
+    return MosaicBackwardTiles(**chosen, ping_pong=jnp.dtype(bias_dtype).itemsize == 2)

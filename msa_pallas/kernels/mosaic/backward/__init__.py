@@ -8,7 +8,8 @@ identical gradients. All are warp-specialised as the forward is
 into a shared-memory ring; consumer warpgroups compute with `wgmma`).
 
 One file per kernel, each holding the kernel and its wrapper: dkdv.py, dq.py,
-dbias.py; operands.py what they share; `default_tiles` here.
+dbias.py; operands.py what they share. Their plans are in `plan`, their
+default tiles (`default_tiles`) in `tiles`.
 
 - dk/dv (`backward_dkdv`): one CTA per key tile of one head for `msa_rows`
   MSA rows, looping over query tiles. Each consumer warpgroup owns one row's
@@ -69,62 +70,12 @@ entirely, and attention dropout, will go.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 from msa_pallas.kernels.mosaic.backward.dbias import backward_dbias
 from msa_pallas.kernels.mosaic.backward.dkdv import backward_dkdv
 from msa_pallas.kernels.mosaic.backward.dq import backward_dq
 from msa_pallas.kernels.mosaic.heads import tile_heads
-from msa_pallas.kernels.mosaic.smem import MAX_SHARED_MEMORY
-from msa_pallas.kernels.mosaic.support import FLOAT32_MAX_HEAD_DIM, kernel_head_dim
-from msa_pallas.kernels.mosaic.tiles import (
-    MosaicBackwardTiles, MosaicTiles, mosaic_backward_shared_memory_bytes,
-)
+from msa_pallas.kernels.mosaic.tiles import backward_tiles as default_tiles
 
 __all__ = ["backward_dbias", "backward_dkdv", "backward_dq", "default_tiles", "tile_heads"]
 
 
-def default_tiles(q_shape, q_dtype, bias_dtype) -> MosaicBackwardTiles:
-    """The backward kernels' tiles for these inputs: per kernel the first
-    candidate that fits in shared memory, two MSA rows (consumers) before one.
-    The tiles of d <= 32 are the fastest of an H200 sweep (benchmarks/RESULTS.md);
-    larger head dims take smaller tiles, for the registers their accumulators
-    need (not swept yet). The consumers take turns (ping-pong) with a 16-bit
-    bias; with a float32 bias that measured slower.
-
-    float32 inputs (three bf16 pieces per operand in shared memory, the
-    split products' registers) take 64 x 64 tiles, not timed yet.
-
-    Tiles for d < 16 are chosen for the head dim the kernels see, 16 (for
-    d = 8 with two heads per tile, `tile_heads`, with the shared memory
-    of both heads' bias tiles)."""
-    head_dim = kernel_head_dim(q_shape[-1])
-    pair = tile_heads(q_shape, q_dtype)
-    if jnp.dtype(q_dtype) == jnp.float32 and head_dim > FLOAT32_MAX_HEAD_DIM:
-        raise ValueError(
-            f"head dim {head_dim} in float32: the Mosaic backward takes d <= {FLOAT32_MAX_HEAD_DIM}"
-        )
-    preferred = {
-        "dkdv": {32: [(64, 128)], 64: [(128, 64)], 128: [(64, 64)]},
-        "dq": {32: [(128, 64)], 64: [(128, 64)], 128: [(64, 64)]},
-        "dbias": {32: [(64, 128)], 64: [(64, 128), (64, 64)], 128: [(64, 128), (64, 64)]},
-    }
-    if jnp.dtype(q_dtype) == jnp.float32:
-        preferred = {kernel: {64: [(64, 64)]} for kernel in preferred}
-    chosen = {}
-    for kernel, by_head_dim in preferred.items():
-        blocks = by_head_dim[min(d for d in by_head_dim if d >= head_dim)]
-        candidates = [
-            MosaicTiles(block_q, block_k, num_stages=2, msa_rows=rows)
-            for rows in (2, 1) for block_q, block_k in blocks
-        ]
-        fits = [
-            tiles for tiles in candidates
-            if mosaic_backward_shared_memory_bytes(
-                kernel, tiles, head_dim, q_dtype, bias_dtype, heads_per_tile=pair
-            ) <= MAX_SHARED_MEMORY
-        ]
-        if not fits:
-            raise ValueError(f"no Mosaic {kernel} configuration fits head dim {head_dim}")
-        chosen[kernel] = fits[0]
-    return MosaicBackwardTiles(**chosen, ping_pong=jnp.dtype(bias_dtype).itemsize == 2)

@@ -13,9 +13,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from msa_pallas.block_sizes import row_chunks
 from msa_pallas.kernels.mosaic.backward.operands import (
-    kernel_operands, load_stats, recompute, split_operands, step_barriers,
+    kernel_operands, load_stats, recompute, split_operands,
 )
 from msa_pallas.kernels.mosaic.heads import own_head_columns, tile_heads, tiles_of_head_pairs
 from msa_pallas.kernels.mosaic.logits import accumulator_bias, bias_tile
@@ -25,14 +24,12 @@ from msa_pallas.kernels.mosaic.matmul import (
 from msa_pallas.kernels.mosaic.pipeline import (
     consumer_registers, copy_tiles, launch, produce, producer_registers,
 )
-from msa_pallas.kernels.mosaic.smem import (
-    operand_at, row_view_names, smem_tile, smem_vectors, split_row_views, split_tiles,
-    takes_row_views, transposed,
-)
+from msa_pallas.kernels.mosaic.plan import dbias_plan
+from msa_pallas.kernels.mosaic.smem import operand_at, row_view_names, split_row_views, transposed
 from msa_pallas.kernels.mosaic.support import (
     RESIDUE_MULTIPLE, aligned_residues, check_kernel_inputs,
 )
-from msa_pallas.kernels.mosaic.tiles import MosaicTiles, dbias_in_bias_tile
+from msa_pallas.kernels.mosaic.tiles import MosaicTiles
 
 
 def _chunk_batch_and_head(batch_heads: int, heads: int):
@@ -114,7 +111,7 @@ def _dbias_kernel(
                     keep = plgpu.load(
                         smem["mask"].at[slot, 0, pl.ds(0, block_k)], layout=WGMMA_COL
                     ) != 0
-                plgpu.barrier_arrive(consumed.at[slot])
+                plgpu.barrier_arrive(consumed["step"].at[slot])
                 _, ds = recompute(s, dp, keep, stats, scale=scale, query_axis=0, with_p=False)
                 return dbias + ds
 
@@ -160,7 +157,7 @@ def _dbias_kernel(
                     smem["mask"].at[slot, :, pl.ds(0, block_k)], barrier,
                 )
 
-        produce(pair * rows_per_chunk, stages, issue_copies, consumed)
+        produce(pair * rows_per_chunk, stages, issue_copies, consumed["step"])
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
@@ -182,13 +179,13 @@ def backward_dbias(
     check_kernel_inputs(q, bias, float32=True, paired_heads=q.dtype != jnp.float32)
     batch, rows, n_res, heads, _ = q.shape
     consumers = tiles.msa_rows
-    block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
-    query_tiles = pl.cdiv(n_res, block_q * consumers)
-    key_tiles = pl.cdiv(n_res, block_k)
     pair = tile_heads(q.shape, q.dtype)
-    chunks = row_chunks(query_tiles * key_tiles * batch * heads // pair, rows)
-    pieces, (q, k, v, do) = split_operands(*tiles_of_head_pairs(pair, q, k, v, do))
-    tile_dim = k.shape[-1]
+    kernel_plan = dbias_plan(
+        q.shape, q.dtype, bias.dtype, tiles,
+        mask_dtype=None if mask is None else mask.dtype, interpret=interpret,
+    )
+    chunks = kernel_plan.grid[-1] // (batch * heads // pair)
+    _, (q, k, v, do) = split_operands(*tiles_of_head_pairs(pair, q, k, v, do))
     inputs = kernel_operands(
         q=q, k=k, v=v, bias=accumulator_bias(bias, scale), mask=mask, do=do,
         stats=stats,
@@ -200,39 +197,14 @@ def backward_dbias(
         aligned_residues(n_res, jnp.float32, True),
     )
     out_types = {"dbias": jax.ShapeDtypeStruct(dbias_shape, jnp.float32)}
-    row_views = takes_row_views(n_res, interpret)
-    operand_tiles = lambda shape: split_tiles(shape, q.dtype, pieces, row_views)  # noqa: E731
-    smem = {"bias": smem_tile((consumers, block_q, block_k), bias.dtype)}
-    if not dbias_in_bias_tile(pieces, bias.dtype):
-        smem["dbias"] = smem_tile((consumers, block_q, block_k), jnp.float32)
-    smem |= {
-        "q": operand_tiles((stages, consumers, block_q, tile_dim)),
-        "do": operand_tiles((stages, consumers, block_q, tile_dim)),
-        "stats": smem_vectors((stages, consumers, 3, block_q), jnp.float32),
-        "k": operand_tiles((stages, block_k, tile_dim)),
-        "v": operand_tiles((stages, block_k, tile_dim)),
-    }
-    copies = (2 * consumers + 2) * pieces + consumers
-    if mask is not None:
-        smem["mask"] = smem_vectors((stages, 1, block_k), mask.dtype)
-        copies += 1
-    produced_step, consumed = step_barriers(copies, stages, consumers)
-    produced = {
-        "bias": plgpu.Barrier(num_arrivals=1, num_barriers=consumers),
-        "step": produced_step,
-    }
     body = functools.partial(
         _dbias_kernel, scale=scale, tiles=tiles, consumers=consumers,
         rows_per_chunk=rows // chunks, batch_heads=batch * heads // pair,
         heads=heads // pair, heads_per_tile=pair, interpret=interpret,
-        row_views=row_view_names(smem),
+        row_views=row_view_names(kernel_plan.smem),
     )
     (partial_sums,) = launch(
-        body, name="msa_mosaic_dbias", scratch=(smem, produced, consumed),
-        inputs=inputs, out_types=out_types,
-        grid=(query_tiles, key_tiles, chunks * batch * heads // pair),
-        grid_names=("query_tiles", "key_tiles", "chunk_batch_heads"),
-        consumers=consumers, interpret=interpret,
+        body, kernel_plan, inputs=inputs, out_types=out_types, interpret=interpret
     )
     partial_sums = partial_sums[..., :n_res, :n_res]
     return partial_sums[0] if chunks == 1 else partial_sums.sum(axis=0)

@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from msa_pallas.kernels.mosaic.backward.operands import (
-    kernel_operands, load_stats, recompute, split_operands, step_barriers,
+    kernel_operands, load_stats, recompute, split_operands,
 )
 from msa_pallas.kernels.mosaic.heads import (
     combine_head_columns, held_tiles_per_head, tile_heads, tiles_of_head_pairs,
@@ -32,9 +32,10 @@ from msa_pallas.kernels.mosaic.pipeline import (
     PingPong, batch_head_and_warpgroup, consumer_registers, copy_tiles, launch, produce,
     producer_registers,
 )
+from msa_pallas.kernels.mosaic.plan import dkdv_plan
 from msa_pallas.kernels.mosaic.smem import (
-    copy_row_tile_to_gmem, operand_at, row_tile, row_tile_at, row_view_names, smem_tile,
-    smem_vectors, split_row_views, split_tiles, store_row_tile, takes_row_views, transposed,
+    copy_row_tile_to_gmem, operand_at, row_tile_at, row_view_names, split_row_views, store_row_tile,
+    transposed,
 )
 from msa_pallas.kernels.mosaic.support import check_kernel_inputs
 from msa_pallas.kernels.mosaic.tiles import MosaicTiles
@@ -112,7 +113,7 @@ def _dkdv_kernel(
                 dvs[h], dks[h] = accumulate_products(
                     (dvs[h], dks[h]), (p_t, ds_t), (do_smem, q_smem), interpret
                 )
-            plgpu.barrier_arrive(consumed.at[slot])
+            plgpu.barrier_arrive(consumed["step"].at[slot])
             return tuple(dks), tuple(dvs)
 
         tile_dim = gmem["dk"].shape[-1]
@@ -154,7 +155,7 @@ def _dkdv_kernel(
                     smem["bias"].at[slot, h], barrier,
                 )
 
-        produce(query_tiles, stages, issue_copies, consumed)
+        produce(query_tiles, stages, issue_copies, consumed["step"])
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret", "ping_pong"))
@@ -166,57 +167,24 @@ def backward_dkdv(
     `kernels.mosaic.backward`'s docstring; float32 q, k, v and do as in
     `backward_dbias`)."""
     check_kernel_inputs(q, bias, float32=True, paired_heads=q.dtype != jnp.float32)
-    batch, rows, n_res, heads, _ = q.shape
+    rows, n_res, heads = q.shape[1], q.shape[2], q.shape[3]
     msa_rows = tiles.msa_rows_for(rows)
-    block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair = tile_heads(q.shape, q.dtype)
     pieces, (q_in, k, v, do) = split_operands(*tiles_of_head_pairs(pair, q, k, v, do))
     inputs = kernel_operands(
         q=q_in, k=k, v=v, bias_t=jnp.swapaxes(accumulator_bias(bias, scale), -1, -2),
         mask=mask, do=do, stats=stats,
     )
-    tile_dim = k.shape[-1]
     out_types = {"dk": jax.ShapeDtypeStruct(k.shape[pieces > 1:], q.dtype),
                  "dv": jax.ShapeDtypeStruct(k.shape[pieces > 1:], q.dtype)}
-    row_views = takes_row_views(n_res, interpret)
-    operand_tiles = lambda shape: split_tiles(shape, q.dtype, pieces, row_views)  # noqa: E731
-    smem = {
-        "k": operand_tiles((msa_rows, block_k, tile_dim)),
-        "v": operand_tiles((msa_rows, block_k, tile_dim)),
-        "q": operand_tiles((stages, msa_rows, block_q, tile_dim)),
-        "do": operand_tiles((stages, msa_rows, block_q, tile_dim)),
-        "stats": smem_vectors((stages, msa_rows, pair, 3, block_q), jnp.float32),
-        "bias": smem_tile((stages, pair, block_k, block_q), bias.dtype),
-    }
-    if pair > 1:
-        for name in ("k_heads", "v_heads"):
-            smem[name] = tuple(
-                smem_tile((msa_rows, block_k, tile_dim), q.dtype) for _ in range(pair)
-            )
-    if pieces > 1:
-        smem["dk"] = row_tile((msa_rows, block_k, tile_dim), jnp.float32, row_views)
-        smem["dv"] = row_tile((msa_rows, block_k, tile_dim), jnp.float32, row_views)
-    if mask is not None:
-        smem["mask"] = smem_vectors((msa_rows, 1, block_k), mask.dtype)
-    produced_step, consumed = step_barriers(
-        (2 * pieces + 1) * msa_rows + pair, stages, msa_rows
+    kernel_plan = dkdv_plan(
+        q.shape, q.dtype, bias.dtype, tiles,
+        mask_dtype=None if mask is None else mask.dtype, interpret=interpret,
     )
-    kv_copies = 2 * pieces + (1 if mask is not None else 0)
-    produced = {
-        "kv": plgpu.Barrier(num_arrivals=kv_copies, num_barriers=msa_rows),
-        "step": produced_step,
-    }
     body = functools.partial(
         _dkdv_kernel, scale=scale, n_res=n_res, tiles=tiles,
         msa_rows=msa_rows, heads=heads // pair, heads_per_tile=pair, dtype=q.dtype,
-        ping_pong=ping_pong, interpret=interpret, row_views=row_view_names(smem),
+        ping_pong=ping_pong, interpret=interpret, row_views=row_view_names(kernel_plan.smem),
     )
-    dk, dv = launch(
-        body, name="msa_mosaic_dkdv",
-        scratch=(smem, produced, consumed, plgpu.Barrier(num_arrivals=msa_rows)),
-        inputs=inputs, out_types=out_types,
-        grid=(rows // msa_rows, pl.cdiv(n_res, block_k), batch * heads // pair),
-        grid_names=("row_groups", "key_tiles", "batch_heads"),
-        consumers=msa_rows, interpret=interpret,
-    )
+    dk, dv = launch(body, kernel_plan, inputs=inputs, out_types=out_types, interpret=interpret)
     return dk.reshape(q.shape), dv.reshape(q.shape)

@@ -14,7 +14,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from msa_pallas.kernels.mosaic.backward.operands import (
-    kernel_operands, load_stats, recompute, split_operands, step_barriers,
+    kernel_operands, load_stats, recompute, split_operands,
 )
 from msa_pallas.kernels.mosaic.heads import (
     combine_head_columns, held_tiles_per_head, tile_heads, tiles_of_head_pairs,
@@ -27,9 +27,10 @@ from msa_pallas.kernels.mosaic.pipeline import (
     PingPong, batch_head_and_warpgroup, consumer_registers, copy_tiles, launch, produce,
     producer_registers,
 )
+from msa_pallas.kernels.mosaic.plan import dq_plan
 from msa_pallas.kernels.mosaic.smem import (
-    copy_row_tile_to_gmem, operand_at, row_tile, row_tile_at, row_view_names, smem_tile,
-    smem_vectors, split_row_views, split_tiles, store_row_tile, takes_row_views, transposed,
+    copy_row_tile_to_gmem, operand_at, row_tile_at, row_view_names, split_row_views, store_row_tile,
+    transposed,
 )
 from msa_pallas.kernels.mosaic.support import check_kernel_inputs
 from msa_pallas.kernels.mosaic.tiles import MosaicTiles
@@ -127,7 +128,7 @@ def _dq_kernel(
                 # Against K tiles of both heads: the other head's columns are
                 # dropped below.
                 (dqs[h],) = accumulate_products((dqs[h],), (ds,), (k_smem,), interpret)
-            plgpu.barrier_arrive(consumed.at[slot])
+            plgpu.barrier_arrive(consumed["step"].at[slot])
             return tuple(dqs)
 
         tile_dim = gmem["dq"].shape[-1]
@@ -163,7 +164,7 @@ def _dq_kernel(
                     smem["bias"].at[slot, h], barrier,
                 )
 
-        produce(key_tiles, stages, issue_copies, consumed)
+        produce(key_tiles, stages, issue_copies, consumed["step"])
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret", "ping_pong"))
@@ -175,54 +176,23 @@ def backward_dq(
     `kernels.mosaic.backward`'s docstring; float32 q, k, v and do as in
     `backward_dbias`)."""
     check_kernel_inputs(q, bias, float32=True, paired_heads=q.dtype != jnp.float32)
-    batch, rows, n_res, heads, _ = q.shape
+    rows, n_res, heads = q.shape[1], q.shape[2], q.shape[3]
     msa_rows = tiles.msa_rows_for(rows)
-    block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair = tile_heads(q.shape, q.dtype)
     pieces, (q_in, k, v, do) = split_operands(*tiles_of_head_pairs(pair, q, k, v, do))
     inputs = kernel_operands(
         q=q_in, k=k, v=v, bias=accumulator_bias(bias, scale), mask=mask, do=do,
         stats=stats,
     )
-    tile_dim = k.shape[-1]
     out_types = {"dq": jax.ShapeDtypeStruct(k.shape[pieces > 1:], q.dtype)}
-    row_views = takes_row_views(n_res, interpret)
-    operand_tiles = lambda shape: split_tiles(shape, q.dtype, pieces, row_views)  # noqa: E731
-    smem = {
-        "q": operand_tiles((msa_rows, block_q, tile_dim)),
-        "do": operand_tiles((msa_rows, block_q, tile_dim)),
-        "stats": smem_vectors((msa_rows, pair, 3, block_q), jnp.float32),
-        "k": operand_tiles((stages, msa_rows, block_k, tile_dim)),
-        "v": operand_tiles((stages, msa_rows, block_k, tile_dim)),
-        "bias": smem_tile((stages, pair, block_q, block_k), bias.dtype),
-    }
-    if pair > 1:
-        for name in ("q_heads", "do_heads"):
-            smem[name] = tuple(
-                smem_tile((msa_rows, block_q, tile_dim), q.dtype) for _ in range(pair)
-            )
-    if pieces > 1:
-        smem["dq"] = row_tile((msa_rows, block_q, tile_dim), jnp.float32, row_views)
-    copies = 2 * msa_rows * pieces + pair
-    if mask is not None:
-        smem["mask"] = smem_vectors((stages, msa_rows, 1, block_k), mask.dtype)
-        copies += msa_rows
-    produced_step, consumed = step_barriers(copies, stages, msa_rows)
-    produced = {
-        "q": plgpu.Barrier(num_arrivals=2 * pieces + 1, num_barriers=msa_rows),
-        "step": produced_step,
-    }
+    kernel_plan = dq_plan(
+        q.shape, q.dtype, bias.dtype, tiles,
+        mask_dtype=None if mask is None else mask.dtype, interpret=interpret,
+    )
     body = functools.partial(
         _dq_kernel, scale=scale, n_res=n_res, tiles=tiles,
         msa_rows=msa_rows, heads=heads // pair, heads_per_tile=pair, dtype=q.dtype,
-        ping_pong=ping_pong, interpret=interpret, row_views=row_view_names(smem),
+        ping_pong=ping_pong, interpret=interpret, row_views=row_view_names(kernel_plan.smem),
     )
-    (dq,) = launch(
-        body, name="msa_mosaic_dq",
-        scratch=(smem, produced, consumed, plgpu.Barrier(num_arrivals=msa_rows)),
-        inputs=inputs, out_types=out_types,
-        grid=(rows // msa_rows, pl.cdiv(n_res, block_q), batch * heads // pair),
-        grid_names=("row_groups", "query_tiles", "batch_heads"),
-        consumers=msa_rows, interpret=interpret,
-    )
+    (dq,) = launch(body, kernel_plan, inputs=inputs, out_types=out_types, interpret=interpret)
     return dq.reshape(q.shape)

@@ -71,9 +71,3 @@ def kernel_operands(**named):
     return {
         name: pad_bias_rows(x) if name in ("bias", "bias_t") else x for name, x in padded.items()
     }
-
-
-def step_barriers(copies: int, stages: int, consumers: int):
-    produced = plgpu.Barrier(num_arrivals=copies, num_barriers=stages)
-    consumed = plgpu.Barrier(num_arrivals=consumers, num_barriers=stages)
-    return produced, consumed
