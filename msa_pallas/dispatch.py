@@ -166,7 +166,9 @@ class CallPlan:
     implementation: str
     forward: str
     backward: str
-    reason: str
+    # Not in the plan's hash: two calls that run the same kernels share the
+    # compiled custom VJP whatever the words.
+    reason: str = dataclasses.field(compare=False)
     target: Target
     head_dim: int
     forward_head_dim: int

@@ -119,7 +119,8 @@ def _mosaic_backward(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, s
     the Triton forward that a float32 Mosaic backward follows takes d = 8 as
     it is), and the three row statistics stacked into one `[B, S, H, 3, N]`
     array, one TMA copy per tile instead of three."""
-    if plan.backward_head_dim > q.shape[-1]:
+    head_dim = q.shape[-1]  # wider than the call's where the op padded it
+    if plan.backward_head_dim > head_dim:
         q, k, v, do = (pad_head_dim(x) for x in (q, k, v, do))
     operands = (q, k, v, bias, mask, do, jnp.stack([row_max, row_log2_sum, delta], axis=3))
     kernels = {
@@ -137,7 +138,6 @@ def _mosaic_backward(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, s
             bound, operands, _MOSAIC_BACKWARD_IN, out_layouts, interpret=plan.interpret
         )
         grads.update(zip(_OUTPUTS[name], outs))
-    head_dim = plan.head_dim
     return (grads["dq"][..., :head_dim], grads["dk"][..., :head_dim],
             grads["dv"][..., :head_dim], grads["dbias"])
 
