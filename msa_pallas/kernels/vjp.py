@@ -58,6 +58,8 @@ _TRITON_BACKWARD = {
     "dbias": (lambda: backward_dbias, (BIAS,)),
     "dq_dbias": (lambda: backward_dq_dbias, (QUERY_ROWS, BIAS)),
 }
+# The gradients each backward kernel (either backend) returns.
+_OUTPUTS = {"dkdv": ("dk", "dv"), "dq": ("dq",), "dbias": ("dbias",), "dq_dbias": ("dq", "dbias")}
 
 
 def _mosaic_call(kernel, args, in_layouts, out_layouts, *, interpret: bool) -> tuple:
@@ -106,10 +108,6 @@ def _backward(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, p
         outs = partitioned_call(bound, operands, _BACKWARD_IN, out_layouts)
         grads.update(zip(_OUTPUTS[name], outs))
     return grads["dq"], grads["dk"], grads["dv"], grads["dbias"]
-
-
-# The gradients each backward kernel returns.
-_OUTPUTS = {"dkdv": ("dk", "dv"), "dq": ("dq",), "dbias": ("dbias",), "dq_dbias": ("dq", "dbias")}
 
 
 def _mosaic_backward(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, plan):
