@@ -249,7 +249,9 @@ def _kernel_runners(
     # The Mosaic kernels on the same inputs and residuals, with d padded as
     # the op's plan pads it (either backward follows either forward).
     plan = _mosaic_plan(shape, dtype, has_mask, has_gate)
-    widen = lambda x, width: x if x is None or x.shape[-1] >= width else pad_head_dim(x)  # noqa: E731
+    def widen(x, width):
+        return x if x is None or x.shape[-1] >= width else pad_head_dim(x)
+
     forward_in = [widen(x, plan.forward_head_dim) for x in (q, k, v, gate)]
     backward_in = [widen(x, plan.backward_head_dim) for x in (q, k, v, do)]
     stats = jnp.stack([row_max, row_log2_sum, delta], axis=3)

@@ -121,9 +121,10 @@ def _mosaic_backward(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, s
     if plan.backward_head_dim > head_dim:
         q, k, v, do = (pad_head_dim(x) for x in (q, k, v, do))
     operands = (q, k, v, bias, mask, do, jnp.stack([row_max, row_log2_sum, delta], axis=3))
+    turns = {"ping_pong": plan.ping_pong}
     kernels = {
-        "dkdv": (mosaic_backward.backward_dkdv, (KEY_ROWS, KEY_ROWS), {"ping_pong": plan.ping_pong}),
-        "dq": (mosaic_backward.backward_dq, (QUERY_ROWS,), {"ping_pong": plan.ping_pong}),
+        "dkdv": (mosaic_backward.backward_dkdv, (KEY_ROWS, KEY_ROWS), turns),
+        "dq": (mosaic_backward.backward_dq, (QUERY_ROWS,), turns),
         "dbias": (mosaic_backward.backward_dbias, (BIAS,), {}),
     }
     grads = {}
