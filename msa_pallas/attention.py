@@ -166,6 +166,7 @@ def explain(q, k, v, bias, mask=None, gate=None, **kwargs) -> CallPlan:
         #   why: Hopper, bfloat16, N = 384 >= 192: the Mosaic kernels measured faster
 
     Under `msa_pallas.exporting.gpu_target("NVIDIA A100")` it explains the
-    export for that GPU instead.
+    export for that GPU instead; `target=msa_pallas.dispatch.Target("gpu", 90)`
+    plans for an sm90 GPU from anywhere.
     """
     return plan_call(q, k, v, bias, mask, gate, **kwargs)

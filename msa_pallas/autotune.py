@@ -5,8 +5,8 @@ matters enough, `autotune` times each kernel (forward, dk/dv, dq, dbias, and for
 the fused dq+dbias kernel, kept only where it beats dq plus dbias) with
 every candidate `KernelTiles` on random inputs of the given shape, keeps the
 fastest per kernel, and stores the result in a JSON file so later calls (and
-later processes) reuse it without timing. On Hopper, where the Mosaic GPU
-kernels take the shape, it tunes their tiles too (`mosaic_candidates`: each
+later processes) reuse it without timing. Where `implementation=None` runs the
+Mosaic GPU kernels (Hopper), it tunes their tiles too (`mosaic_candidates`: each
 kernel's own default choice and its neighbours; the forward for 16-bit
 inputs only, as float32 runs the Triton forward)::
 
@@ -41,7 +41,6 @@ from msa_pallas.dispatch import current_target, plan_call
 from msa_pallas.kernels.mosaic import backward as mosaic_backward
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
 from msa_pallas.kernels.mosaic.common import pad_head_dim
-from msa_pallas.kernels.mosaic.common import supports as mosaic_supports
 from msa_pallas.kernels.triton import backward
 from msa_pallas.kernels.triton.forward import attention_forward
 from msa_pallas.timing import batched_times_ms
@@ -184,16 +183,17 @@ def mosaic_candidates(
     return {name: candidates[name] for name in MOSAIC_KERNELS if name in candidates}
 
 
-def _mosaic_plan(shape, dtype, has_mask, has_gate):
-    """The op's plan on the Mosaic kernels for these inputs on this device
-    (head-dim padding, default tiles; no persistent forward interpreted)."""
+def _mosaic_plan(shape, dtype, has_mask, has_gate, implementation="mosaic"):
+    """The op's plan for these inputs on this device, on the Mosaic kernels
+    (head-dim padding, default tiles; no persistent forward interpreted) or
+    on `implementation`."""
     batch, rows, n_res, heads, _ = shape
     q = jax.ShapeDtypeStruct(shape, dtype)
     return plan_call(
         q, q, q, jax.ShapeDtypeStruct((batch, heads, n_res, n_res), jnp.float32),
         jax.ShapeDtypeStruct((batch, rows, n_res), jnp.bool_) if has_mask else None,
         q if has_gate else None,
-        implementation="mosaic",
+        implementation=implementation,
     )
 
 
@@ -318,10 +318,11 @@ def autotune(
         those tiles. None: the median of `iters` samples of `reps` calls.
         For tests, or to time with a profiler.
       mosaic: also tune the Mosaic GPU kernels' tiles (`mosaic_forward`,
-        `mosaic_backward` of the result). None: where the op would run them,
-        on a Hopper GPU for inputs they take (`kernels.mosaic.common.supports`
-        with a float32 bias). True off a GPU runs them in their interpreter
-        (for tests).
+        `mosaic_backward` of the result). None: where `implementation=None`
+        runs them (`msa_pallas.dispatch`, with a float32 bias: on Hopper, at
+        the shapes where they measured faster). True tunes them for
+        `implementation="mosaic"` anywhere they take the shape; off a GPU they
+        run in their interpreter (for tests).
 
     Returns:
       A `BlockConfig` to pass as `block_config=`.
@@ -331,7 +332,8 @@ def autotune(
     shape = tuple(int(s) for s in shape)
     target = current_target()
     if mosaic is None:
-        mosaic = target.hopper and mosaic_supports(shape, dtype, jnp.float32) is None
+        default = _mosaic_plan(shape, dtype, has_mask, has_gate, implementation=None)
+        mosaic = default.implementation == "mosaic"
     path = cache_dir() / CACHE_FILE
     key = cache_key(shape, dtype, has_mask, has_gate, mosaic)
     if use_cache and key in (cached := _read_cache(path)):
