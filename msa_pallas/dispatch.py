@@ -220,7 +220,9 @@ def choose_implementation(
     bias_dtype = getattr(bias, "dtype", None)
     if dropout_rate != 0.0:
         return "xla", "attention dropout is not in the kernels"
-    if dtype is None or jnp.dtype(dtype) not in KERNEL_DTYPES or len(shape) < 4:
+    if len(shape) < 4:
+        return "xla", f"q of rank {len(shape)}: the kernels take [*batch, S, N, H, d]"
+    if dtype is None or jnp.dtype(dtype) not in KERNEL_DTYPES:
         return "xla", f"q dtype {dtype}: the kernels take float16, bfloat16, float32"
     if shape[-1] > MAX_KERNEL_HEAD_DIM:
         return "xla", f"head dim {shape[-1]}: the kernels take d <= {MAX_KERNEL_HEAD_DIM}"
@@ -233,7 +235,10 @@ def choose_implementation(
     n_res, dtype = shape[-3], jnp.dtype(dtype)
     if dtype == jnp.float32:
         if jnp.dtype(bias_dtype) != jnp.float32:
-            return "triton", "float32 q with a 16-bit bias: the Triton kernels (not measured)"
+            return "triton", (
+                f"float32 q with a {jnp.dtype(bias_dtype).name} bias: the Mosaic kernels "
+                "were measured with a float32 bias only"
+            )
         if n_res < MOSAIC_FLOAT32_MIN_RESIDUES or n_res % MOSAIC_FLOAT32_RESIDUE_MULTIPLE:
             return "triton", (
                 f"float32, N = {n_res}: the Mosaic backward was measured faster from "
