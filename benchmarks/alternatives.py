@@ -69,7 +69,7 @@ def _msa_pallas_builder(implementation: str | None) -> Callable[[Case], Callable
         chosen = implementation or ("pallas" if not on_gpu() else None)
         q_like = jax.ShapeDtypeStruct((1, rows, n, heads, d), case.dtype)
         bias_like = jax.ShapeDtypeStruct((1, heads, n, n), case.bias_dtype)
-        resolved = msa_pallas.resolve_implementation(chosen, q_like, 0.0, bias_like)
+        plan = msa_pallas.explain(q_like, q_like, q_like, bias_like, implementation=chosen)
 
         def op(q, k, v, bias, mask):
             return msa_pallas.msa_row_attention(
@@ -77,9 +77,8 @@ def _msa_pallas_builder(implementation: str | None) -> Callable[[Case], Callable
             )
 
         config = msa_pallas.default_block_config(n, d, case.dtype, case.bias_dtype)
-        forward_kernel = msa_pallas.attention.resolve_forward_kernel(resolved, case.dtype)
-        info = {"interpret": not on_gpu(), "implementation": resolved,
-                "forward_kernel": forward_kernel,
+        info = {"interpret": plan.interpret, "implementation": plan.implementation,
+                "forward_kernel": plan.forward,
                 "block_config": dataclasses.asdict(config)}
         return jitted_pair(op, info)
 

@@ -185,16 +185,11 @@ def profile(name, shape, dtype_name, args, emit):
     fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
     run("op forward", lambda: fwd(q, k, v, bias, gate))
     run("op forward+backward", lambda: fwd_bwd(q, k, v, bias, gate))
-    if args.op_tiles or args.mosaic_dbias:
-        # The op with some kernels' tiles replaced (the first candidate of
-        # each), and the first --mosaic-dbias tiles as its bias gradient.
+    if args.op_tiles:
+        # The op with some kernels' tiles replaced (the first candidate of each).
         changed = dataclasses.replace(
-            config, **{KERNELS[kernel]: tiles[0][0] for kernel, tiles in args.op_tiles.items()},
-            mosaic_dbias=args.mosaic_dbias[0] if args.mosaic_dbias else None)
-        label = ";".join(filter(None, [
-            args.op_tiles_text,
-            f"mosaic dbias {args.mosaic_dbias[0]}" if args.mosaic_dbias else "",
-        ]))
+            config, **{KERNELS[kernel]: tiles[0][0] for kernel, tiles in args.op_tiles.items()})
+        label = args.op_tiles_text
         fwd_c = jax.jit(lambda *a: msa_row_attention(
             *a[:4], mask.astype(bool), a[4], implementation="pallas", block_config=changed))
         fwd_bwd_c = jax.jit(jax.grad(functools.partial(loss, block_config=changed),
@@ -235,7 +230,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--mosaic-dbias", default="",
         help="Mosaic dbias tiles to time (block_q x block_k x stages x msa_rows, comma-"
-             "separated, e.g. 64x64x2x2); the first also as the op's bias gradient")
+             "separated, e.g. 64x64x2x2), on the Triton forward's residuals")
     parser.add_argument(
         "--tiles", default="",
         help="candidate tiles per kernel (block_q x block_k x warps x stages), e.g. "

@@ -3,7 +3,8 @@
     out = msa_pallas.msa_row_attention(q, k, v, bias, mask, gate)
 
 Modules:
-  attention    the public op and its dispatch
+  attention    the public op, and `explain`, which shows what a call runs
+  dispatch     which kernels run a call, with which tiles, and why
   reference    the plain-jnp path (also the test reference)
   kernels      the Pallas forward and backward kernels and their custom VJP
   block_sizes  tile choice
@@ -19,15 +20,18 @@ Modules:
   sharding, exporting  several devices; jax.export for a GPU target
 """
 
-from msa_pallas.attention import msa_row_attention, resolve_implementation
+from msa_pallas.attention import explain, msa_row_attention, resolve_implementation
 from msa_pallas.block_sizes import BlockConfig, KernelTiles, default_block_config
 from msa_pallas.kernels.mosaic.tiles import MosaicBackwardTiles, MosaicTiles
 from msa_pallas.layers import MSARowAttentionWithPairBias
 from msa_pallas.nnx_layers import MSARowAttentionWithPairBiasNNX
-from msa_pallas import autotune, convert
+from msa_pallas import autotune, convert, dispatch
+from msa_pallas.dispatch import CallPlan
 
 __all__ = [
     "msa_row_attention",
+    "explain",
+    "CallPlan",
     "resolve_implementation",
     "BlockConfig",
     "KernelTiles",
@@ -38,5 +42,6 @@ __all__ = [
     "MSARowAttentionWithPairBiasNNX",
     "autotune",
     "convert",
+    "dispatch",
 ]
 __version__ = "0.1.0"

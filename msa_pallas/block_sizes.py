@@ -117,16 +117,10 @@ class BlockConfig:
         over query tiles, loop over the S MSA rows) whose key tile spans all
         N keys; when set and `block_k >= N` it replaces `backward_dq` and
         `backward_dbias`, sharing one recomputation of the probabilities.
-      mosaic_forward: when set, the forward runs the Mosaic GPU kernel with
-        these tiles instead of the Triton forward (`forward` is then unused).
-      mosaic_backward: when set, the backward runs the Mosaic GPU kernels
-        with these tiles instead of the Triton ones (the `backward_*` fields
-        are then unused). Either backward follows either forward.
-      mosaic_dbias: when set (and `mosaic_backward` is not), the Triton
-        backward's bias gradient runs the Mosaic GPU dbias kernel with these
-        tiles instead (Hopper; float32 inputs too, as bf16 pieces:
-        `kernels.mosaic.backward.backward_dbias`); dk/dv and dq stay on the
-        Triton kernels (`backward_dq_dbias` is then unused).
+      mosaic_forward: the Mosaic GPU forward's tiles, where the call runs it
+        (`msa_pallas.dispatch`); None: its `default_tiles`.
+      mosaic_backward: the Mosaic GPU backward kernels' tiles, where the call
+        runs them; None: their `default_tiles`.
     """
 
     forward: KernelTiles
@@ -136,7 +130,6 @@ class BlockConfig:
     backward_dq_dbias: KernelTiles | None = None
     mosaic_forward: MosaicTiles | None = None
     mosaic_backward: MosaicBackwardTiles | None = None
-    mosaic_dbias: MosaicTiles | None = None
 
     def clipped(self, n_res: int) -> "BlockConfig":
         """Triton tiles no larger than N rounded up to a power of two (the
@@ -152,11 +145,7 @@ class BlockConfig:
 
     def fuses_dq_dbias(self, n_res: int) -> bool:
         """Whether the backward runs the fused dq+dbias kernel at this N."""
-        return (
-            self.mosaic_dbias is None
-            and self.backward_dq_dbias is not None
-            and self.backward_dq_dbias.block_k >= n_res
-        )
+        return self.backward_dq_dbias is not None and self.backward_dq_dbias.block_k >= n_res
 
 
 def default_block_config(n_res: int, head_dim: int, dtype, bias_dtype=None) -> BlockConfig:

@@ -6,17 +6,21 @@ the Pallas kernels:
 
 1. The Triton lowering of a `pallas_call` needs the target GPU's compute
    capability. Without a GPU it reads it from the abstract device of the
-   current abstract mesh; `gpu_target(device_kind)` sets one. The op itself
-   decides between compiled kernels and interpret mode by the same target
-   (`msa_pallas.attention.target_platform`), so under `gpu_target` it lowers
-   the Triton kernels, never the interpret-mode emulation, and
-   `implementation=None` picks the kernels as it would on the GPU.
-2. The kernels lower to the custom call `__gpu$xla.gpu.triton`, which has no
-   cross-version compatibility guarantee, so `jax.export` refuses it unless
-   that safety check is disabled. An exported artifact that contains the
-   kernels must be loaded by the jax / jaxlib release that wrote it (0.11.2
+   current abstract mesh; `gpu_target(device_kind)` sets one. The op plans
+   its kernels for the same target (`msa_pallas.dispatch.current_target`,
+   which reads the GPU generation from the device kind), so under
+   `gpu_target` it lowers compiled kernels, never the interpreters, and
+   `implementation=None` picks the kernels that GPU would run: the Mosaic
+   GPU kernels for an "NVIDIA H200" where the rule takes them (custom call
+   `mosaic_gpu_v2`), the Triton kernels for an "NVIDIA A100".
+   `msa_pallas.explain` under `gpu_target` shows that plan.
+2. The Triton kernels lower to the custom call `__gpu$xla.gpu.triton`, which
+   has no cross-version compatibility guarantee, so `jax.export` refuses it
+   unless that safety check is disabled. An exported artifact that contains
+   them must be loaded by the jax / jaxlib release that wrote it (0.11.2
    here); the Triton IR inside is compiled for the actual GPU when the
-   artifact is compiled.
+   artifact is compiled. Mosaic GPU's custom call is on `jax.export`'s list
+   of stable targets.
 
     exported = msa_pallas.exporting.export(jax.jit(step))(*shape_dtype_structs)
     blob = exported.serialize()          # needs the `flatbuffers` package
@@ -35,6 +39,7 @@ import jax
 from jax.sharding import AbstractDevice, AbstractMesh
 
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
+MOSAIC_CUSTOM_CALL = "mosaic_gpu_v2"
 DEFAULT_DEVICE_KIND = "NVIDIA H200"
 
 
@@ -64,8 +69,10 @@ def export(
       fun: a function (jitted or not) that calls `msa_row_attention`.
       platforms: the target platforms: `("cuda",)` or `("cpu",)` (on CPU the
         kernels are exported in interpret mode, as they run there).
-      device_kind: the target GPU, for the Triton lowering when this host has
-        no GPU (ignored when the default backend is a GPU).
+      device_kind: the target GPU when this host has none: its generation
+        picks the kernels (sm90: the Mosaic GPU kernels where the dispatch
+        rule takes them) and the Triton lowering's compute capability.
+        Ignored when the default backend is a GPU (that GPU is the target).
       disabled_checks: more `jax.export.DisabledSafetyCheck`s.
 
     Returns:

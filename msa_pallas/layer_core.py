@@ -236,11 +236,12 @@ def op_implementation(implementation: str | None, attention_dropout: bool) -> st
     """The `implementation` handed to the op.
 
     The Pallas kernels do not do attention dropout yet (the op raises for
-    `"pallas"` with a rate > 0), so while attention dropout is active a layer
-    configured with `"pallas"` passes `None`, which lets the op pick the path
-    that supports it (today the plain `"xla"` path).
+    `"triton"` / `"pallas"` / `"mosaic"` with a rate > 0), so while attention
+    dropout is active a layer configured with one of them passes `None`,
+    which lets the op pick the path that supports it (today the plain
+    `"xla"` path).
     """
-    if attention_dropout and implementation == "pallas":
+    if attention_dropout and implementation in ("triton", "pallas", "mosaic"):
         return None
     return implementation
 

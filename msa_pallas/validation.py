@@ -17,7 +17,10 @@ from msa_pallas.kernels.mosaic.support import supports as mosaic_supports
 KERNEL_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 XLA_DTYPES = KERNEL_DTYPES + (jnp.dtype(jnp.float64),)
 MAX_KERNEL_HEAD_DIM = 128
-IMPLEMENTATIONS = (None, "pallas", "mosaic", "xla")
+# The names `implementation=` takes (None: the dispatch rule picks one).
+IMPLEMENTATIONS = ("triton", "mosaic", "xla")
+# Older names: "pallas" has always meant the Triton kernels.
+IMPLEMENTATION_ALIASES = {"pallas": "triton"}
 
 
 def shape_str(shape) -> str:
@@ -31,16 +34,24 @@ def _check_float(name: str, x, allowed) -> None:
         raise TypeError(f"{name} has dtype {x.dtype}; expected one of {names}.")
 
 
+def canonical_implementation(implementation) -> str | None:
+    """`implementation` as one of `IMPLEMENTATIONS` (None stays None);
+    ValueError listing the choices for any other name."""
+    if implementation is None or implementation in IMPLEMENTATIONS:
+        return implementation
+    if isinstance(implementation, str) and implementation in IMPLEMENTATION_ALIASES:
+        return IMPLEMENTATION_ALIASES[implementation]
+    choices = ", ".join(repr(name) for name in (None, *IMPLEMENTATIONS, *IMPLEMENTATION_ALIASES))
+    raise ValueError(f"implementation={implementation!r}; expected one of {choices}.")
+
+
 def validate_arguments(q, k, v, bias, mask, gate, scale, implementation) -> None:
     """Raises ValueError / TypeError for arguments `msa_row_attention` cannot take.
 
     Expected: q, k, v, gate `[*batch, S, N, H, d]` of one floating dtype;
     bias `[*batch, H, N, N]` floating; mask `[*batch, S, N]` bool or numeric.
     """
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation={implementation!r}; expected None, 'pallas', 'mosaic' or 'xla'."
-        )
+    implementation = canonical_implementation(implementation)
     for name, x in (("q", q), ("k", k), ("v", v), ("bias", bias)):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be an array; got {type(x).__name__}.")
@@ -111,11 +122,11 @@ def validate_arguments(q, k, v, bias, mask, gate, scale, implementation) -> None
         if reason is not None:
             raise ValueError(
                 f"implementation='mosaic' with q of shape {shape_str(q.shape)}: {reason}. "
-                "Use implementation=None or 'pallas'."
+                "Use implementation=None or 'triton'."
             )
-    if implementation == "pallas" and head_dim > MAX_KERNEL_HEAD_DIM:
+    if implementation == "triton" and head_dim > MAX_KERNEL_HEAD_DIM:
         raise ValueError(
-            f"q has head dim d={head_dim} (shape {shape_str(q.shape)}); the Pallas "
+            f"q has head dim d={head_dim} (shape {shape_str(q.shape)}); the Triton "
             f"kernels support d <= {MAX_KERNEL_HEAD_DIM}. Use implementation='xla'."
         )
 
@@ -136,7 +147,7 @@ def validate_dropout(dropout_rate, dropout_rng, implementation) -> None:
     if dropout_rate > 0.0:
         if dropout_rng is None:
             raise ValueError(f"dropout_rate={dropout_rate} needs dropout_rng, a PRNG key; got None.")
-        if implementation in ("pallas", "mosaic"):
+        if canonical_implementation(implementation) in ("triton", "mosaic"):
             raise ValueError(
                 f"dropout_rate={dropout_rate}: attention dropout is not in the Pallas "
                 "kernels yet; use implementation=None or 'xla'."

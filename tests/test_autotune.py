@@ -10,9 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import helpers
 import msa_pallas
 from msa_pallas import autotune
 from msa_pallas.block_sizes import KernelTiles
+from msa_pallas.kernels.mosaic.tiles import MosaicTiles
 
 SHAPE = (1, 2, 40, 2, 16)  # N = 40: several 16-wide tiles and a tail
 CANDIDATES = {
@@ -112,6 +114,77 @@ def test_returns_the_fastest_candidate(cache_dir):
     assert config.forward == tiles[1] and config.backward_dkdv == tiles[1]
 
 
+MOSAIC_SHAPE = (1, 2, 20, 1, 16)  # N = 20: no multiple of 8, one partial tile
+
+
+def test_mosaic_candidates_are_the_defaults_and_their_neighbours():
+    """Each Mosaic kernel's candidates start with its own default choice (the
+    op's plan) and step one choice from it; no persistent forward off a GPU;
+    no Mosaic forward for float32 (the Triton forward runs there)."""
+    shape = (1, 4, 384, 8, 32)
+    found = autotune.mosaic_candidates(shape, jnp.bfloat16)
+    assert tuple(found) == autotune.MOSAIC_KERNELS
+    q = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((1, 8, 384, 384), jnp.float32)
+    plan = msa_pallas.explain(q, q, q, bias, jax.ShapeDtypeStruct(shape[:3], jnp.bool_),
+                              implementation="mosaic")
+    assert found["mosaic_forward"][0] == plan.forward_tiles
+    for kernel in ("dkdv", "dq", "dbias"):
+        default, *neighbours = found[f"mosaic_{kernel}"]
+        assert default == plan.tiles_of(kernel) and len(neighbours) >= 3
+        for tiles in neighbours:
+            changed = [name for name in ("block_q", "block_k", "num_stages", "msa_rows")
+                       if getattr(tiles, name) != getattr(default, name)]
+            assert len(changed) == 1, (default, tiles)
+    assert not any(tiles.persistent for tiles in found["mosaic_forward"])
+    assert "mosaic_forward" not in autotune.mosaic_candidates(shape, jnp.float32)
+
+
+def test_tunes_the_mosaic_tiles_in_the_interpreter(cache_dir):
+    """`mosaic=True` on CPU: every Mosaic candidate runs in the Mosaic GPU
+    interpreter (a tiny shape), the fastest by the given times is kept per
+    kernel, the op on the result matches float64, and the cache gives the
+    same config back."""
+    small = {name: (KernelTiles(16, 16, 4, 1),) for name in autotune.DEFAULT_CANDIDATES}
+    small["backward_dq_dbias"] = (KernelTiles(16, 32, 4, 1),)
+    mosaic = {
+        name: (MosaicTiles(64, 64, 2, msa_rows=1), MosaicTiles(64, 64, 2, msa_rows=2),
+               MosaicTiles(64, 128, 3, msa_rows=2))
+        for name in autotune.MOSAIC_KERNELS
+    }
+    # A different candidate is fastest for each kernel.
+    times = {name: dict(zip(mosaic[name], np.roll([1.0, 2.0, 3.0], shift)))
+             for shift, name in enumerate(autotune.MOSAIC_KERNELS)}
+    ran = []
+
+    def timer(name, tiles, run):
+        jax.block_until_ready(run())
+        ran.append((name, tiles))
+        return times[name][tiles] if name in times else 1.0
+
+    config = autotune.autotune(MOSAIC_SHAPE, jnp.bfloat16, has_gate=True, mosaic=True,
+                               candidates=small | mosaic, timer=timer)
+    assert {(n, t) for n, t in ran if n in mosaic} == {
+        (n, t) for n in mosaic for t in mosaic[n]}
+    fastest = {name: min(times[name], key=times[name].get) for name in times}
+    assert config.mosaic_forward == fastest["mosaic_forward"]
+    backward = config.mosaic_backward
+    assert (backward.dkdv, backward.dq, backward.dbias) == (
+        fastest["mosaic_dkdv"], fastest["mosaic_dq"], fastest["mosaic_dbias"])
+
+    inputs = helpers.random_inputs(5, 1, 2, 20, 1, 16, jnp.bfloat16, fully_masked_row=True)
+    result = helpers.fwd_bwd("mosaic", block_config=config)(*inputs.args)
+    helpers.assert_shapes_dtypes_finite(result, inputs)
+    helpers.compare(result, helpers.numpy_results(inputs), helpers.tolerance(jnp.bfloat16),
+                    "tuned mosaic")
+    again = autotune.autotune(MOSAIC_SHAPE, jnp.bfloat16, has_gate=True, mosaic=True,
+                              timer=lambda *a: pytest.fail("timed again"))
+    assert again == config
+    # The Triton-only entry is another key: no Mosaic tiles come back from it.
+    assert autotune.cache_key(MOSAIC_SHAPE, jnp.bfloat16, True, True, True) != \
+        autotune.cache_key(MOSAIC_SHAPE, jnp.bfloat16, True, True)
+
+
 def test_rejects_bad_shape(cache_dir):
     with pytest.raises(ValueError, match="expected \\(B, S, N, H, d\\)"):
         autotune.autotune((2, 8, 32), jnp.float32)
@@ -147,6 +220,40 @@ def test_tunes_on_the_gpu(cache_dir, dtype):
 
     tuned = results("pallas", config)
     reference = results("xla")
+    tolerance = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+    for name, got, want in zip(("out", "dq", "dk", "dv", "dbias", "dgate"), tuned, reference):
+        want = np.asarray(want, np.float64)
+        err = np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
+        assert err < tolerance, (name, err, config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_tunes_the_mosaic_tiles_on_the_gpu(cache_dir, dtype):
+    """On Hopper, `autotune` tunes the Mosaic kernels' tiles by default (their
+    default choices and neighbours; those past shared memory skipped), and
+    the op on the result matches the plain-jnp path, forward and gradients."""
+    if not msa_pallas.dispatch.current_target().hopper:
+        pytest.skip("the Mosaic GPU kernels need an sm90 GPU")
+    shape = (1, 8, 256, 4, 32)
+    triton = {name: candidates[:1] for name, candidates in autotune.DEFAULT_CANDIDATES.items()}
+    config = autotune.autotune(shape, dtype, has_gate=True, candidates=triton, iters=3)
+    assert config.mosaic_backward is not None
+    assert (config.mosaic_forward is None) == (dtype == jnp.float32)
+    rng = np.random.default_rng(6)
+    q, k, v, gate, dout = (jnp.asarray(rng.standard_normal(shape), dtype) for _ in range(5))
+    bias = jnp.asarray(rng.standard_normal((1, 4, 256, 256)), jnp.float32)
+    mask = jnp.asarray(rng.random(shape[:3]) > 0.2)
+
+    def results(implementation, block_config=None):
+        def f(q, k, v, bias, gate):
+            return msa_pallas.msa_row_attention(
+                q, k, v, bias, mask, gate,
+                implementation=implementation, block_config=block_config)
+        out, pullback = jax.vjp(f, q, k, v, bias, gate)
+        return (out, *pullback(dout))
+
+    tuned, reference = results("mosaic", config), results("xla")
     tolerance = 2e-2 if dtype == jnp.bfloat16 else 1e-5
     for name, got, want in zip(("out", "dq", "dk", "dv", "dbias", "dgate"), tuned, reference):
         want = np.asarray(want, np.float64)

@@ -452,24 +452,6 @@ def test_split_float32_sums_to_float32():
     assert helpers.rel_err(pieces[0].astype(jnp.float32) + pieces[1], x) > 1e-7
 
 
-def test_triton_backward_with_the_mosaic_float32_dbias(seed):
-    """`BlockConfig.mosaic_dbias` with `implementation="pallas"`, float32:
-    Triton forward, dk/dv and dq, the Mosaic dbias kernel; every gradient
-    matches float64 within float32's tolerance."""
-    inputs = helpers.random_inputs(seed, 1, 2, 72, 1, 32, jnp.float32, fully_masked_row=True)
-    config = dataclasses.replace(
-        default_block_config(72, 32, jnp.float32, jnp.float32),
-        mosaic_dbias=MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=2),
-    )
-    assert not config.fuses_dq_dbias(72)
-    result = helpers.fwd_bwd("pallas", block_config=config)(*inputs.args)
-    helpers.assert_shapes_dtypes_finite(result, inputs)
-    helpers.compare(
-        result, helpers.numpy_results(inputs), helpers.tolerance(jnp.float32), "mosaic dbias f32"
-    )
-
-
-@pytest.mark.parametrize("head_dim", [16, 32, 64])
 def test_float32_kernels_lower_for_the_gpu_on_a_cpu(head_dim):
     """The three kernels with float32 inputs (three bf16 pieces per operand,
     float32 output tiles) lower for CUDA with their default tiles, which

@@ -266,12 +266,12 @@ def test_triton_backward_follows_the_mosaic_forward(seed):
     float64."""
     inputs = helpers.random_inputs(seed, 1, 2, 128, 1, 32, jnp.bfloat16, fully_masked_row=True)
     q, k, v, bias, mask, gate, dout = inputs.args
-    config = dataclasses.replace(
-        default_block_config(128, 32, q.dtype, bias.dtype), mosaic_forward=SMALL_TILES
-    )
+    triton = msa_pallas.explain(q, k, v, bias, mask, gate, implementation="triton")
+    plan = dataclasses.replace(triton, forward="mosaic", forward_tiles=SMALL_TILES)
+    assert plan.interpret
 
     def op(q, k, v, bias, gate):
-        return fused_attention(q, k, v, bias, mask.astype(jnp.int8), gate, 32**-0.5, config, True)
+        return fused_attention(q, k, v, bias, mask.astype(jnp.int8), gate, 32**-0.5, plan)
 
     out, pullback = jax.vjp(op, q, k, v, bias, gate)
     result = (out, pullback(dout))
@@ -493,45 +493,3 @@ def test_tiles_validate_their_fields():
         with pytest.raises(ValueError, match="msa_rows"):
             MosaicTiles(msa_rows=msa_rows)
     assert MosaicTiles(msa_rows=2).msa_rows_for(5) == 1
-
-
-def test_cpu_default_is_xla_and_pallas_means_triton():
-    q = jnp.ones((1, 2, 512, 4, 32), jnp.bfloat16)
-    bias = jnp.ones((1, 4, 512, 512), jnp.float32)
-    assert resolve_implementation(None, q, 0.0, bias) == "xla"
-    assert resolve_implementation("pallas", q, 0.0, bias) == "pallas"
-
-
-def test_default_dispatch_on_hopper(monkeypatch):
-    """The rule `implementation=None` follows on an sm90 GPU (platform
-    patched): the Mosaic kernels where they were measured faster."""
-    from msa_pallas import attention
-
-    monkeypatch.setattr(attention, "on_gpu", lambda: True)
-    monkeypatch.setattr(attention, "on_hopper", lambda: True)
-
-    def picks(n_res, head_dim, dtype, bias_dtype=jnp.float32):
-        q = jax.ShapeDtypeStruct((1, 2, n_res, 4, head_dim), dtype)
-        bias = jax.ShapeDtypeStruct((1, 4, n_res, n_res), bias_dtype)
-        return resolve_implementation(None, q, 0.0, bias)
-
-    # 16-bit: N >= 192 (d = 8 padded to 16).
-    assert picks(384, 32, jnp.bfloat16) == picks(384, 8, jnp.float16) == "mosaic"
-    assert picks(200, 32, jnp.bfloat16) == picks(320, 32, jnp.bfloat16) == "mosaic"
-    assert picks(256, 32, jnp.bfloat16) == "mosaic"
-    assert picks(128, 32, jnp.bfloat16) == "pallas"
-    # N no multiple of 8: the Mosaic kernels where they take it (d <= 64).
-    assert picks(333, 32, jnp.bfloat16) == picks(1001, 8, jnp.bfloat16) == "mosaic"
-    assert picks(250, 32, jnp.bfloat16) == picks(333, 64, jnp.bfloat16) == "mosaic"
-    assert picks(333, 128, jnp.bfloat16) == picks(181, 32, jnp.bfloat16) == "pallas"
-    # float32 with a float32 bias: the Mosaic backward from N = 256, d <= 64.
-    assert picks(256, 32, jnp.float32) == picks(1024, 64, jnp.float32) == "mosaic"
-    assert picks(384, 8, jnp.float32) == "mosaic"
-    assert picks(128, 32, jnp.float32) == picks(320, 32, jnp.float32) == "pallas"
-    assert picks(384, 128, jnp.float32) == "pallas"
-    assert picks(384, 32, jnp.float32, jnp.bfloat16) == "pallas"
-    # The forward: Mosaic for 16-bit, Triton for float32 (three TF32 products).
-    resolve = attention.resolve_forward_kernel
-    assert resolve("mosaic", jnp.bfloat16) == resolve("mosaic", jnp.float16) == "mosaic"
-    assert resolve("mosaic", jnp.float32) == resolve("pallas", jnp.bfloat16) == "triton"
-    assert resolve("xla", jnp.bfloat16) == "xla"

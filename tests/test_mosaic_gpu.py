@@ -271,10 +271,10 @@ def test_default_picks_on_hopper():
     for n_res, head_dim in ((256, 32), (384, 32), (384, 8), (1024, 64), (200, 32), (320, 32),
                             (250, 32), (333, 8), (333, 64)):
         assert picks(n_res, head_dim) == MOSAIC, (n_res, head_dim)
-    assert picks(128, 32) == picks(250, 128) == "pallas"
+    assert picks(128, 32) == picks(250, 128) == "triton"
     # float32 with a float32 bias: the Triton forward, the Mosaic backward.
     assert picks(384, 32, jnp.float32) == MOSAIC
-    assert picks(320, 32, jnp.float32) == "pallas"
+    assert picks(320, 32, jnp.float32) == "triton"
 
 
 @pytest.mark.parametrize("bias_id", list(BIAS_DTYPES))

@@ -170,6 +170,10 @@ def _triton_calls(exported) -> int:
     return exported.mlir_module().count(f"@{exporting.TRITON_CUSTOM_CALL}(")
 
 
+def _mosaic_calls(exported) -> int:
+    return exported.mlir_module().count(f"@{exporting.MOSAIC_CUSTOM_CALL}(")
+
+
 @pytest.mark.parametrize("implementation", [PALLAS, None])
 def test_export_kernels_for_cuda_from_any_host(implementation):
     """Forward + backward exported for CUDA: the Triton kernels (forward with
@@ -191,6 +195,33 @@ def test_export_kernels_for_cuda_from_any_host(implementation):
     assert restored.platforms == ("cuda",)
     assert _triton_calls(restored) == kernels
     assert restored.in_avals == exported.in_avals
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the local GPU is the target there")
+@pytest.mark.parametrize("device_kind, kernels", [
+    ("NVIDIA H200", "mosaic"), ("NVIDIA H100 80GB HBM3", "mosaic"), ("NVIDIA A100", "triton"),
+])
+def test_export_holds_the_kernels_that_gpu_runs(device_kind, kernels):
+    """`implementation=None` exported for a GPU holds the kernels that GPU
+    would run (the plan sees the abstract device's generation): on an sm90
+    device kind at N = 192 (16-bit, where the Mosaic kernels are the
+    default) the Mosaic GPU forward, dk/dv, dq and dbias kernels and no
+    Triton call; on an A100 the Triton kernels only. `explain` under the
+    same target says the same."""
+    n_res, head_dim = 192, 16
+    rows = jax.ShapeDtypeStruct((1, 2, n_res, 2, head_dim), jnp.bfloat16)
+    args = (rows, rows, rows, jax.ShapeDtypeStruct((1, 2, n_res, n_res), jnp.float32),
+            jax.ShapeDtypeStruct((1, 2, n_res), jnp.bool_), rows)
+    exported = exporting.export(_train_step(None), device_kind=device_kind)(*args)
+    with exporting.gpu_target(device_kind):
+        plan = msa_pallas.explain(*args)
+    assert plan.implementation == kernels and not plan.interpret
+    if kernels == "mosaic":
+        assert (_mosaic_calls(exported), _triton_calls(exported)) == (4, 0)
+    else:
+        expected = helpers.expected_kernel_calls(n_res, head_dim, jnp.bfloat16)
+        assert (_mosaic_calls(exported), _triton_calls(exported)) == (0, expected)
+    assert "stablehlo.while" not in exported.mlir_module()  # no interpreter loops
 
 
 def test_export_refuses_the_triton_call_without_the_helper():

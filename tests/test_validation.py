@@ -128,9 +128,10 @@ def test_head_dim_256_with_pallas():
     assert trace(args).shape == (B, S, N, H, 256)
 
 
-@pytest.mark.parametrize("name", ["triton", "Pallas", "cudnn", ""])
+@pytest.mark.parametrize("name", ["Triton", "Pallas", "cudnn", ""])
 def test_unknown_implementation(name):
-    with expect(ValueError, f"implementation={name!r}", "expected None, 'pallas', 'mosaic' or 'xla'"):
+    choices = "expected one of None, 'triton', 'mosaic', 'xla', 'pallas'"
+    with expect(ValueError, f"implementation={name!r}", choices):
         trace(good(), implementation=name)
 
 

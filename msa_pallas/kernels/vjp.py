@@ -7,11 +7,10 @@ input dtype for the matrix units, and `delta = sum_d do * o`;
 `dgate = dout * o * sigmoid(g) * (1 - sigmoid(g))`. XLA fuses these
 elementwise steps into one pass over the rows.
 
-Either backend's forward (Triton, or Mosaic GPU when `config.mosaic_forward`
-is set) saves the same residuals, and either backend's backward (Mosaic GPU
-when `config.mosaic_backward` is set) follows either forward. With
-`config.mosaic_dbias` the Triton backward takes its bias gradient from the
-Mosaic dbias kernel (float32 inputs too, in bf16 pieces).
+Which kernels run, with which tiles, is the `dispatch.CallPlan` the op
+passes in; this file branches on it alone. Either backend's forward (Triton
+or Mosaic GPU) saves the same residuals, and either backend's backward
+follows either forward.
 
 The forward saves o in float32. delta must be computed from the same `do`
 the kernels multiply with v, and from an o that rounding has not moved away
@@ -34,7 +33,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from msa_pallas.block_sizes import BlockConfig
 from msa_pallas.kernels.mosaic import backward as mosaic_backward
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
 from msa_pallas.kernels.mosaic.support import pad_head_dim
@@ -51,6 +49,18 @@ _FORWARD_IN = (QUERY_ROWS, KEY_ROWS, KEY_ROWS, BIAS, MASK, QUERY_ROWS)
 _BACKWARD_IN = (QUERY_ROWS, KEY_ROWS, KEY_ROWS, BIAS, MASK, QUERY_ROWS, STATS, STATS, STATS)
 _MOSAIC_BACKWARD_IN = (QUERY_ROWS, KEY_ROWS, KEY_ROWS, BIAS, MASK, QUERY_ROWS, STACKED_STATS)
 
+# The Triton backward kernels by the names a plan gives them (looked up when
+# called, so that a patched module attribute is the one that runs), and
+# their outputs' layouts.
+_TRITON_BACKWARD = {
+    "dkdv": (lambda: backward_dkdv, (KEY_ROWS, KEY_ROWS)),
+    "dq": (lambda: backward_dq, (QUERY_ROWS,)),
+    "dbias": (lambda: backward_dbias, (BIAS,)),
+    "dq_dbias": (lambda: backward_dq_dbias, (QUERY_ROWS, BIAS)),
+}
+# The gradients each backward kernel (either backend) returns.
+_OUTPUTS = {"dkdv": ("dk", "dv"), "dq": ("dq",), "dbias": ("dbias",), "dq_dbias": ("dq", "dbias")}
+
 
 def _mosaic_call(kernel, args, in_layouts, out_layouts, *, interpret: bool) -> tuple:
     """`partitioned_call` for a Mosaic GPU kernel. The Mosaic GPU
@@ -61,105 +71,74 @@ def _mosaic_call(kernel, args, in_layouts, out_layouts, *, interpret: bool) -> t
     return partitioned_call(kernel, args, in_layouts, out_layouts)
 
 
-def _forward(q, k, v, bias, mask, gate, *, scale, config, interpret, save_stats):
-    if config.mosaic_forward is not None:
-        forward, tiles = mosaic_forward.attention_forward, config.mosaic_forward
-    else:
-        forward, tiles = triton_forward.attention_forward, config.forward
+def _forward(q, k, v, bias, mask, gate, *, scale, plan, save_stats):
+    mosaic = plan.forward == "mosaic"
+    forward = mosaic_forward.attention_forward if mosaic else triton_forward.attention_forward
     kernel = functools.partial(
-        forward, scale=scale, tiles=tiles, interpret=interpret, save_stats=save_stats,
+        forward, scale=scale, tiles=plan.forward_tiles, interpret=plan.interpret,
+        save_stats=save_stats,
     )
     outs = (QUERY_ROWS, QUERY_ROWS, STATS, STATS) if save_stats else (QUERY_ROWS,)
     args = (q, k, v, bias, mask, gate)
-    if config.mosaic_forward is not None:
-        return _mosaic_call(kernel, args, _FORWARD_IN, outs, interpret=interpret)
+    if mosaic:
+        return _mosaic_call(kernel, args, _FORWARD_IN, outs, interpret=plan.interpret)
     return partitioned_call(kernel, args, _FORWARD_IN, outs)
 
 
-def _backward(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, config, interpret):
+def _backward(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, plan):
     """dq, dk, dv `[B, S, N, H, d]` in q's dtype and dbias `[B, H, N, N]`
-    float32 (summed over S).
+    float32 (summed over S), from the plan's backward kernels.
 
     The bias gradient leaves the kernels in float32 whatever the bias dtype,
     so that the sum over the devices that shard S (a psum) is a float32 sum,
     rounded once by the caller.
     """
-    if config.mosaic_backward is not None:
+    if plan.backward == "mosaic":
         return _mosaic_backward(
-            q, k, v, bias, mask, do, row_max, row_log2_sum, delta,
-            scale=scale, tiles=config.mosaic_backward, interpret=interpret,
+            q, k, v, bias, mask, do, row_max, row_log2_sum, delta, scale=scale, plan=plan
         )
     operands = (q, k, v, bias, mask, do, row_max, row_log2_sum, delta)
-    bind = lambda kernel, tiles, **extra: functools.partial(
-        kernel, scale=scale, tiles=tiles, interpret=interpret, **extra
-    )
-    dk, dv = partitioned_call(
-        bind(backward_dkdv, config.backward_dkdv), operands, _BACKWARD_IN, (KEY_ROWS, KEY_ROWS)
-    )
-    if config.fuses_dq_dbias(q.shape[2]):
-        dq, dbias = partitioned_call(
-            bind(backward_dq_dbias, config.backward_dq_dbias, dbias_dtype=jnp.float32),
-            operands, _BACKWARD_IN, (QUERY_ROWS, BIAS),
+    grads = {}
+    for name, tiles in plan.backward_tiles:
+        kernel, out_layouts = _TRITON_BACKWARD[name]
+        extra = {"dbias_dtype": jnp.float32} if "dbias" in name else {}
+        bound = functools.partial(
+            kernel(), scale=scale, tiles=tiles, interpret=plan.interpret, **extra
         )
-        return dq, dk, dv, dbias
-    (dq,) = partitioned_call(
-        bind(backward_dq, config.backward_dq), operands, _BACKWARD_IN, (QUERY_ROWS,)
-    )
-    if config.mosaic_dbias is not None:
-        operands = _mosaic_backward_operands(q, k, v, bias, mask, do, row_max, row_log2_sum, delta)
-        (dbias,) = _mosaic_backward_call(
-            mosaic_backward.backward_dbias, operands, config.mosaic_dbias, (BIAS,),
-            scale=scale, interpret=interpret,
-        )
-        return dq, dk, dv, dbias
-    (dbias,) = partitioned_call(
-        bind(backward_dbias, config.backward_dbias, dbias_dtype=jnp.float32),
-        operands, _BACKWARD_IN, (BIAS,),
-    )
-    return dq, dk, dv, dbias
+        outs = partitioned_call(bound, operands, _BACKWARD_IN, out_layouts)
+        grads.update(zip(_OUTPUTS[name], outs))
+    return grads["dq"], grads["dk"], grads["dv"], grads["dbias"]
 
 
-def _mosaic_backward(
-    q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, tiles, interpret
-):
-    """`_backward` on the Mosaic GPU kernels (`kernels/mosaic/backward.py`)."""
-    operands = _mosaic_backward_operands(q, k, v, bias, mask, do, row_max, row_log2_sum, delta)
-    call = functools.partial(
-        _mosaic_backward_call, operands=operands, scale=scale, interpret=interpret
-    )
-    dk, dv = call(
-        mosaic_backward.backward_dkdv, kernel_tiles=tiles.dkdv, out_layouts=(KEY_ROWS, KEY_ROWS),
-        ping_pong=tiles.ping_pong,
-    )
-    (dq,) = call(
-        mosaic_backward.backward_dq, kernel_tiles=tiles.dq, out_layouts=(QUERY_ROWS,),
-        ping_pong=tiles.ping_pong,
-    )
-    (dbias,) = call(
-        mosaic_backward.backward_dbias, kernel_tiles=tiles.dbias, out_layouts=(BIAS,)
-    )
-    head_dim = q.shape[-1]
-    return dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim], dbias
-
-
-def _mosaic_backward_operands(q, k, v, bias, mask, do, row_max, row_log2_sum, delta):
-    """The Mosaic backward kernels' operands: q, k, v and `do` as they are
-    where the kernels read two heads per tile (16-bit d = 8 with an even H,
-    `mosaic.backward.tile_heads`), other d < 16 zero-padded to 16
-    (`common.pad_head_dim`; for the Mosaic forward the op has padded them
-    already, the Triton forward that a float32 Mosaic backward follows takes
-    d = 8 as it is), and the three row statistics stacked into one
-    `[B, S, H, 3, N]` array, one TMA copy per tile instead of three."""
-    if mosaic_backward.tile_heads(q.shape, q.dtype) == 1:
+def _mosaic_backward(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, plan):
+    """`_backward` on the Mosaic GPU kernels (`kernels/mosaic/backward/`):
+    q, k, v and `do` zero-padded to the plan's `backward_head_dim` where it
+    is wider than d (for the Mosaic forward the op has padded them already;
+    the Triton forward that a float32 Mosaic backward follows takes d = 8 as
+    it is), and the three row statistics stacked into one `[B, S, H, 3, N]`
+    array, one TMA copy per tile instead of three."""
+    head_dim = q.shape[-1]  # wider than the call's where the op padded it
+    if plan.backward_head_dim > head_dim:
         q, k, v, do = (pad_head_dim(x) for x in (q, k, v, do))
-    return q, k, v, bias, mask, do, jnp.stack([row_max, row_log2_sum, delta], axis=3)
-
-
-def _mosaic_backward_call(kernel, operands, kernel_tiles, out_layouts, *, scale, interpret,
-                          **extra):
-    """One Mosaic backward kernel on `_mosaic_backward_operands` (`_mosaic_call`)."""
-    bound = functools.partial(kernel, scale=scale, tiles=kernel_tiles, interpret=interpret, **extra)
-    return _mosaic_call(bound, operands, _MOSAIC_BACKWARD_IN, out_layouts, interpret=interpret)
+    operands = (q, k, v, bias, mask, do, jnp.stack([row_max, row_log2_sum, delta], axis=3))
+    turns = {"ping_pong": plan.ping_pong}
+    kernels = {
+        "dkdv": (mosaic_backward.backward_dkdv, (KEY_ROWS, KEY_ROWS), turns),
+        "dq": (mosaic_backward.backward_dq, (QUERY_ROWS,), turns),
+        "dbias": (mosaic_backward.backward_dbias, (BIAS,), {}),
+    }
+    grads = {}
+    for name, tiles in plan.backward_tiles:
+        kernel, out_layouts, extra = kernels[name]
+        bound = functools.partial(
+            kernel, scale=scale, tiles=tiles, interpret=plan.interpret, **extra
+        )
+        outs = _mosaic_call(
+            bound, operands, _MOSAIC_BACKWARD_IN, out_layouts, interpret=plan.interpret
+        )
+        grads.update(zip(_OUTPUTS[name], outs))
+    return (grads["dq"][..., :head_dim], grads["dk"][..., :head_dim],
+            grads["dv"][..., :head_dim], grads["dbias"])
 
 
 def kernel_bias(bias, dtype):
@@ -176,30 +155,27 @@ def kernel_bias(bias, dtype):
     return bias.astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def fused_attention(
-    q, k, v, bias, mask, gate, scale: float, config: BlockConfig, interpret: bool,
-    bias_dtype: str | None = None,
-):
-    """Pallas MSA row attention on `[B, S, N, H, d]` inputs (see `attention_forward`).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def fused_attention(q, k, v, bias, mask, gate, scale: float, plan):
+    """Pallas MSA row attention on `[B, S, N, H, d]` inputs (see `attention_forward`),
+    on the kernels and tiles of `plan` (a `dispatch.CallPlan`; q, k, v and
+    the gate already zero-padded to its `forward_head_dim`).
 
     Differentiable in q, k, v, bias and gate; mask (`[B, S, N]` int8) is not.
-    `bias_dtype` (a dtype name, or None for the bias's own) is the dtype the
-    kernels read the bias in (`kernel_bias`); the bias gradient is summed in
-    float32 and returned in the bias's own dtype either way.
+    The kernels read the bias in `plan.bias_dtype` (`kernel_bias`); the bias
+    gradient is summed in float32 and returned in the bias's own dtype.
     """
     (out,) = _forward(
-        q, k, v, kernel_bias(bias, bias_dtype), mask, gate,
-        scale=scale, config=config, interpret=interpret, save_stats=False,
+        q, k, v, kernel_bias(bias, plan.bias_dtype), mask, gate,
+        scale=scale, plan=plan, save_stats=False,
     )
     return out
 
 
-def _fused_attention_fwd(q, k, v, bias, mask, gate, scale, config, interpret, bias_dtype):
-    rounded_bias = kernel_bias(bias, bias_dtype)
+def _fused_attention_fwd(q, k, v, bias, mask, gate, scale, plan):
+    rounded_bias = kernel_bias(bias, plan.bias_dtype)
     out, attention, row_max, row_log2_sum = _forward(
-        q, k, v, rounded_bias, mask, gate,
-        scale=scale, config=config, interpret=interpret, save_stats=True,
+        q, k, v, rounded_bias, mask, gate, scale=scale, plan=plan, save_stats=True,
     )
     # The bias's own dtype travels as a zero-size array: residuals are arrays.
     bias_dtype_token = jnp.zeros((0,), bias.dtype)
@@ -221,7 +197,7 @@ def _round_to(x32, dtype):
     return jax.lax.reduce_precision(x32, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
-def _fused_attention_bwd(scale, config, interpret, bias_dtype, residuals, dout):
+def _fused_attention_bwd(scale, plan, residuals, dout):
     q, k, v, bias, bias_dtype_token, mask, gate, attention, row_max, row_log2_sum = residuals
     dout32 = dout.astype(jnp.float32)
     if gate is None:
@@ -257,7 +233,7 @@ def _fused_attention_bwd(scale, config, interpret, bias_dtype, residuals, dout):
     delta = jnp.swapaxes(delta, 2, 3)
     dq, dk, dv, dbias = _backward(
         q, k, v, bias, mask, do, row_max, row_log2_sum, delta,
-        scale=scale, config=config, interpret=interpret,
+        scale=scale, plan=plan,
     )
     return dq, dk, dv, dbias.astype(bias_dtype_token.dtype), None, dgate
 
