@@ -45,9 +45,9 @@ def randomised(params, seed):
 def run_both(extra_msa, inputs, seed, **options):
     forward = alphafold2.evoformer_iteration(extra_msa=extra_msa)
     key = jax.random.key(seed)
-    params = forward.init(key, *inputs)
+    params = jax.jit(forward.init)(key, *inputs)
     with alphafold2.patched(**options):
-        patched_params = forward.init(key, *inputs)
+        patched_params = jax.jit(forward.init)(key, *inputs)
         patched_out = jax.jit(forward.apply)(randomised(params, seed), key, *inputs)
     # The drop-ins create AF2's parameter tree with AF2's initial values.
     assert jax.tree.structure(patched_params) == jax.tree.structure(params)
