@@ -24,7 +24,8 @@ inside keeps the drop-ins in its cache.
 
 Options are handed to every drop-in: `implementation` and `block_config`
 (the op's; None picks the kernels on a GPU and plain XLA elsewhere), and
-`precision` of the projections, by default `Precision.DEFAULT`, the
+`inference_chunk_bytes` (rows in chunks at inference, see
+`drop_in_modules`), and `precision` of the projections, by default `Precision.DEFAULT`, the
 precision AlphaFold2's own einsums run at (TF32 for float32 on a recent
 GPU); pass `jax.lax.Precision.HIGHEST` for exact float32 projections.
 AlphaFold2's `global_config.subbatch_size` chunking has nothing to chunk in
@@ -47,27 +48,34 @@ __all__ = ["patch_alphafold2", "patched", "drop_in_modules", "PATCHED_NAMES"]
 PATCHED_NAMES = ("MSARowAttentionWithPairBias", "TriangleAttention")
 
 
+INFERENCE_CHUNK_BYTES = 256 * 2**20
+
+
 def drop_in_modules(*, implementation: str | None = None, block_config: Any = None,
-                    precision: Any = jax.lax.Precision.DEFAULT,
-                    mask_mode: str = "replace") -> dict[str, type]:
+                    precision: Any = jax.lax.Precision.DEFAULT, mask_mode: str = "replace",
+                    inference_chunk_bytes: int | None = INFERENCE_CHUNK_BYTES) -> dict[str, type]:
     """The drop-in classes, with the options bound, under AlphaFold2's names.
 
     Each is called as AF2 calls its module: `cls(config, global_config, name=...)`.
     `mask_mode` is the row attention's (`msa_pallas.haiku`); `"replace"`
-    reproduces AF2's clipped additive mask exactly.
+    reproduces AF2's clipped additive mask exactly. `inference_chunk_bytes`
+    (256 MiB; None: off): at inference the rows go through the projections
+    and the op in chunks whose projections take at most that much, where AF2
+    chunks 4 rows at a time (`subbatch_size`) for the same end; training
+    runs every row at once, as AF2 does.
     """
 
     class PatchedMSARowAttentionWithPairBias(MSARowAttentionWithPairBias):
         def __init__(self, config, global_config, name="msa_row_attention_with_pair_bias"):
             super().__init__(config, global_config, name=name, mask_mode=mask_mode,
                              implementation=implementation, block_config=block_config,
-                             precision=precision)
+                             precision=precision, inference_chunk_bytes=inference_chunk_bytes)
 
     class PatchedTriangleAttention(TriangleAttention):
         def __init__(self, config, global_config, name="triangle_attention"):
             super().__init__(config, global_config, name=name,
                              implementation=implementation, block_config=block_config,
-                             precision=precision)
+                             precision=precision, inference_chunk_bytes=inference_chunk_bytes)
 
     return {"MSARowAttentionWithPairBias": PatchedMSARowAttentionWithPairBias,
             "TriangleAttention": PatchedTriangleAttention}

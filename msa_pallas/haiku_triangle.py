@@ -31,7 +31,8 @@ Masks: AF2 adds `-1e9 * (1 - mask)` and clips the logits to +-1e8, so every
 masked logit becomes -1e8 and a row with no key kept gets uniform weights;
 the op replaces masked logits with -1e9: the same weights. AF2's
 `subbatch_size` chunking is not reproduced (the op needs none); dropout is
-applied outside the module by AF2's `dropout_wrapper`. Precision and dtypes
+applied outside the module by AF2's `dropout_wrapper` (`inference_chunk_bytes`
+bounds the projections' memory at inference instead). Precision and dtypes
 as `msa_pallas.haiku.MSARowAttentionWithPairBias`: float32 parameters, the
 layer norm and the bias in float32, the projections and the attention in the
 pair's dtype.
@@ -44,7 +45,7 @@ from typing import Any
 import haiku as hk
 import jax.numpy as jnp
 
-from msa_pallas.haiku import _Attention, _config_value, _is_half
+from msa_pallas.haiku import _Attention, _config_value, _is_half, inference_row_chunk
 from msa_pallas.layer_core import LAYER_NORM_EPS, resolve_precision
 from msa_pallas.validation import shape_str
 
@@ -69,14 +70,18 @@ class TriangleAttention(hk.Module):
       implementation, block_config: passed to `msa_pallas.msa_row_attention`.
       precision: matmul precision of the projections and the bias; None:
         `HIGHEST` for float32, the default for 16-bit.
+      inference_chunk_bytes: None: all rows in one op call. A byte count: at
+        inference the rows of the pair go through the projections and the op
+        in chunks whose q, k, v, gate and output take at most that much.
     """
 
     takes_residual = True  # AF2's dropout_wrapper then hands the residual in
 
     def __init__(self, config, global_config, name: str = "triangle_attention", *,
                  implementation: str | None = None, block_config: Any = None,
-                 precision: Any = None):
+                 precision: Any = None, inference_chunk_bytes: int | None = None):
         super().__init__(name=name)
+        self.inference_chunk_bytes = inference_chunk_bytes
         self.config = config
         self.global_config = global_config
         self.implementation = implementation
@@ -89,13 +94,12 @@ class TriangleAttention(hk.Module):
         Args:
           pair_act: `[N_res, N_res, c_z]` (leading batch axes accepted).
           pair_mask: `[N_res, N_res]` 0/1 mask (nonzero keeps), or None.
-          is_training: unused (AF2 uses it only to pick its chunking).
+          is_training: True turns `inference_chunk_bytes` off.
           residual: added to the update when given (AF2's fused residual).
 
         Returns:
           The update `[N_res, N_res, c_z]` (plus `residual`), pair_act's dtype.
         """
-        del is_training
         what = "config (triangle_attention)"
         num_head = int(_config_value(self.config, "num_head", what))
         gating = bool(_config_value(self.config, "gating", what))
@@ -138,6 +142,8 @@ class TriangleAttention(hk.Module):
             output_dim=c_z, param_dtype=param_dtype,
             precision=resolve_precision(self.precision, dtype, dtype),
             implementation=self.implementation, block_config=self.block_config,
+            row_chunk=None if is_training else inference_row_chunk(
+                x.shape, dtype, num_head, head_dim, self.inference_chunk_bytes),
         )
         out = attention(x.astype(dtype), mask, bias)
         if column:

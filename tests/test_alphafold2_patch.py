@@ -59,8 +59,12 @@ def run_both(extra_msa, inputs, seed, **options):
 
 @pytest.mark.parametrize("extra_msa", [False, True], ids=["evoformer", "extra_msa"])
 def test_patched_evoformer_iteration_matches_alphafold2_float32(seed, extra_msa):
-    inputs = evoformer_inputs(seed, S=4, N=16, c_m=64 if extra_msa else 32, c_z=16)
-    patched_out, plain_out = run_both(extra_msa, inputs, seed, implementation="xla")
+    """With inference chunks of a few rows (3 of the 4 MSA rows, 6 or 3 of the
+    16 pair rows: the last chunk padded), the lax.map path of the drop-ins."""
+    c_m = 64 if extra_msa else 32
+    inputs = evoformer_inputs(seed, S=4, N=16, c_m=c_m, c_z=16)
+    patched_out, plain_out = run_both(extra_msa, inputs, seed, implementation="xla",
+                                      inference_chunk_bytes=3 * 6 * 16 * c_m * 4)
     for got, want in zip(patched_out, plain_out):
         assert got.dtype == want.dtype == jnp.float32
         assert rel_err(got, want) < 1e-5

@@ -210,3 +210,36 @@ def test_gpu_triangle_matches_reference(seed, starting, dtype):
     layer = triangle_module_from_variables(variables, starting=starting, dtype=dtype)
     out = jax.jit(layer.apply)(variables, jnp.asarray(z, dtype), mask)
     assert rel_err(out, reference(z, mask, p, starting)) < (1e-4 if dtype == jnp.float32 else 2e-2)
+
+
+def test_haiku_inference_chunks_equal_one_call(seed):
+    """inference_chunk_bytes: rows in lax.map chunks (the last padded) at inference
+    give the unchunked result; training ignores it."""
+    import haiku as hk
+    from msa_pallas.haiku_triangle import TriangleAttention as HaikuTriangleAttention
+
+    rng = np.random.default_rng(seed)
+    p = random_af2_params(rng, 16, 2, 8)
+    z, mask = pair_inputs(rng, (), 10, 16)
+    node = "triangle_attention_ending_node"
+    params = {node: {"feat_2d_weights": p["feat_2d_weights"]},
+              f"{node}/query_norm": {"scale": p["query_norm/scale"],
+                                     "offset": p["query_norm/offset"]},
+              f"{node}/attention": {k.split("/")[1]: v for k, v in p.items()
+                                    if k.startswith("attention/")}}
+    config = dict(num_head=2, gating=True, orientation="per_column")
+    outs, jaxprs = {}, {}
+    for chunk_bytes, training in ((None, False), (3 * 6 * 10 * 16 * 4, False),
+                                  (3 * 6 * 10 * 16 * 4, True)):
+        forward = hk.transform(lambda x, m, cb=chunk_bytes, t=training: HaikuTriangleAttention(
+            config, dict(zero_init=True), name=node, implementation="xla",
+            inference_chunk_bytes=cb)(x, m, is_training=t))
+        apply = lambda x, m, f=forward: f.apply(params, None, x, m)
+        outs[chunk_bytes, training] = apply(z, mask)
+        jaxprs[chunk_bytes, training] = str(jax.make_jaxpr(apply)(z, mask))
+    chunked = (3 * 6 * 10 * 16 * 4, False)
+    assert "scan" in jaxprs[chunked] and "scan" not in jaxprs[None, False]
+    assert "scan" not in jaxprs[3 * 6 * 10 * 16 * 4, True]
+    expected = reference(z, mask, p, starting=False)
+    for out in outs.values():
+        assert rel_err(out, expected) < 1e-5
