@@ -8,7 +8,9 @@ The block is `alphafold.model.modules.EvoformerIteration` of alphafold-colabfold
   = 4 inference chunking of the row and triangle attention as it is);
 - `patched`: the same block traced inside `msa_pallas.alphafold2.patched()`: its
   MSARowAttentionWithPairBias and both TriangleAttention modules on the fused op
-  (the op's default kernels), everything else AlphaFold2's.
+  (the op's default kernels; at inference the rows in chunks of
+  `--inference-chunk-mib` of projections, the patch's default 256), everything
+  else AlphaFold2's.
 
 Same random parameters (every weight moved off AF2's zero init) and inputs for
 both. For each block, N, dtype and mode:
@@ -135,7 +137,8 @@ def run_cell(block, n, dtype_name, mode, variant, args, params_cache, outputs):
     try:
         start = time.perf_counter()
         if variant == "patched":
-            with alphafold2.patched():
+            chunk = args.inference_chunk_mib * 2**20 if args.inference_chunk_mib else None
+            with alphafold2.patched(inference_chunk_bytes=chunk):
                 compiled = jax.jit(step_fn(forward, mode)).lower(params, key, *inputs).compile()
         else:
             compiled = jax.jit(step_fn(forward, mode)).lower(params, key, *inputs).compile()
@@ -195,6 +198,8 @@ def main(argv=None):
     parser.add_argument("--blocks", default="evoformer,extra_msa")
     parser.add_argument("--msa-depth", type=int, default=512)
     parser.add_argument("--extra-depth", type=int, default=1024)
+    parser.add_argument("--inference-chunk-mib", type=int, default=256,
+                        help="the patched modules' inference row chunks (0: none)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--reps", type=int, default=1)
