@@ -120,9 +120,9 @@ def test_alphafold2_stacked_params_linen_nnx_and_haiku(seed, starting):
     assert rel_err(layer.apply(variables, z, mask), expected) < 1e-5
     nnx_layer = TriangleAttentionNNX.from_linen(layer, variables)
     assert rel_err(nnx_layer(z, mask), expected) < 1e-5
-    chex_tree = nnx_layer.to_linen_variables()
+    round_trip = nnx_layer.to_linen_variables()
     assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)),
-                                     chex_tree, variables))
+                                     round_trip, variables))
 
     config = dict(num_head=heads, gating=True,
                   orientation="per_row" if starting else "per_column")
