@@ -21,6 +21,17 @@
 # is not fetched: benchmarks/packages.py provides a stand-in for the one
 # module tokamax imports from it (benchmarks/_stubs/xprof).
 #
+# AlphaFold2's own model for benchmarks/bench_evoformer.py and
+# tests/test_alphafold2_patch.py go into DIR/alphafold (install them, with
+# DIR/test's dm-haiku, into a --target folder put on PYTHONPATH: README,
+# "Inside AlphaFold2 / OpenFold / AlphaFold3-style models"). They are fetched
+# with --no-deps: of alphafold-colabfold's declared dependencies only dm-tree,
+# ml-collections and immutabledict (and theirs: wrapt, attrs, PyYAML) are
+# imported by its model code; absl-py, numpy and scipy are in the GPU image;
+# pandas and biopython (its data pipeline) are not needed; colabfold-kernels'
+# CUDA kernel wheels serve only its own cuda_legacy backend, which AlphaFold2's
+# default configuration (use_pallas False) never loads.
+#
 # Environment: PYTHON (default python3; any Python with pip: the target
 # interpreter is given by --python-version), MAX_MB (default 55: exit 1 when
 # the wheels in DIR add up to more, to keep the copy carried to the GPU
@@ -67,6 +78,17 @@ TEST_WHEELS=(
     dm-haiku==0.0.17
     jmp==0.0.4
     tabulate==0.10.0
+)
+
+# AlphaFold2 (alphafold.model.modules and its imports), into DIR/alphafold:
+ALPHAFOLD_WHEELS=(
+    alphafold-colabfold==2.3.27
+    colabfold-kernels==0.9.0
+    ml-collections==1.1.0
+    dm-tree==0.1.10
+    wrapt==2.5.2
+    attrs==26.1.0
+    pyyaml==6.0.4
 )
 
 BASE_PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64
@@ -125,6 +147,14 @@ for spec in "${TEST_WHEELS[@]}"; do
         --only-binary=:all: --python-version 3.12 -d "$DIR/test" "$spec" || failed+=("$spec")
 done
 echo "test wheels in $DIR/test: $(cd "$DIR/test" && ls *.whl 2>/dev/null | tr '\n' ' ')"
+mkdir -p "$DIR/alphafold"
+for spec in "${ALPHAFOLD_WHEELS[@]}"; do
+    # dm-tree, wrapt and PyYAML have compiled parts: the GPU image's platform tags.
+    download "$DIR/alphafold" "$spec" "${BASE_PLATFORMS[@]}" \
+        || download "$DIR/alphafold" "$spec" "${BASE_PLATFORMS[@]}" "${MORE_PLATFORMS[@]}" \
+        || failed+=("$spec")
+done
+echo "AlphaFold2 wheels in $DIR/alphafold: $(cd "$DIR/alphafold" && ls *.whl 2>/dev/null | tr '\n' ' ')"
 
 echo
 echo "wheels in $DIR:"

@@ -15,7 +15,12 @@ Modules:
   layers       the flax.linen layer MSARowAttentionWithPairBias
   nnx_layers   the same layer in flax.nnx
   haiku        AlphaFold2's Haiku module on the fused op (optional dm-haiku)
-  convert      weight converters (PyTorch reference, OpenFold, AlphaFold2)
+  triangle     triangle attention (starting / ending node), linen and NNX
+  haiku_triangle  AlphaFold2's Haiku TriangleAttention on the fused op
+  alphafold2   the patch that puts the Haiku drop-ins into AlphaFold2's model
+  dot_product_attention  tokamax's / AlphaFold3's attention call on the op
+  convert      weight converters (PyTorch reference, OpenFold, AlphaFold2;
+               the triangle modules' in convert_triangle)
   weight_checks  reading the converters' weight dictionaries
   sharding, exporting  several devices; jax.export for a GPU target
 """
@@ -25,6 +30,8 @@ from msa_pallas.block_sizes import BlockConfig, KernelTiles, default_block_confi
 from msa_pallas.kernels.mosaic.tiles import MosaicBackwardTiles, MosaicTiles
 from msa_pallas.layers import MSARowAttentionWithPairBias
 from msa_pallas.nnx_layers import MSARowAttentionWithPairBiasNNX
+from msa_pallas.triangle import TriangleAttention, TriangleAttentionNNX
+from msa_pallas.dot_product_attention import dot_product_attention
 from msa_pallas import autotune, convert, dispatch
 from msa_pallas.dispatch import CallPlan
 
@@ -40,6 +47,9 @@ __all__ = [
     "default_block_config",
     "MSARowAttentionWithPairBias",
     "MSARowAttentionWithPairBiasNNX",
+    "TriangleAttention",
+    "TriangleAttentionNNX",
+    "dot_product_attention",
     "autotune",
     "convert",
     "dispatch",

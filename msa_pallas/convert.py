@@ -3,6 +3,9 @@
 - `from_torch_state_dict`: the PyTorch reference layer (`tests/fixtures/torch_reference.py`).
 - `from_openfold_state_dict`: OpenFold's `MSARowAttentionWithPairBias`.
 - `from_alphafold2_params`: AlphaFold2's Haiku parameters (`msa_row_attention_with_pair_bias`).
+- `triangle_from_openfold_state_dict`, `triangle_from_alphafold2_params`,
+  `triangle_module_from_variables`: the same for `msa_pallas.triangle.TriangleAttention`
+  (defined in `msa_pallas.convert_triangle`).
 
 Each returns linen variables `{"params": {...}}`, infers the sizes from the
 weights, and raises `ValueError` naming the key for missing or unexpected
@@ -34,6 +37,10 @@ from msa_pallas.layers import MSARowAttentionWithPairBias
 from msa_pallas.weight_checks import (
     as_param, check_keys, expect_shape, flatten_haiku, strip_prefix, to_numpy,
 )
+from msa_pallas.convert_triangle import (  # noqa: F401  (re-exported)
+    triangle_from_alphafold2_params, triangle_from_openfold_state_dict,
+    triangle_module_from_variables,
+)
 
 __all__ = [
     "from_torch_state_dict",
@@ -42,6 +49,9 @@ __all__ = [
     "module_from_variables",
     "to_nnx",
     "DEFAULT_ALPHAFOLD2_MODULE",
+    "triangle_from_openfold_state_dict",
+    "triangle_from_alphafold2_params",
+    "triangle_module_from_variables",
 ]
 
 # The Evoformer's row attention in AlphaFold2's parameter files; the extra-MSA

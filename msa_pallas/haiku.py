@@ -83,10 +83,11 @@ numeric, nonzero keeps a key).
 
 Not reproduced, on purpose: AF2's `mapping.inference_subbatch` chunking
 (`global_config.subbatch_size`, MSA rows 4 at a time at inference): the fused
-op needs no chunking, and chunking changes nothing in the maths. `is_training`
-only selects that chunking in AF2; dropout (rate 0.15, one mask shared by all
-rows) is applied *outside* the module by AF2's `dropout_wrapper`, so the
-module ignores `is_training`.
+op needs no chunking for the logits, and chunking changes nothing in the
+maths. To bound the memory of the projections at inference instead, pass
+`inference_chunk_bytes` (chunks of many rows, one op call each). Dropout
+(rate 0.15, one mask shared by all rows) is applied *outside* the module by
+AF2's `dropout_wrapper`; `is_training` only turns the chunking off.
 
 Precision: float32 inputs compute in float32, with `Precision.HIGHEST` on the
 projections (no silent TF32 on GPUs; pass `precision=` to change it); the
@@ -111,6 +112,7 @@ except ImportError as err:  # dm-haiku is an optional extra
         "(or, in a checkout of msa_pallas: pip install -e \".[haiku]\")"
     ) from err
 
+import jax
 import jax.numpy as jnp
 
 from msa_pallas.attention import msa_row_attention
@@ -146,13 +148,47 @@ def _is_half(dtype) -> bool:
     return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
+def inference_row_chunk(x_shape, dtype, heads: int, head_dim: int,
+                        chunk_bytes: int | None) -> int | None:
+    """Rows per chunk so that one chunk's q, k, v, gate, output and update
+    (6 arrays of `[rows, N, H * d]`) take at most `chunk_bytes`; None (no
+    chunking) when `chunk_bytes` is None or every row fits in one chunk."""
+    if chunk_bytes is None or len(x_shape) != 3:
+        return None
+    rows, n_res = x_shape[0], x_shape[1]
+    per_row = 6 * n_res * heads * head_dim * jnp.dtype(dtype).itemsize
+    chunk = max(1, int(chunk_bytes) // per_row)
+    return None if chunk >= rows else chunk
+
+
+def map_row_chunks(rows_fn, x, mask, row_chunk: int | None):
+    """`rows_fn(x, mask)` over chunks of `row_chunk` rows (axis 0 of x `[S, N, c]`
+    and mask `[S, N]`), one after another (`lax.map`): the memory of one chunk's
+    projections instead of all rows'. The rows are independent, so the result
+    is `rows_fn(x, mask)`'s. The last chunk is padded with zero rows, whose
+    outputs are dropped. `row_chunk` None: one call on all rows."""
+    if row_chunk is None or x.ndim != 3 or row_chunk >= x.shape[0]:
+        return rows_fn(x, mask)
+    rows = x.shape[0]
+    chunks = -(-rows // row_chunk)
+    pad = chunks * row_chunk - rows
+    x = jnp.pad(x, ((0, pad), (0, 0), (0, 0))).reshape(chunks, row_chunk, *x.shape[1:])
+    if mask is None:
+        out = jax.lax.map(lambda xc: rows_fn(xc, None), x)
+    else:
+        mask = jnp.pad(mask, ((0, pad), (0, 0)), constant_values=True)
+        out = jax.lax.map(lambda a: rows_fn(*a), (x, mask.reshape(chunks, row_chunk, -1)))
+    return out.reshape(chunks * row_chunk, *out.shape[2:])[:rows]
+
+
 class _Attention(hk.Module):
     """AF2's `modules.Attention` (scope `attention`) with the fused op as its core."""
 
     def __init__(self, *, num_head: int, head_dim: int, gating: bool, zero_init: bool,
                  output_dim: int, param_dtype, precision, implementation, block_config,
-                 name: str = "attention"):
+                 row_chunk: int | None = None, name: str = "attention"):
         super().__init__(name=name)
+        self.row_chunk = row_chunk
         self.num_head = num_head
         self.head_dim = head_dim
         self.gating = gating
@@ -171,29 +207,32 @@ class _Attention(hk.Module):
         def weight(name, shape, init):
             return hk.get_parameter(name, shape, self.param_dtype, init=init).astype(dtype)
 
-        def project(w):  # [*, S, N, c_m] x [c_m, H, d] -> [*, S, N, H, d], no transpose
-            return jnp.einsum("...a,ahc->...hc", x, w, precision=self.precision)
-
-        # Same parameters, shapes, initialisers and creation order as AF2.
-        q = project(weight("query_w", (c_m, heads, d), glorot_uniform()))
-        k = project(weight("key_w", (c_m, heads, d), glorot_uniform()))
-        v = project(weight("value_w", (c_m, heads, d), glorot_uniform()))
-        gate = None
+        # Same parameters, shapes, initialisers and creation order as AF2
+        # (all fetched before any compute, so that row chunks can close over them).
+        query_w = weight("query_w", (c_m, heads, d), glorot_uniform())
+        key_w = weight("key_w", (c_m, heads, d), glorot_uniform())
+        value_w = weight("value_w", (c_m, heads, d), glorot_uniform())
+        gating_w = gating_b = None
         if self.gating:
             gating_w = weight("gating_w", (c_m, heads, d), hk.initializers.Constant(0.0))
             gating_b = weight("gating_b", (heads, d), hk.initializers.Constant(1.0))
-            gate = project(gating_w) + gating_b  # logits: the op applies the sigmoid
-
-        o = msa_row_attention(
-            q, k, v, bias, mask, gate,
-            scale=d ** -0.5,  # AF2 scales q by key_dim**-0.5 before q.k: same product
-            implementation=self.implementation, block_config=self.block_config,
-        )
-
         out_init = hk.initializers.Constant(0.0) if self.zero_init else glorot_uniform()
         output_w = weight("output_w", (heads, d, self.output_dim), out_init)
         output_b = weight("output_b", (self.output_dim,), hk.initializers.Constant(0.0))
-        return jnp.einsum("...hc,hco->...o", o, output_w, precision=self.precision) + output_b
+
+        def rows(x, mask):
+            def project(w):  # [*, S, N, c_m] x [c_m, H, d] -> [*, S, N, H, d], no transpose
+                return jnp.einsum("...a,ahc->...hc", x, w, precision=self.precision)
+
+            gate = None if gating_w is None else project(gating_w) + gating_b  # logits
+            o = msa_row_attention(
+                project(query_w), project(key_w), project(value_w), bias, mask, gate,
+                scale=d ** -0.5,  # AF2 scales q by key_dim**-0.5 before q.k: same product
+                implementation=self.implementation, block_config=self.block_config,
+            )
+            return jnp.einsum("...hc,hco->...o", o, output_w, precision=self.precision) + output_b
+
+        return map_row_chunks(rows, x, mask, self.row_chunk)
 
 
 class MSARowAttentionWithPairBias(hk.Module):
@@ -224,12 +263,19 @@ class MSARowAttentionWithPairBias(hk.Module):
       block_config: optional `msa_pallas.BlockConfig` for the kernels.
       precision: matmul precision of the projections and the pair bias; None
         means `HIGHEST` for float32 (no TF32) and the default for bf16/fp16.
+      inference_chunk_bytes: None (default): all MSA rows in one op call. A
+        byte count: at inference (`is_training=False`) the rows go through
+        the projections and the op in chunks whose q, k, v, gate and output
+        take at most that much (AF2's `subbatch_size` serves the same end);
+        the result is the same.
     """
 
     def __init__(self, config, global_config, name: str = "msa_row_attention_with_pair_bias",
                  *, mask_mode: str = "replace", implementation: str | None = None,
-                 block_config: Any = None, precision: Any = None):
+                 block_config: Any = None, precision: Any = None,
+                 inference_chunk_bytes: int | None = None):
         super().__init__(name=name)
+        self.inference_chunk_bytes = inference_chunk_bytes
         if mask_mode not in MASK_MODES:
             raise ValueError(f"mask_mode={mask_mode!r}; expected one of {MASK_MODES}.")
         self.config = config
@@ -251,13 +297,14 @@ class MSARowAttentionWithPairBias(hk.Module):
           msa_mask: `[N_seq, N_res]` 0/1 mask of non-padded positions (bool or
             numeric; nonzero keeps a key), or None to keep all.
           pair_act: `[N_res, N_res, c_z]` pair representation.
-          is_training: accepted for AF2 compatibility; unused (AF2 applies
-            dropout outside the module, and uses the flag only to chunk).
+          is_training: AF2's flag; True turns `inference_chunk_bytes` off
+            (AF2 applies dropout outside the module).
 
         Returns:
           The update to msa_act, `[N_seq, N_res, c_m]`, in msa_act's dtype.
         """
-        del is_training  # see the docstring: dropout is applied outside, as in AF2
+        # Dropout is applied outside, as in AF2; is_training only turns off the
+        # optional inference chunking (inference_chunk_bytes).
         cfg_what = "config (msa_row_attention_with_pair_bias)"
         num_head = int(_config_value(self.config, "num_head", cfg_what))
         gating = bool(_config_value(self.config, "gating", cfg_what))
@@ -313,6 +360,8 @@ class MSARowAttentionWithPairBias(hk.Module):
             num_head=num_head, head_dim=head_dim, gating=gating, zero_init=zero_init,
             output_dim=c_m, param_dtype=param_dtype, precision=self._precision(dtype),
             implementation=self.implementation, block_config=self.block_config,
+            row_chunk=None if is_training else inference_row_chunk(
+                m.shape, dtype, num_head, head_dim, self.inference_chunk_bytes),
         )
         return attention(m, mask, bias)
 
