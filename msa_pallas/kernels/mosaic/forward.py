@@ -43,8 +43,11 @@ overwrite the next head's statistics. Results and residuals are those of
 the Triton forward (`msa_pallas.kernels.triton.forward.attention_forward`),
 so either backward follows.
 
-The key loop visits every key tile; it is the place where tiles that the key
-mask removes entirely, and attention dropout, will go.
+Each item's key loop runs between bounds that may be known only at run time
+(`key_tiles_of` in the kernel; today every key tile), and the ring's slots
+and barrier phases follow a running count of the steps the CTA has taken,
+carried from item to item: skipping key tiles that the mask removes
+entirely, or adding work per tile, changes that one function.
 """
 
 from __future__ import annotations
@@ -86,13 +89,14 @@ default_tiles = forward_tiles
 def _kernel(
     gmem, smem, produced, consumed, schedule, *, scale: float, n_res: int,
     tiles: MosaicTiles, msa_rows: int, heads: int, heads_per_tile: int, grid, dtype,
-    interpret: bool, row_views: tuple[str, ...] = (),
+    interpret: bool, row_views: tuple[str, ...] = (), key_bounds=None,
 ):
     """`heads`: the heads of q, k and v as the kernel sees them, each
     `heads_per_tile` heads of the bias (2 for d = 8, `heads.pairs_heads`).
     `row_views`: the names of `smem` that are pairs of views
     (`smem.unaligned_row_tile`, N % 8 != 0): TMA copies go through the
-    first, everything else through the second."""
+    first, everything else through the second. `key_bounds`: as in
+    `attention_forward`."""
     smem_tma, smem = split_row_views(smem, row_views)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair = heads_per_tile
@@ -103,6 +107,17 @@ def _kernel(
     to_log2 = scale * LOG2E
     masked = masked_accumulator_logit(scale)
     wg = lax.axis_index("wg")
+    # Bounds known when tracing: every item visits every key tile.
+    static_bounds = key_bounds is None
+
+    def key_tiles_of(work):
+        """`(lb, ub)`: item `work` visits key tiles lb <= key tile < ub, in
+        that order; lb < ub. The consumers and the producer both ask here,
+        so they agree on the ring's steps: the place where key tiles that
+        the mask removes entirely will be skipped."""
+        if static_bounds:
+            return 0, key_tiles
+        return key_bounds(work, key_tiles)
 
     def load_own(name, work):
         """The consumer's own copy of its q or gate tile for item `work`.
@@ -115,17 +130,20 @@ def _kernel(
             smem_tma[name].at[wg], produced["q"].at[wg],
         )
 
-    def consume_item(work, item, next_work, has_next):
+    def consume_item(work, steps_before, next_work, has_next):
         """One work item `(batch, head, row_group, q_start)` for consumer
-        `wg`; `item` counts this CTA's items, so `item * key_tiles +
-        key_tile` is the ring's step. The consumer loads its own q and gate
-        tiles, those of `next_work` (when `has_next`) as soon as this item
-        is done with them."""
+        `wg`, whose key tiles take the ring's steps from `steps_before` on
+        (the steps of this CTA's earlier items); returns the steps after
+        it. The consumer loads its own q and gate tiles, those of
+        `next_work` (when `has_next`) as soon as this item is done with
+        them."""
         batch, head, row_group, q_start = work
         row = row_group * msa_rows + wg
         queries = pl.ds(q_start, block_q)
         q_smem = smem["q"].at[wg]
-        first_step = item * key_tiles
+        lb, ub = key_tiles_of(work)
+        # The ring step of key tile 0 (a virtual one where lb > 0).
+        first_step = steps_before - lb
         plgpu.barrier_wait(produced["q"].at[wg])
 
         tile_dim = q_smem.shape[-1]
@@ -188,7 +206,7 @@ def _kernel(
             statistics and output accumulator. Returns tuples, one entry per
             head."""
             acc = plgpu.layout_cast(jnp.zeros((block_q, tile_dim), jnp.float32), WGMMA)
-            plgpu.barrier_wait(produced["k"].at[slot_of(0)])
+            plgpu.barrier_wait(produced["k"].at[slot_of(lb)])
 
             def visit_key_tile(key_tile, carry):
                 accs, row_maxes, row_sums = carry
@@ -201,7 +219,7 @@ def _kernel(
                     inits=tuple(bias_tile(smem["bias"][slot, h], scale) for h in range(pair)),
                     interpret=interpret,
                 )
-                prefetch_next_queries(key_tile == key_tiles - 1)
+                prefetch_next_queries(key_tile == ub - 1)
                 logits = mask_logits(logits, slot, key_tile)
                 plgpu.barrier_arrive(consumed["k"].at[slot])
 
@@ -226,7 +244,7 @@ def _kernel(
                 def wait_for_next_keys():
                     next_tile = key_tile + 1
 
-                    @pl.when(next_tile < key_tiles)
+                    @pl.when(next_tile < ub)
                     def _():
                         plgpu.barrier_wait(produced["k"].at[slot_of(next_tile)])
 
@@ -237,7 +255,7 @@ def _kernel(
                 return accs, new_maxes, row_sums
 
             return lax.fori_loop(
-                0, key_tiles, visit_key_tile, ((acc,) * pair, (row_max,) * pair, (row_sum,) * pair)
+                lb, ub, visit_key_tile, ((acc,) * pair, (row_max,) * pair, (row_sum,) * pair)
             )
 
         accs, row_maxes, row_sums = key_loop()
@@ -284,15 +302,18 @@ def _kernel(
                     smem[name].at[wg],
                     gmem[name].at[batch, row, pl.ds(head * pair, pair), queries],
                 )
+        return steps_before + (ub - lb)
 
-    def produce_item(work, item, *_, ring: str):
+    def produce_item(work, steps_before, *_, ring: str):
         """The producer's copies of one ring, "k" (the K tiles, the mask
         vectors and the bias tile) or "v" (the V tiles), for one work item,
-        into the ring's steps `item * key_tiles` on."""
+        into the ring's steps `steps_before` on; returns the steps after
+        it."""
         batch, head, row_group, q_start = work
         first_row = row_group * msa_rows
         queries = pl.ds(q_start, block_q)
-        first_step = item * key_tiles
+        lb, ub = key_tiles_of(work)
+        first_step = steps_before - lb
 
         def load(key_tile, wait_for_slot):
             """The copies of key tile `key_tile`; `wait_for_slot`: whether its
@@ -324,11 +345,19 @@ def _kernel(
 
         # The CTA's first `stages` steps find their slots free: with fewer key
         # tiles than stages, those of its first items (not only its first).
-        for key_tile in range(min(stages, key_tiles)):
-            used_before = first_step + key_tile >= stages if tiles.persistent else False
-            load(jnp.int32(key_tile), used_before)
-        if key_tiles > stages:
-            pl.loop(stages, key_tiles)(lambda key_tile: load(key_tile, True))
+        # The item's first `stages` tiles are unrolled, each waiting for its
+        # slot only where an earlier step used it.
+        for i in range(min(stages, ub - lb) if static_bounds else stages):
+            used_before = steps_before + i >= stages if tiles.persistent else False
+            if static_bounds:
+                load(jnp.int32(lb + i), used_before)
+            else:
+                pl.when(lb + i < ub)(
+                    lambda i=i, used_before=used_before: load(lb + i, used_before)
+                )
+        if not static_bounds or ub - lb > stages:
+            pl.loop(lb + stages, ub)(lambda key_tile: load(key_tile, True))
+        return steps_before + (ub - lb)
 
     def work_item(linear):
         """(batch, head, row_group, q_start) of work item `linear` of
@@ -355,15 +384,22 @@ def _kernel(
         )
 
     def for_each_item(work):
-        """`work(item_work, item, next_work, has_next)` for this CTA's items."""
+        """`work(item_work, steps_before, next_work, has_next)` for this CTA's
+        items, in order: `steps_before` counts the ring steps of the CTA's
+        earlier items, `work` returns the count after its item. Returns the
+        CTA's steps in all."""
         if not tiles.persistent:
-            work(first_item, jnp.int32(0), first_item, False)
-            return
+            return work(first_item, 0, first_item, False)
 
-        @pl.loop(0, items_here)
-        def _(item):
+        def visit(item, steps_before):
             linear = item * ctas + cta
-            work(work_item(linear), item, work_item(linear + ctas), item + 1 < items_here)
+            if static_bounds:
+                # Every item takes `key_tiles` steps.
+                steps_before = item * key_tiles
+            return work(work_item(linear), steps_before, work_item(linear + ctas),
+                        item + 1 < items_here)
+
+        return lax.fori_loop(0, items_here, visit, jnp.int32(0))
 
     # The consumers take turns across items too: the one whose epilogue runs
     # leaves the units to the other.
@@ -385,16 +421,16 @@ def _kernel(
         producer_registers()
 
         def feed(ring):
-            for_each_item(functools.partial(produce_item, ring=ring))
+            steps = for_each_item(functools.partial(produce_item, ring=ring))
             # Observe the consumers' last releases of every slot, so that no
             # barrier phase is left unobserved when the CTA ends: those of its
-            # last `stages` steps (every CTA has an item, so key_tiles steps).
-            steps = items_here * key_tiles
+            # last `stages` steps (with static bounds every CTA has an item,
+            # so at least key_tiles steps).
             for back in range(stages, 0, -1):
                 def observe(back=back):
                     plgpu.barrier_wait(consumed[ring].at[lax.rem(steps - back, stages)])
 
-                if back <= key_tiles:
+                if static_bounds and back <= key_tiles:
                     observe()
                 else:
                     pl.when(steps >= back)(observe)
@@ -412,10 +448,12 @@ def sigmoid(x):
     return 1.0 / (1.0 + jnp.exp2(x * -LOG2E))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret", "save_stats"))
+@functools.partial(
+    jax.jit, static_argnames=("scale", "tiles", "interpret", "save_stats", "key_bounds")
+)
 def attention_forward(
     q, k, v, bias, mask, gate, *, scale: float, tiles: MosaicTiles, interpret: bool,
-    save_stats: bool,
+    save_stats: bool, key_bounds=None,
 ):
     """Runs the Mosaic GPU forward kernel; the contract of the Triton forward.
 
@@ -431,6 +469,11 @@ def attention_forward(
       tiles: the kernel's configuration.
       interpret: run in the Mosaic GPU interpreter (CPU).
       save_stats: also return what the backward needs.
+      key_bounds: None (every query attends to every key), or, to test the
+        pipeline's runtime bounds, `key_bounds(work, key_tiles) -> (lb, ub)`:
+        the key tiles, lb <= key tile < ub (int32, lb < ub), that work item
+        `work` = (batch, head, MSA-row group, first query) visits; the
+        others are left out of its softmax.
 
     Returns:
       out `[B, S, N, H, d]` in q's dtype, and, if `save_stats`, the ungated
@@ -473,7 +516,7 @@ def attention_forward(
     body = functools.partial(
         _kernel, scale=scale, n_res=n_res, tiles=tiles, msa_rows=msa_rows,
         heads=heads // pair, heads_per_tile=pair, grid=kernel_plan.work_items, dtype=q.dtype,
-        interpret=interpret, row_views=row_view_names(kernel_plan.smem),
+        interpret=interpret, row_views=row_view_names(kernel_plan.smem), key_bounds=key_bounds,
     )
     outs = launch(body, kernel_plan, inputs=inputs, out_types=out_types, interpret=interpret)
     outs = tuple(x.reshape(shapes.get(name, x.shape)) for name, x in zip(out_types, outs))

@@ -1,7 +1,8 @@
 """The warp specialisation every Mosaic GPU kernel here shares: consumer
 warpgroups compute, one producer warpgroup streams the tiles of each loop
 step by TMA into a `num_stages`-deep ring of shared-memory slots
-(`produce`). A slot's `produced` barrier completes when its copies have
+(`produce`, between loop bounds that may be known only at run time;
+`ring_slot`). A slot's `produced` barrier completes when its copies have
 landed; each consumer arrives on the slot's `consumed` barrier when it is
 done with it. Also: the consumers' ping-pong (`PingPong`), the register
 budgets, the persistent grid's size and the launch (`launch`)."""
@@ -116,29 +117,53 @@ def copy_tiles(gmem, smem, names, source_index, destination_index, barrier) -> N
             plgpu.copy_gmem_to_smem(gmem[name].at[source], destination.at[destination_index], barrier)
 
 
-def produce(num_steps: int, stages: int, issue_copies, consumed) -> None:
-    """The producer's loop: `issue_copies(step, slot)` for every step, each
-    into its ring slot once the consumers have released that slot.
+def ring_slot(index, lower, stages: int):
+    """The ring slot of tile `index` of a loop that starts at tile `lower`:
+    its step `index - lower` modulo `stages`."""
+    if isinstance(lower, int) and lower == 0:
+        return lax.rem(index, stages)
+    return lax.rem(index - lower, stages)
+
+
+def produce(lower, upper, stages: int, issue_copies, consumed) -> None:
+    """The producer's loop over one item's tiles `lower <= index < upper`
+    (Python ints, or int32 known at run time with lower < upper), the ring's
+    steps 0, 1, ...: `issue_copies(index, slot)` for every tile, each into
+    its ring slot once the consumers have released that slot.
 
     Args:
-      num_steps: the loop's static trip count.
+      lower, upper: the loop's bounds.
       stages: ring depth.
-      issue_copies: issues the TMA copies of one step into slot `slot`.
+      issue_copies: issues the TMA copies of tile `index` into slot `slot`.
       consumed: `[stages]` barriers the consumers arrive on.
     """
-    for step in range(min(stages, num_steps)):
-        issue_copies(jnp.int32(step), step)
+    static = isinstance(lower, int) and isinstance(upper, int)
+    # The first `stages` steps find their slots free.
+    for step in range(min(stages, upper - lower) if static else stages):
+        if static:
+            issue_copies(jnp.int32(lower + step), step)
+        else:
+            pl.when(lower + step < upper)(
+                lambda step=step: issue_copies(lower + step, step)
+            )
 
-    @pl.loop(stages, max(stages, num_steps))
-    def _(step):
-        slot = lax.rem(step, stages)
+    @pl.loop(lower + stages, max(lower + stages, upper) if static else upper)
+    def _(index):
+        slot = ring_slot(index, lower, stages)
         plgpu.barrier_wait(consumed.at[slot])
-        issue_copies(step, slot)
+        issue_copies(index, slot)
 
     # Observe the consumers' last release of every slot, so that no barrier
     # phase is left unobserved when the CTA ends.
-    for step in range(max(0, num_steps - stages), num_steps):
-        plgpu.barrier_wait(consumed.at[step % stages])
+    steps = upper - lower
+    if static:
+        for step in range(max(0, steps - stages), steps):
+            plgpu.barrier_wait(consumed.at[step % stages])
+        return
+    for back in range(stages, 0, -1):
+        pl.when(steps >= back)(
+            lambda back=back: plgpu.barrier_wait(consumed.at[lax.rem(steps - back, stages)])
+        )
 
 
 def batch_head_and_warpgroup(heads: int):

@@ -64,8 +64,10 @@ bias's rows are padded to a multiple of 8 (`support.pad_bias_rows`), the
 statistics to whole 16-byte rows, and the bias gradient's rows are
 allocated to a multiple of 8 and sliced.
 
-The loops visit every tile; they are where tiles that the key mask removes
-entirely, and attention dropout, will go.
+The dk/dv and dq kernels' loops run between bounds that may be known only
+at run time (`lb`, `ub` in each kernel; today every tile), the ring's slots
+counted from the loop's first step (`pipeline.produce`, `pipeline.ring_slot`):
+skipping tiles that the key mask removes entirely changes those bounds alone.
 """
 
 from __future__ import annotations

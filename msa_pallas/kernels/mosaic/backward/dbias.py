@@ -157,7 +157,7 @@ def _dbias_kernel(
                     smem["mask"].at[slot, :, pl.ds(0, block_k)], barrier,
                 )
 
-        produce(pair * rows_per_chunk, stages, issue_copies, consumed["step"])
+        produce(0, pair * rows_per_chunk, stages, issue_copies, consumed["step"])
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))

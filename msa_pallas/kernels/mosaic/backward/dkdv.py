@@ -30,7 +30,7 @@ from msa_pallas.kernels.mosaic.matmul import (
 )
 from msa_pallas.kernels.mosaic.pipeline import (
     PingPong, batch_head_and_warpgroup, consumer_registers, copy_tiles, launch, produce,
-    producer_registers,
+    producer_registers, ring_slot,
 )
 from msa_pallas.kernels.mosaic.plan import dkdv_plan
 from msa_pallas.kernels.mosaic.smem import (
@@ -44,12 +44,13 @@ from msa_pallas.kernels.mosaic.tiles import MosaicTiles
 def _dkdv_kernel(
     gmem, smem, produced, consumed, schedule, *, scale: float, n_res: int, tiles: MosaicTiles,
     msa_rows: int, heads: int, heads_per_tile: int, dtype, ping_pong: bool, interpret: bool,
-    row_views: tuple[str, ...] = (),
+    row_views: tuple[str, ...] = (), tile_bounds=None,
 ):
     """`heads`: the heads of q, k and v as the kernel sees them, each
     `heads_per_tile` heads of the bias and statistics (2 for d = 8).
     `row_views`: the names of `smem` that are pairs of views (N % 8 != 0,
-    `smem.split_row_views`): copies go through `smem_tma`."""
+    `smem.split_row_views`): copies go through `smem_tma`. `tile_bounds`:
+    as in `backward_dkdv`."""
     smem_tma, smem = split_row_views(smem, row_views)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair = heads_per_tile
@@ -58,6 +59,12 @@ def _dkdv_kernel(
     batch, head, wg = batch_head_and_warpgroup(heads)
     row_group = lax.axis_index("row_groups")
     keys = pl.ds(lax.axis_index("key_tiles") * block_k, block_k)
+    # The query tiles the loop visits, lb <= query tile < ub; the consumers
+    # and the producer both read them here, so they agree on the ring's
+    # steps.
+    lb, ub = 0, query_tiles
+    if tile_bounds is not None:
+        lb, ub = tile_bounds((batch, head, row_group, keys.start), query_tiles)
 
     @pl.when(wg < msa_rows)
     def _consumer():
@@ -86,7 +93,7 @@ def _dkdv_kernel(
 
         def visit_query_tile(query_tile, carry):
             dks, dvs = (list(c) for c in carry)
-            slot = lax.rem(query_tile, stages)
+            slot = ring_slot(query_tile, lb, stages)
             plgpu.barrier_wait(produced["step"].at[slot])
             q_smem, do_smem = operand_at(smem["q"], slot, wg), operand_at(smem["do"], slot, wg)
             # One head after the other, each a full turn: the registers hold
@@ -118,7 +125,7 @@ def _dkdv_kernel(
 
         tile_dim = gmem["dk"].shape[-1]
         start = (zeros((block_k, tile_dim)),) * pair
-        dks, dvs = lax.fori_loop(0, query_tiles, visit_query_tile, (start, start))
+        dks, dvs = lax.fori_loop(lb, ub, visit_query_tile, (start, start))
         turns.finish()
         dk, dv = combine_head_columns(dks), combine_head_columns(dvs)
         # 16-bit: K's and V's tiles are free again and hold the gradients on their way out.
@@ -155,17 +162,27 @@ def _dkdv_kernel(
                     smem["bias"].at[slot, h], barrier,
                 )
 
-        produce(query_tiles, stages, issue_copies, consumed["step"])
+        produce(lb, ub, stages, issue_copies, consumed["step"])
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret", "ping_pong"))
+@functools.partial(
+    jax.jit, static_argnames=("scale", "tiles", "interpret", "ping_pong", "tile_bounds")
+)
 def backward_dkdv(
     q, k, v, bias, mask, do, stats, *, scale: float, tiles: MosaicTiles, interpret: bool,
-    ping_pong: bool = True,
+    ping_pong: bool = True, tile_bounds=None,
 ):
     """dk, dv `[B, S, N, H, d]` in q's dtype (arguments as in
     `kernels.mosaic.backward`'s docstring; float32 q, k, v and do as in
-    `backward_dbias`)."""
+    `backward_dbias`).
+
+    Args:
+      tile_bounds: None (every tile), or, to test the pipeline's runtime
+        bounds, `tile_bounds(work, tiles) -> (lb, ub)`: the tiles of the
+        loop, lb <= tile < ub (int32, lb < ub), that the CTA of work item
+        `work` = (batch, head, MSA-row group, first key) visits, of
+        `tiles`; the others are left out of its gradients.
+    """
     check_kernel_inputs(q, bias, float32=True, paired_heads=q.dtype != jnp.float32)
     rows, n_res, heads = q.shape[1], q.shape[2], q.shape[3]
     msa_rows = tiles.msa_rows_for(rows)
@@ -185,6 +202,7 @@ def backward_dkdv(
         _dkdv_kernel, scale=scale, n_res=n_res, tiles=tiles,
         msa_rows=msa_rows, heads=heads // pair, heads_per_tile=pair, dtype=q.dtype,
         ping_pong=ping_pong, interpret=interpret, row_views=row_view_names(kernel_plan.smem),
+        tile_bounds=tile_bounds,
     )
     dk, dv = launch(body, kernel_plan, inputs=inputs, out_types=out_types, interpret=interpret)
     return dk.reshape(q.shape), dv.reshape(q.shape)

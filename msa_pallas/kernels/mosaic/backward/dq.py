@@ -25,7 +25,7 @@ from msa_pallas.kernels.mosaic.matmul import (
 )
 from msa_pallas.kernels.mosaic.pipeline import (
     PingPong, batch_head_and_warpgroup, consumer_registers, copy_tiles, launch, produce,
-    producer_registers,
+    producer_registers, ring_slot,
 )
 from msa_pallas.kernels.mosaic.plan import dq_plan
 from msa_pallas.kernels.mosaic.smem import (
@@ -78,9 +78,10 @@ def _query_major_ds(
 def _dq_kernel(
     gmem, smem, produced, consumed, schedule, *, scale: float, n_res: int, tiles: MosaicTiles,
     msa_rows: int, heads: int, heads_per_tile: int, dtype, ping_pong: bool, interpret: bool,
-    row_views: tuple[str, ...] = (),
+    row_views: tuple[str, ...] = (), tile_bounds=None,
 ):
-    """`heads`, `heads_per_tile` and `row_views` as in `dkdv._dkdv_kernel`."""
+    """`heads`, `heads_per_tile` and `row_views` as in `dkdv._dkdv_kernel`;
+    `tile_bounds` as in `backward_dq`."""
     smem_tma, smem = split_row_views(smem, row_views)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair = heads_per_tile
@@ -89,6 +90,13 @@ def _dq_kernel(
     batch, head, wg = batch_head_and_warpgroup(heads)
     row_group = lax.axis_index("row_groups")
     queries = pl.ds(lax.axis_index("query_tiles") * block_q, block_q)
+    # The key tiles the loop visits, lb <= key tile < ub; the consumers and
+    # the producer both read them here, so they agree on the ring's steps:
+    # the place where key tiles that the mask removes entirely will be
+    # skipped.
+    lb, ub = 0, key_tiles
+    if tile_bounds is not None:
+        lb, ub = tile_bounds((batch, head, row_group, queries.start), key_tiles)
 
     @pl.when(wg < msa_rows)
     def _consumer():
@@ -112,7 +120,7 @@ def _dq_kernel(
 
         def visit_key_tile(key_tile, dqs):
             dqs = list(dqs)
-            slot = lax.rem(key_tile, stages)
+            slot = ring_slot(key_tile, lb, stages)
             plgpu.barrier_wait(produced["step"].at[slot])
             k_smem, v_smem = operand_at(smem["k"], slot, wg), operand_at(smem["v"], slot, wg)
             for h in range(pair):
@@ -133,7 +141,7 @@ def _dq_kernel(
 
         tile_dim = gmem["dq"].shape[-1]
         dqs = lax.fori_loop(
-            0, key_tiles, visit_key_tile, (zeros((block_q, tile_dim)),) * pair
+            lb, ub, visit_key_tile, (zeros((block_q, tile_dim)),) * pair
         )
         turns.finish()
         dq = combine_head_columns(dqs)
@@ -164,17 +172,27 @@ def _dq_kernel(
                     smem["bias"].at[slot, h], barrier,
                 )
 
-        produce(key_tiles, stages, issue_copies, consumed["step"])
+        produce(lb, ub, stages, issue_copies, consumed["step"])
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret", "ping_pong"))
+@functools.partial(
+    jax.jit, static_argnames=("scale", "tiles", "interpret", "ping_pong", "tile_bounds")
+)
 def backward_dq(
     q, k, v, bias, mask, do, stats, *, scale: float, tiles: MosaicTiles, interpret: bool,
-    ping_pong: bool = True,
+    ping_pong: bool = True, tile_bounds=None,
 ):
     """dq `[B, S, N, H, d]` in q's dtype (arguments as in
     `kernels.mosaic.backward`'s docstring; float32 q, k, v and do as in
-    `backward_dbias`)."""
+    `backward_dbias`).
+
+    Args:
+      tile_bounds: None (every tile), or, to test the pipeline's runtime
+        bounds, `tile_bounds(work, tiles) -> (lb, ub)`: the tiles of the
+        loop, lb <= tile < ub (int32, lb < ub), that the CTA of work item
+        `work` = (batch, head, MSA-row group, first query) visits, of
+        `tiles`; the others are left out of its gradients.
+    """
     check_kernel_inputs(q, bias, float32=True, paired_heads=q.dtype != jnp.float32)
     rows, n_res, heads = q.shape[1], q.shape[2], q.shape[3]
     msa_rows = tiles.msa_rows_for(rows)
@@ -193,6 +211,7 @@ def backward_dq(
         _dq_kernel, scale=scale, n_res=n_res, tiles=tiles,
         msa_rows=msa_rows, heads=heads // pair, heads_per_tile=pair, dtype=q.dtype,
         ping_pong=ping_pong, interpret=interpret, row_views=row_view_names(kernel_plan.smem),
+        tile_bounds=tile_bounds,
     )
     (dq,) = launch(body, kernel_plan, inputs=inputs, out_types=out_types, interpret=interpret)
     return dq.reshape(q.shape)
