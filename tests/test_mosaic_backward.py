@@ -25,10 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
 
 import helpers
 import mosaic_lowering
+import pipeline_bounds
 import numpy_reference
 from msa_pallas.block_sizes import default_block_config, row_chunks
 from msa_pallas.kernels.mosaic import backward as mosaic_backward
@@ -40,7 +40,6 @@ from msa_pallas.kernels.mosaic.smem import MAX_SHARED_MEMORY
 from msa_pallas.kernels.mosaic.support import HEAD_DIMS
 from msa_pallas.kernels.mosaic.tiles import MosaicBackwardTiles, MosaicTiles
 from msa_pallas.kernels.triton import forward as triton_forward
-from msa_pallas.reference import MASKED_LOGIT
 
 SMALL = MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=2)
 SMALL_TILES = MosaicBackwardTiles(dkdv=SMALL, dq=SMALL, dbias=SMALL)
@@ -273,65 +272,22 @@ def test_float32_head_dim_8_pads_only_for_the_backward(seed, monkeypatch):
                     ("backward_dbias", 16)], seen
 
 
-def strict_tile_bounds(work, tiles):
-    """Loop bounds (`tile_bounds` of `backward_dq` / `backward_dkdv`) that
-    differ from CTA to CTA: the CTA of tile t (its held query or key tile,
-    64 wide) visits tiles [t % 2, tiles - (t + 1) % 2) of the loop's."""
-    *_, start = work
-    held = start // SMALL.block_q
-    return lax.rem(held, 2), tiles - lax.rem(held + 1, 2)
-
-
-def gradients_between_tile_bounds(inputs, scale, bounds, block):
-    """Float64 dq, dk and dv when each query tile's dq sums over the key
-    tiles of `bounds(query tile)` alone, and each key tile's dk and dv over
-    the query tiles of `bounds(key tile)` alone (the probabilities and their
-    statistics still over every key)."""
-    q, k, v, bias, mask, _, dout = (
-        None if x is None else helpers.to_f64(x) for x in inputs.args
-    )
-    n_res = q.shape[2]
-    logits = np.einsum("bsqhd,bskhd->bshqk", q, k) * scale + bias[:, None]
-    keep = mask[:, :, None, None, :]
-    logits = np.where(keep, logits, MASKED_LOGIT)
-    p = np.exp(logits - logits.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    dp = np.einsum("bsqhd,bskhd->bshqk", dout, v)
-    ds = np.where(keep, p * (dp - np.sum(p * dp, -1, keepdims=True)), 0.0)
-    tile = np.arange(n_res) // block
-    tiles = -(-n_res // block)
-
-    def allowed(held):
-        """[N] bool for each of `held`'s tiles: the other axis's tiles it visits."""
-        lower, upper = (
-            int(x) for x in bounds((0, 0, 0, jnp.int32(held * block)), tiles)
-        )
-        return (tile >= lower) & (tile < upper)
-
-    query_keys = np.stack([allowed(t) for t in tile])  # [queries, keys]: dq's
-    key_queries = np.stack([allowed(t) for t in tile])  # [keys, queries]: dk's, dv's
-    dq = scale * np.einsum("bshqk,bskhd->bsqhd", ds * query_keys, k)
-    dk = scale * np.einsum("bshqk,bsqhd->bskhd", ds * key_queries.T, q)
-    dv = np.einsum("bshqk,bsqhd->bskhd", p * key_queries.T, dout)
-    return dq, dk, dv
-
-
 def test_loops_between_runtime_bounds(seed):
     """The dq kernel's key loop and the dk/dv kernel's query loop run between
-    bounds known only at run time (`strict_tile_bounds`: two of the three
-    tiles, from tile 0 or 1), the ring's slots counted from the loop's first
-    step: the gradients match float64 over each CTA's tiles."""
+    bounds known only at run time (`pipeline_bounds.strict_tile_bounds`: two
+    of the three tiles, from tile 0 or 1), the ring's slots counted from the
+    loop's first step: the gradients match float64 over each CTA's tiles."""
     inputs = helpers.random_inputs(
         seed, 1, 2, 136, 1, 32, jnp.bfloat16, bias_dtype=jnp.float32, gate=False,
         mask_rate=0.1,
     )
     operands, scale = residuals(inputs)
-    bound = dict(scale=scale, tiles=SMALL, interpret=True, tile_bounds=strict_tile_bounds)
+    bound = dict(
+        scale=scale, tiles=SMALL, interpret=True, tile_bounds=pipeline_bounds.strict_tile_bounds
+    )
     dq = mosaic_backward.backward_dq(*operands, **bound)
     dk, dv = mosaic_backward.backward_dkdv(*operands, **bound)
-    expected = gradients_between_tile_bounds(
-        inputs, scale, strict_tile_bounds, SMALL.block_q
-    )
+    expected = pipeline_bounds.gradients_between_tile_bounds(inputs, scale)
     tolerance = helpers.tolerance(jnp.bfloat16)
     for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), expected):
         error = helpers.rel_err(got, want)

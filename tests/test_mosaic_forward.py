@@ -29,12 +29,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import helpers
 import mosaic_lowering
 import msa_pallas
+import pipeline_bounds
 import numpy_reference
 from msa_pallas.attention import resolve_implementation
 from msa_pallas.block_sizes import default_block_config
@@ -195,63 +195,25 @@ def test_persistent_grid_equals_one_cta_per_item(case, seed):
         )
 
 
-def strict_key_bounds(work, key_tiles):
-    """Key-tile bounds (`attention_forward`'s `key_bounds`) that differ from
-    item to item: odd MSA-row groups skip the first key tile, items of odd
-    batch + head + query tile the last one."""
-    batch, head, row_group, q_start = work
-    lower = lax.rem(row_group, 2)
-    upper = key_tiles - lax.rem(batch + head + q_start // SMALL_TILES.block_q, 2)
-    return lower, upper
-
-
-def forward_between_key_bounds(inputs, scale, key_bounds, block_q, block_k, msa_rows):
-    """The float64 output when each work item's queries attend only to the
-    keys of its key tiles (`strict_key_bounds`), AlphaFold's -1e9 for masked
-    keys among them."""
-    q, k, v, bias, mask, gate = (helpers.to_f64(x) for x in inputs.args[:6])
-    batch, rows, n_res, heads, _ = q.shape
-    logits = np.einsum("bsqhd,bskhd->bshqk", q, k) * scale + bias[:, None]
-    logits = np.where(mask[:, :, None, None, :], logits, MASKED_LOGIT)
-    key_tile = np.arange(n_res) // block_k
-    key_tiles = -(-n_res // block_k)
-    for b in range(batch):
-        for h in range(heads):
-            for r in range(rows):
-                for q_start in range(0, n_res, block_q):
-                    work = (jnp.int32(b), jnp.int32(h), jnp.int32(r // msa_rows),
-                            jnp.int32(q_start))
-                    lower, upper = (int(x) for x in key_bounds(work, key_tiles))
-                    outside = (key_tile < lower) | (key_tile >= upper)
-                    logits[b, r, h, q_start:q_start + block_q, outside] = -np.inf
-    weights = np.exp(logits - logits.max(-1, keepdims=True))
-    weights /= weights.sum(-1, keepdims=True)
-    out = np.einsum("bshqk,bskhd->bsqhd", weights, v)
-    return out / (1 + np.exp(-gate))
-
-
 @pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "one-cta-per-item"])
 def test_key_loop_between_runtime_bounds(persistent, seed):
     """Each work item's key loop runs between bounds known only at run time
-    (`strict_key_bounds`: 1 to 3 of the 3 key tiles, from tile 0 or 1), the
-    ring's slots and barrier phases carried from item to item by the count
-    of steps taken: with the persistent grid (3 CTAs in the interpreter,
-    four items each) a slot or phase off by one step would pair an item
-    with another item's tiles, or stall. The output matches float64 over
-    each item's keys, and the persistent grid's results are bitwise those
-    of one CTA per item."""
+    (`pipeline_bounds.strict_key_bounds`: 1 to 3 of the 3 key tiles, from
+    tile 0 or 1), the ring's slots and barrier phases carried from item to
+    item by the count of steps taken: with the persistent grid (3 CTAs in
+    the interpreter, four items each) a slot or phase off by one step would
+    pair an item with another item's tiles, or stall. The output matches
+    float64 over each item's keys, and the persistent grid's results are
+    bitwise those of one CTA per item."""
     inputs = helpers.random_inputs(seed, 1, 4, 136, 2, 16, jnp.bfloat16, mask_rate=0.1)
     tiles = dataclasses.replace(SMALL_TILES, persistent=persistent)
     q, k, v, bias, mask, gate, _ = inputs.args
     forward = functools.partial(
         mosaic_forward.attention_forward, scale=0.25, interpret=True, save_stats=True,
-        key_bounds=strict_key_bounds,
+        key_bounds=pipeline_bounds.strict_key_bounds,
     )
     result = forward(q, k, v, bias, mask.astype(jnp.int8), gate, tiles=tiles)
-    expected = forward_between_key_bounds(
-        inputs, 0.25, strict_key_bounds, SMALL_TILES.block_q, SMALL_TILES.block_k,
-        SMALL_TILES.msa_rows,
-    )
+    expected = pipeline_bounds.forward_between_key_bounds(inputs, 0.25, SMALL_TILES.msa_rows)
     error = helpers.rel_err(result[0], expected)
     assert error <= OUT_TOLERANCE[jnp.dtype(jnp.bfloat16)], error
     if persistent:

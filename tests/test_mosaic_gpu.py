@@ -12,6 +12,7 @@ rows, NaN locality, bitwise-repeatable gradients.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import jax
@@ -23,9 +24,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import helpers
 import msa_pallas
+import pipeline_bounds
 from helpers import compare, fwd_bwd
 from msa_pallas.attention import on_hopper
 from msa_pallas.block_sizes import default_block_config
+from msa_pallas.kernels.mosaic.tiles import MosaicTiles
 from msa_pallas.kernels.mosaic import backward as mosaic_backward
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
 from msa_pallas.kernels.mosaic.smem import unaligned_row_tile
@@ -361,3 +364,57 @@ def test_paired_backward_equals_the_padded_head_dim(shape, bias_dtype, seed):
         np.testing.assert_array_equal(
             np.asarray(x.astype(jnp.float32)), np.asarray(y.astype(jnp.float32)), err_msg=name
         )
+
+
+@pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16])
+def test_forward_key_loop_between_runtime_bounds(bias_dtype, seed):
+    """The forward's key loop between bounds known only at run time
+    (`pipeline_bounds.strict_key_bounds`, 64 x 64 tiles): the persistent
+    grid, whose CTAs carry the ring's slots and phases from item to item by
+    the count of steps taken, gives bitwise the results of one CTA per
+    item, and the output matches float64 over each item's keys; N = 200
+    (four key tiles, the last past N), 512 items: about four per CTA."""
+    inputs = device_inputs(seed, (1, 64, 200, 4, 32), jnp.bfloat16, bias_dtype=bias_dtype)
+    q, k, v, bias, mask, gate, _ = inputs.args
+    tiles = MosaicTiles(64, 64, 2, 2, persistent=True)
+    forward = functools.partial(
+        mosaic_forward.attention_forward, q, k, v, bias, mask.astype(jnp.int8), gate,
+        scale=32**-0.5, interpret=False, save_stats=True,
+        key_bounds=pipeline_bounds.strict_key_bounds,
+    )
+    persistent = forward(tiles=tiles)
+    per_item = forward(tiles=dataclasses.replace(tiles, persistent=False))
+    for name, x, y in zip(("out", "attention", "row_max", "row_log2_sum"), persistent, per_item):
+        np.testing.assert_array_equal(
+            np.asarray(x.astype(jnp.float32)), np.asarray(y.astype(jnp.float32)), err_msg=name
+        )
+    expected = pipeline_bounds.forward_between_key_bounds(inputs, 32**-0.5, tiles.msa_rows)
+    error = helpers.rel_err(persistent[0], expected)
+    assert error <= OUT_TOLERANCE[jnp.dtype(jnp.bfloat16)], error
+
+
+def test_backward_loops_between_runtime_bounds(seed):
+    """The dq kernel's key loop and the dk/dv kernel's query loop between
+    bounds known only at run time (`pipeline_bounds.strict_tile_bounds`,
+    64 x 64 tiles, N = 200): the gradients match float64 over each CTA's
+    tiles."""
+    inputs = device_inputs(seed, (1, 4, 200, 4, 32), jnp.bfloat16, gate=False)
+    q, k, v, bias, mask, _, dout = inputs.args
+    mask, scale = mask.astype(jnp.int8), 32**-0.5
+    forward_tiles = mosaic_forward.default_tiles(q.shape, q.dtype, bias.dtype, save_stats=True)
+    _, attention, row_max, row_log2_sum = mosaic_forward.attention_forward(
+        q, k, v, bias, mask, None, scale=scale, tiles=forward_tiles, interpret=False,
+        save_stats=True,
+    )
+    delta = jnp.swapaxes(jnp.sum(dout.astype(jnp.float32) * attention, -1), 2, 3)
+    operands = (q, k, v, bias, mask, dout, jnp.stack([row_max, row_log2_sum, delta], axis=3))
+    bound = dict(
+        scale=scale, tiles=MosaicTiles(64, 64, 2, 2), interpret=False,
+        tile_bounds=pipeline_bounds.strict_tile_bounds,
+    )
+    dq = mosaic_backward.backward_dq(*operands, **bound)
+    dk, dv = mosaic_backward.backward_dkdv(*operands, **bound)
+    expected = pipeline_bounds.gradients_between_tile_bounds(inputs, scale)
+    for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), expected):
+        error = helpers.rel_err(got, want)
+        assert error <= helpers.tolerance(jnp.bfloat16), (name, error)

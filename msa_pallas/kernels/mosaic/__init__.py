@@ -13,10 +13,13 @@ The mechanisms they share, each once:
 
 - `support`: which inputs the kernels take (`supports`) and the XLA-side
   padding of the head dim, the bias and the mask.
-- `tiles`: the kernels' configurations (`MosaicTiles`, `MosaicBackwardTiles`).
-- `smem`: shared-memory tiles, row views for N no multiple of 8, bytes.
-- `pipeline`: the producer's copy ring, the consumers' ping-pong, register
-  budgets, the launch.
+- `plan`: one plan per kernel: its shared-memory specs, the copies each
+  barrier awaits, its grid and its shared-memory bytes.
+- `tiles`: the kernels' configurations (`MosaicTiles`, `MosaicBackwardTiles`)
+  and their default choice.
+- `smem`: shared-memory tiles, row views for N no multiple of 8.
+- `pipeline`: the producer's copy ring between runtime bounds, the
+  consumers' ping-pong, register budgets, the launch.
 - `matmul`: the `wgmma` products and float32 operands as bf16 pieces.
 - `logits`: the bias as the products start from it, the masked logit.
 - `heads`: two heads per tile for d = 8.

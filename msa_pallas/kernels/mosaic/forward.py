@@ -25,23 +25,18 @@ and each consumer loads its next q tile once its last `q k^T` product of the
 item is done, and its next gate tile after the gating. Otherwise the grid has
 one CTA per item.
 
-N need not be a whole number of tiles: TMA reads past N as zeros, keys past
-N get a -inf logit and TMA stores of q's layout past N are dropped. N need
-not be a multiple of 8 either where the 16-bit row tiles are one swizzle
-wide (`support.takes_any_n`: 16-bit, d <= 64): the tiles of q, k, v, the gate
-and the outputs are then pairs of views (`smem.unaligned_row_tile`), an
-untiled one that TMA copies through and the 8-row tiled one that `wgmma`
-reads; the float32 residual at d = 64 as two column pieces of such pairs
-(`smem.row_tile`). q, k, v, the gate and the output are never padded; the
-bias and mask rows are padded to whole TMA rows (`support.pad_residues`; with
-N % 8 != 0 the bias's rows to a multiple of 8 too, `support.pad_bias_rows`),
-and the row statistics are written into planes padded to whole query tiles and
-sliced: their `[1, block_q]` windows are contiguous, and Mosaic GPU stores a
-contiguous unswizzled window with a bulk copy that is clipped only at the
-end of the whole array, not at N, so a window running past N would
-overwrite the next head's statistics. Results and residuals are those of
-the Triton forward (`msa_pallas.kernels.triton.forward.attention_forward`),
-so either backward follows.
+N need not be a whole number of tiles (TMA reads past N as zeros, keys past N
+get a -inf logit, stores past N are dropped), nor a multiple of 8 where
+`support.takes_any_n` (16-bit, d <= 64): the row tiles are then pairs of
+views (`smem.unaligned_row_tile`: TMA copies through the untiled one,
+`wgmma` reads the 8-row tiled one; the float32 residual at d = 64 as two
+column pieces, `smem.row_tile`). Only the bias and mask rows are padded
+(`support.pad_residues`, `support.pad_bias_rows`); the row statistics go to
+planes padded to whole query tiles and sliced, as Mosaic GPU clips the bulk
+copy of a contiguous `[1, block_q]` window only at the array's end, so one
+running past N would overwrite the next head's. Results and residuals are
+those of the Triton forward (`kernels.triton.forward`): either backward
+follows.
 
 Each item's key loop runs between bounds that may be known only at run time
 (`key_tiles_of` in the kernel; today every key tile), and the ring's slots
@@ -66,7 +61,7 @@ from msa_pallas.kernels.mosaic.heads import (
     as_head_pairs, combine_head_columns, heads_per_tile, store_own_head_tiles,
 )
 from msa_pallas.kernels.mosaic.logits import (
-    accumulator_bias, bias_tile, keys_before, masked_accumulator_logit,
+    accumulator_bias, bias_tile, keys_before, masked_accumulator_logit, online_softmax, sigmoid,
 )
 from msa_pallas.kernels.mosaic.matmul import (
     WGMMA, WGMMA_COL, WGMMA_ROW, accumulate_products, smem_products,
@@ -186,17 +181,6 @@ def _kernel(
                 logits = tuple(jnp.where(before, t, -jnp.inf) for t in logits)
             return logits
 
-        def online_softmax(t, row_max, row_sum):
-            """The tile's float32 probabilities, the factor that rescales the
-            earlier tiles' sums, and the new row max and sum."""
-            # Base 2 from the accumulator's units: one FMA per logit.
-            new_max = jnp.maximum(row_max, t.max(axis=1))
-            new_max_log2 = new_max * to_log2
-            rescale = jnp.exp2(row_max * to_log2 - new_max_log2)
-            p = jnp.exp2(t * to_log2 - lax.broadcast_in_dim(new_max_log2, t.shape, [0]))
-            row_sum = row_sum * rescale + p.sum(axis=1)
-            return p, rescale, new_max, row_sum
-
         def rescaled(acc, rescale):
             return acc * lax.broadcast_in_dim(rescale, acc.shape, [0])
 
@@ -224,7 +208,7 @@ def _kernel(
                 plgpu.barrier_arrive(consumed["k"].at[slot])
 
                 softmaxes = [
-                    online_softmax(t, row_max, row_sum)
+                    online_softmax(t, row_max, row_sum, to_log2)
                     for t, row_max, row_sum in zip(logits, row_maxes, row_sums)
                 ]
                 accs = tuple(
@@ -442,10 +426,6 @@ def _kernel(
         def _(warp):
             pl.when(warp == 0)(lambda: feed("k"))
             pl.when(warp == 1)(lambda: feed("v"))
-
-
-def sigmoid(x):
-    return 1.0 / (1.0 + jnp.exp2(x * -LOG2E))
 
 
 @functools.partial(

@@ -1,14 +1,17 @@
 """The logits in the units of `q . k`: the bias as the first product's
 accumulator starts from it (`accumulator_bias` in XLA, `bias_tile` in the
-kernels), the masked logit, and keys past N."""
+kernels), the masked logit, keys past N; the forward's online softmax over
+them in base 2, and the gate's sigmoid."""
 
 from __future__ import annotations
 
 import math
 
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from msa_pallas.kernels.constants import LOG2E
 from msa_pallas.kernels.mosaic.matmul import WGMMA
 from msa_pallas.reference import MASKED_LOGIT
 
@@ -54,3 +57,21 @@ def keys_before(n_res: int, key_tile, block_k: int, shape):
     (of key tile `key_tile`) lies before N. Keys past N read zeros."""
     key_ids = key_tile * block_k + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=WGMMA)
     return key_ids < n_res
+
+
+def online_softmax(t, row_max, row_sum, to_log2: float):
+    """One logit tile `t` (`[rows, keys]` float32, the units of `q . k`) of
+    the forward's online softmax: the tile's float32 probabilities, the
+    factor that rescales the earlier tiles' sums, and the new row max and
+    sum (`[rows]`); `to_log2` is scale * log2(e)."""
+    # Base 2 from the accumulator's units: one FMA per logit.
+    new_max = jnp.maximum(row_max, t.max(axis=1))
+    new_max_log2 = new_max * to_log2
+    rescale = jnp.exp2(row_max * to_log2 - new_max_log2)
+    p = jnp.exp2(t * to_log2 - lax.broadcast_in_dim(new_max_log2, t.shape, [0]))
+    row_sum = row_sum * rescale + p.sum(axis=1)
+    return p, rescale, new_max, row_sum
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + jnp.exp2(x * -LOG2E))

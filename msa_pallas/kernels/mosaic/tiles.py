@@ -15,8 +15,6 @@ from msa_pallas.kernels.mosaic.smem import MAX_SHARED_MEMORY
 from msa_pallas.kernels.mosaic.support import FLOAT32_MAX_HEAD_DIM, kernel_head_dim
 
 
-
-
 def _largest_divisor_at_most(rows: int, limit: int) -> int:
     """The largest divisor of `rows` that is <= `limit` (at least 1)."""
     return max(r for r in range(1, min(limit, rows) + 1) if rows % r == 0)
