@@ -14,7 +14,7 @@ from msa_pallas.kernels.mosaic import forward as mosaic_forward
 from msa_pallas.kernels.mosaic.common import pad_head_dim, pairs_heads
 from msa_pallas.kernels.mosaic.common import supports as mosaic_supports
 from msa_pallas.kernels.vjp import fused_attention
-from msa_pallas.reference import msa_row_attention_xla
+from msa_pallas.reference import key_keep, msa_row_attention_xla
 from msa_pallas.validation import (
     KERNEL_DTYPES,
     MAX_KERNEL_HEAD_DIM,
@@ -220,7 +220,7 @@ def msa_row_attention(
     gate = None if gate is None else gate.reshape(rows_shape)
     bias = bias.reshape(batch, heads, n_res, n_res)
     if mask is not None:
-        mask = mask.reshape(batch, rows, n_res) != 0
+        mask = key_keep(mask.reshape(batch, rows, n_res))
 
     if implementation == "xla":
         out = msa_row_attention_xla(

@@ -115,6 +115,7 @@ import jax.numpy as jnp
 
 from msa_pallas.attention import msa_row_attention
 from msa_pallas.layer_core import LAYER_NORM_EPS, resolve_precision
+from msa_pallas.reference import key_keep
 from msa_pallas.validation import shape_str
 
 __all__ = ["MSARowAttentionWithPairBias", "MASK_MODES", "glorot_uniform"]
@@ -182,7 +183,9 @@ class _Attention(hk.Module):
         if self.gating:
             gating_w = weight("gating_w", (c_m, heads, d), hk.initializers.Constant(0.0))
             gating_b = weight("gating_b", (heads, d), hk.initializers.Constant(1.0))
-            gate = project(gating_w) + gating_b  # logits: the op applies the sigmoid
+            # Logits (the op applies the sigmoid); the bias's leading axes
+            # spelled out, as rank promotion "raise" wants.
+            gate = project(gating_w) + jnp.expand_dims(gating_b, tuple(range(x.ndim - 1)))
 
         o = msa_row_attention(
             q, k, v, bias, mask, gate,
@@ -193,7 +196,8 @@ class _Attention(hk.Module):
         out_init = hk.initializers.Constant(0.0) if self.zero_init else glorot_uniform()
         output_w = weight("output_w", (heads, d, self.output_dim), out_init)
         output_b = weight("output_b", (self.output_dim,), hk.initializers.Constant(0.0))
-        return jnp.einsum("...hc,hco->...o", o, output_w, precision=self.precision) + output_b
+        out = jnp.einsum("...hc,hco->...o", o, output_w, precision=self.precision)
+        return out + jnp.expand_dims(output_b, tuple(range(out.ndim - 1)))
 
 
 class MSARowAttentionWithPairBias(hk.Module):
@@ -303,7 +307,7 @@ class MSARowAttentionWithPairBias(hk.Module):
 
         mask = None
         if msa_mask is not None:
-            mask = jnp.asarray(msa_mask) != 0
+            mask = key_keep(jnp.asarray(msa_mask))
             if self.mask_mode == "additive":
                 # logits + 1e9 * (mask - 1), exactly: a uniform shift of every key of
                 # a fully masked row cancels in the softmax, i.e. no mask on that row.

@@ -1,0 +1,306 @@
+"""The op and the layers under JAX's global settings and the transformations
+protein models use, on every backend: "xla", and the kernels in their CPU
+interpreters, "pallas" (Triton) and "mosaic" (Mosaic GPU), at tiny shapes;
+the same matrix on a GPU (`gpu` marker) at a small but real shape through the
+default dispatch, "pallas" and "mosaic".
+
+Settings (each against the plain run of the same backend, bitwise: the same
+kernels run): `jax_enable_x64`, `jax.numpy_dtype_promotion("strict")`,
+`jax.numpy_rank_promotion("raise")`, `jax.debug_nans`, `jax.debug_infs`.
+Transformations: vmap over extra leading axes with in_axes != 0, lax.scan
+over blocks with jax.checkpoint and a dots_saveable policy, jax.eval_shape,
+donate_argnums, jax.export round trip, a jitted training step; forward-mode
+jvp is refused with an error that names the op.
+
+On the CPU the Mosaic GPU interpreter runs each kernel's threads under the
+global `jax_enable_x64`, so its x64 case sets the global flag (restored
+after); the thread-local context is refused with the fix. It cannot run under
+`jax.checkpoint` (its ordered callbacks: "Effects not supported in AD of
+checkpoint/remat: OrderedIOEffect") nor be exported (host callbacks): the GPU
+tests cover those on the compiled kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+import helpers
+import msa_pallas
+from helpers import random_inputs, rel_err
+from msa_pallas.attention import on_gpu
+
+BACKENDS = ("xla", "pallas", "mosaic")
+SETTINGS = {
+    "x64": lambda: jax.enable_x64(True),
+    "strict_promotion": lambda: jax.numpy_dtype_promotion("strict"),
+    "rank_raise": lambda: jax.numpy_rank_promotion("raise"),
+    "debug_nans": lambda: jax.debug_nans(True),
+    "debug_infs": lambda: jax.debug_infs(True),
+}
+# (B, S, N, H, d): B * H > 1; N = 24 one tile, N = 37 a ragged one.
+SHAPE = (1, 2, 24, 2, 16)
+# The Mosaic kernels' own feature paths under x64: two heads per tile
+# (d = 8, even H), d = 8 zero-padded to 16 (odd H), float32 inputs (bf16
+# pieces), N not a multiple of 8.
+X64_MOSAIC_CASES = {
+    "paired_heads": ((1, 2, 24, 2, 8), jnp.bfloat16),
+    "padded_head_dim": ((1, 2, 24, 1, 8), jnp.bfloat16),
+    "float32_pieces": ((1, 2, 24, 2, 16), jnp.float32),
+    "ragged_n": ((1, 2, 37, 2, 16), jnp.bfloat16),
+}
+GPU_SHAPE = (1, 8, 256, 4, 32)
+GPU_BACKENDS = (None, "pallas", "mosaic")
+
+
+def _dtype(backend):
+    # The Mosaic forward is 16-bit (float32 runs the Triton forward).
+    return jnp.bfloat16 if backend == "mosaic" else jnp.float32
+
+
+def _inputs(shape, dtype, seed=7):
+    return random_inputs(seed, *shape, dtype=dtype, fully_masked_row=True)
+
+
+@contextlib.contextmanager
+def global_x64():
+    """64-bit types on for every thread (`jax.config.update`), restored after."""
+    before = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", before)
+
+
+def _setting(name, backend):
+    if name == "x64" and backend == "mosaic" and not on_gpu():
+        return global_x64()
+    return SETTINGS[name]()
+
+
+@functools.lru_cache(maxsize=None)
+def _plain(backend, shape, dtype):
+    """The backend's results without any setting, checked once against float64."""
+    inputs = _inputs(shape, dtype)
+    result = helpers.fwd_bwd(backend)(*inputs.args)
+    expected_out, expected_grads = helpers.numpy_results(inputs)
+    tol = 5 * helpers.tolerance(dtype)
+    assert rel_err(result[0], expected_out) < tol
+    for got, want in zip(result[1], expected_grads):
+        assert rel_err(got, want) < tol
+    return inputs, jax.tree.map(np.asarray, result)
+
+
+def _assert_bitwise(got, want, label, ulps=0):
+    """Equal leaf by leaf; `ulps` > 0 allows that many units in the last place
+    of the largest element (`_x64_ulps`)."""
+    got_leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
+    assert len(got_leaves) == len(want_leaves)
+    for name, a, b in zip(helpers.RESULT_NAMES, got_leaves, want_leaves):
+        a = np.asarray(a)
+        assert a.dtype == b.dtype and a.shape == b.shape, (label, name, a.dtype, b.dtype)
+        if ulps == 0:
+            assert np.array_equal(a, b), f"{label}: {name} differs from the plain run"
+        else:
+            a64, b64 = helpers.to_f64(a), helpers.to_f64(b)
+            bound = ulps * float(jnp.finfo(a.dtype).eps) * np.abs(b64).max()
+            assert np.abs(a64 - b64).max() <= bound, f"{label}: {name} beyond {ulps} ulps"
+
+
+def _assert_layer_results_equal(got, plain, ulps=0):
+    """Equal leaf by leaf; `ulps` > 0 allows that many units in the last place
+    of the largest value of the whole tree (a gradient that is noise around 0
+    has no scale of its own)."""
+    got, plain = jax.tree.leaves(got), jax.tree.leaves(plain)
+    scale = max(float(np.abs(b).max()) for b in plain)
+    for a, b in zip(got, plain):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        if ulps == 0:
+            assert np.array_equal(a, b)
+        else:
+            bound = ulps * float(jnp.finfo(b.dtype).eps) * scale
+            assert np.abs(helpers.to_f64(a) - helpers.to_f64(b)).max() <= bound
+
+
+def _x64_ulps(backend) -> int:
+    """The Triton interpreter's float32 sums under x64 on the CPU: the suite
+    compiles at XLA's optimisation level 0 (conftest.py), where the HLO's
+    64-bit index arithmetic outside the kernels changes the order XLA adds one
+    tile in (1 ulp in a few bias-gradient entries); at the default level, and
+    on the GPU, the results are bitwise equal."""
+    fast_compile = "xla_backend_optimization_level=0" in os.environ.get("XLA_FLAGS", "")
+    return 4 if backend == "pallas" and fast_compile and not on_gpu() else 0
+
+
+# --- settings x backends ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_setting_forward_and_backward_equal_the_plain_run(setting, backend):
+    inputs, plain = _plain(backend, SHAPE, _dtype(backend))
+    with _setting(setting, backend):
+        result = helpers.fwd_bwd(backend)(*inputs.args)
+        result = jax.tree.map(np.asarray, result)
+    ulps = _x64_ulps(backend) if setting == "x64" else 0
+    _assert_bitwise(result, plain, f"{setting}/{backend}", ulps)
+
+
+@pytest.mark.parametrize("case", list(X64_MOSAIC_CASES))
+def test_x64_mosaic_feature_paths_equal_the_plain_run(case):
+    shape, dtype = X64_MOSAIC_CASES[case]
+    inputs, plain = _plain("mosaic", shape, dtype)
+    with global_x64():
+        result = jax.tree.map(np.asarray, helpers.fwd_bwd("mosaic")(*inputs.args))
+    _assert_bitwise(result, plain, f"x64/mosaic/{case}")
+
+
+def test_x64_triton_ragged_n_equals_the_plain_run():
+    inputs, plain = _plain("pallas", (1, 2, 37, 2, 16), jnp.float32)
+    with jax.enable_x64(True):
+        result = jax.tree.map(np.asarray, helpers.fwd_bwd("pallas")(*inputs.args))
+    _assert_bitwise(result, plain, "x64/pallas/ragged_n", _x64_ulps("pallas"))
+
+
+@pytest.mark.skipif("jax.default_backend() == 'gpu'")
+def test_mosaic_interpreter_refuses_a_thread_local_x64_with_the_fix():
+    inputs = _inputs(SHAPE, jnp.bfloat16)
+    with jax.enable_x64(True), pytest.raises(RuntimeError, match=r"jax.config.update\('jax_enable_x64', True\)"):
+        helpers.fwd_bwd("mosaic")(*inputs.args)
+
+
+@pytest.mark.skipif("jax.default_backend() == 'gpu'")
+def test_mosaic_interpreter_without_the_scheduler_flag_refuses_at_trace_time():
+    """Without XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false the
+    interpreter can hang: the op refuses at trace time and names the flag."""
+    code = (
+        "import jax, jax.numpy as jnp, msa_pallas\n"
+        "x = jnp.ones((1, 1, 8, 1, 16), jnp.bfloat16)\n"
+        "b = jnp.ones((1, 1, 8, 8), jnp.float32)\n"
+        "try:\n"
+        "    jax.jit(lambda x: msa_pallas.msa_row_attention(x, x, x, b, implementation='mosaic'))"
+        ".trace(x)\n"
+        "except RuntimeError as e:\n"
+        "    print(e)\n"
+    )
+    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert "XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false" in out.stdout, (
+        out.stdout, out.stderr[-2000:])
+
+
+# --- the layers and converters under the settings ---------------------------------
+
+
+def _layer_inputs(seed=3, S=2, N=12, c_m=16, c_z=8):
+    rng = np.random.default_rng(seed)
+    msa = jnp.asarray(rng.standard_normal((1, S, N, c_m), np.float32))
+    pair = jnp.asarray(rng.standard_normal((1, N, N, c_z), np.float32))
+    mask = jnp.asarray(rng.random((1, S, N)) > 0.2)
+    return msa, pair, mask
+
+
+@functools.lru_cache(maxsize=None)
+def _linen_run(implementation):
+    layer = msa_pallas.MSARowAttentionWithPairBias(
+        msa_dim=16, pair_dim=8, num_heads=2, implementation=implementation
+    )
+
+    @jax.jit
+    def run(msa, pair, mask):
+        variables = layer.init(jax.random.key(0), msa, pair, mask)
+
+        def loss(variables, msa):
+            return jnp.sum(layer.apply(variables, msa, pair, mask) ** 2)
+
+        return jax.value_and_grad(loss, argnums=(0, 1))(variables, msa)
+
+    return run
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_linen_layer_under_setting(setting, implementation):
+    args = _layer_inputs()
+    plain = jax.tree.map(np.asarray, _linen_run(implementation)(*args))
+    with SETTINGS[setting]():
+        got = jax.tree.map(np.asarray, _linen_run(implementation)(*args))
+    ulps = _x64_ulps(implementation) if setting == "x64" else 0
+    _assert_layer_results_equal(got, plain, ulps)
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_nnx_layer_and_converters_under_setting(setting):
+    from flax import nnx
+
+    torch_sd = _torch_like_state_dict()
+    msa, pair, mask = _layer_inputs()
+
+    def run():
+        variables = msa_pallas.convert.from_torch_state_dict(torch_sd)
+        linen_out = msa_pallas.convert.module_from_variables(variables).apply(
+            variables, msa, pair, mask
+        )
+        model = msa_pallas.convert.to_nnx(variables)
+        graph, state = nnx.split(model)
+
+        @jax.jit
+        def nnx_loss(state, msa):
+            return jnp.sum(nnx.merge(graph, state)(msa, pair, mask) ** 2)
+
+        loss, grads = jax.value_and_grad(nnx_loss, argnums=(0, 1))(state, msa)
+        return np.asarray(linen_out), np.asarray(loss), jax.tree.map(np.asarray, grads)
+
+    plain = run()
+    with SETTINGS[setting]():
+        got = run()
+    _assert_layer_results_equal(got, plain)
+
+
+def _torch_like_state_dict(c_m=16, c_z=8, heads=2, seed=5):
+    """The PyTorch reference layer's state dict, as NumPy float32 arrays."""
+    rng = np.random.default_rng(seed)
+    w = lambda *shape: rng.standard_normal(shape).astype(np.float32) / np.sqrt(shape[-1])
+    sd = {
+        "layer_norm.weight": 1 + 0.1 * w(c_m), "layer_norm.bias": 0.1 * w(c_m),
+        "pair_bias.weight": w(heads, c_z), "pair_bias.bias": w(heads),
+    }
+    for name in ("query", "key", "value", "gate", "out_proj"):
+        sd[f"{name}.weight"], sd[f"{name}.bias"] = w(c_m, c_m), w(c_m)
+    return sd
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_haiku_module_under_setting(setting):
+    pytest.importorskip("haiku")
+    import haiku_helpers
+
+    config, global_config = haiku_helpers.configs(num_head=2, zero_init=False)
+    f = haiku_helpers.transformed(config, global_config, implementation="pallas")
+    rng = np.random.default_rng(11)
+    msa = jnp.asarray(rng.standard_normal((2, 12, 16), np.float32))
+    pair = jnp.asarray(rng.standard_normal((12, 12, 8), np.float32))
+    mask = jnp.asarray((rng.random((2, 12)) > 0.2).astype(np.float32))
+    params = f.init(jax.random.key(1), msa, mask, pair)
+
+    @jax.jit
+    def run(params, msa):
+        return jax.value_and_grad(lambda p, m: jnp.sum(f.apply(p, None, m, mask, pair) ** 2),
+                                  argnums=(0, 1))(params, msa)
+
+    plain = jax.tree.map(np.asarray, run(params, msa))
+    with SETTINGS[setting]():
+        got = jax.tree.map(np.asarray, run(params, msa))
+    ulps = _x64_ulps("pallas") if setting == "x64" else 0
+    _assert_layer_results_equal(got, plain, ulps)
