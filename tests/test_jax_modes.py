@@ -156,6 +156,7 @@ def test_setting_forward_and_backward_equal_the_plain_run(setting, backend):
     _assert_bitwise(result, plain, f"{setting}/{backend}", ulps)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(X64_MOSAIC_CASES))
 def test_x64_mosaic_feature_paths_equal_the_plain_run(case):
     shape, dtype = X64_MOSAIC_CASES[case]
@@ -175,8 +176,13 @@ def test_x64_triton_ragged_n_equals_the_plain_run():
 @pytest.mark.skipif("jax.default_backend() == 'gpu'")
 def test_mosaic_interpreter_refuses_a_thread_local_x64_with_the_fix():
     inputs = _inputs(SHAPE, jnp.bfloat16)
-    with jax.enable_x64(True), pytest.raises(RuntimeError, match=r"jax.config.update\('jax_enable_x64', True\)"):
-        helpers.fwd_bwd("mosaic")(*inputs.args)
+    # A jit of its own: one compiled under the global setting would be reused.
+    op = jax.jit(lambda q, k, v, bias: msa_pallas.msa_row_attention(
+        q, k, v, bias, implementation="mosaic"))
+    with jax.enable_x64(True), pytest.raises(
+        RuntimeError, match=r"jax.config.update\('jax_enable_x64', True\)"
+    ):
+        op.trace(*inputs.args[:4])
 
 
 @pytest.mark.skipif("jax.default_backend() == 'gpu'")
@@ -304,3 +310,175 @@ def test_haiku_module_under_setting(setting):
         got = jax.tree.map(np.asarray, run(params, msa))
     ulps = _x64_ulps("pallas") if setting == "x64" else 0
     _assert_layer_results_equal(got, plain, ulps)
+
+
+# --- transformations x backends --------------------------------------------------
+
+CPU_MOSAIC_NO_REMAT = (
+    "the Mosaic GPU interpreter's ordered host callbacks cannot be differentiated "
+    "under jax.checkpoint on the CPU (JAX: 'Effects not supported in AD of "
+    "checkpoint/remat: OrderedIOEffect'); test_gpu_transformations covers it"
+)
+CPU_MOSAIC_NO_EXPORT = (
+    "the Mosaic GPU interpreter runs as host callbacks, which jax.export cannot "
+    "serialise; test_gpu_transformations exports the compiled kernels"
+)
+
+
+def _fwd_bwd(backend, **jit_kwargs):
+    def run(q, k, v, bias, mask, gate, dout):
+        out, pullback = jax.vjp(
+            lambda q, k, v, bias, gate: msa_pallas.msa_row_attention(
+                q, k, v, bias, mask, gate, implementation=backend),
+            q, k, v, bias, gate,
+        )
+        return out, pullback(dout)
+    return jax.jit(run, **jit_kwargs)
+
+
+def _close(got, want, label, rtol=1e-6):
+    for name, a, b in zip(helpers.RESULT_NAMES, jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert a.shape == b.shape and a.dtype == b.dtype, (label, name)
+        assert rel_err(a, b) <= rtol, (label, name, rel_err(a, b))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vmap_over_an_extra_axis_not_the_first(backend):
+    """vmap with in_axes=1 over q, k, v, gate and the cotangent (the bias and
+    mask mapped over their axis 0): each slice equals the plain run on it."""
+    dtype = _dtype(backend)
+    first, _ = _plain(backend, SHAPE, dtype)
+    second = _inputs(SHAPE, dtype, seed=8)
+    rows = lambda name: jnp.stack([getattr(first, name), getattr(second, name)], axis=1)
+    stacked = lambda name: jnp.stack([getattr(first, name), getattr(second, name)])
+    args = (rows("q"), rows("k"), rows("v"), stacked("bias"), stacked("mask"), rows("gate"),
+            rows("dout"))
+    mapped = jax.jit(jax.vmap(helpers.fwd_bwd(backend).__wrapped__,
+                              in_axes=(1, 1, 1, 0, 0, 1, 1), out_axes=1))
+    got = jax.tree.map(np.asarray, mapped(*args))
+    for i, inputs in enumerate((first, second)):
+        want = jax.tree.map(np.asarray, helpers.fwd_bwd(backend)(*inputs.args))
+        out, grads = got
+        sliced = (out[:, i], tuple(g[:, i] for g in grads))
+        # One float32 / bf16 ulp: the mapped program is a different compile.
+        _close(sliced, want, f"vmap/{backend}/{i}", rtol=1e-6 if dtype == jnp.float32 else 8e-3)
+
+
+LAYERS, C = 2, 16
+
+
+def _block_stack(backend, policy, remat: bool):
+    """A residual stack of row-attention blocks over stacked weights, run by
+    lax.scan, each block under jax.checkpoint with `policy` when `remat`."""
+    B, S, N, H, D = 1, 2, 24, 2, 8
+
+    def block(mask, pair_bias, msa, weights):
+        proj = lambda w: (msa @ w).reshape(B, S, N, H, D)
+        out = msa_pallas.msa_row_attention(
+            proj(weights["q"]), proj(weights["k"]), proj(weights["v"]), pair_bias, mask,
+            proj(weights["g"]), implementation=backend)
+        return msa + out.reshape(B, S, N, H * D) @ weights["o"]
+
+    def stack(weights, msa, pair_bias, mask):
+        layer = functools.partial(block, mask, pair_bias)
+        if remat:
+            layer = jax.checkpoint(layer, policy=policy)
+        msa, _ = jax.lax.scan(lambda x, w: (layer(x, w), None), msa, weights)
+        return jnp.sum(msa.astype(jnp.float32) ** 2)
+
+    return jax.jit(jax.value_and_grad(stack, argnums=(0, 1, 2)))
+
+
+def _block_args(dtype, seed=13):
+    rng = np.random.default_rng(seed)
+    n = lambda *shape: jnp.asarray(
+        (rng.standard_normal(shape) / np.sqrt(shape[-2] if len(shape) > 2 else 1)).astype(np.float32)
+    ).astype(dtype)
+    weights = {name: n(LAYERS, C, C) for name in ("q", "k", "v", "g", "o")}
+    return weights, n(1, 2, 24, C), n(1, 2, 24, 24).astype(jnp.float32), jnp.asarray(
+        rng.random((1, 2, 24)) > 0.2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scan_over_blocks_with_checkpoint_policies(backend):
+    """lax.scan over blocks under jax.checkpoint (everything recomputed, and
+    dots_saveable as AF2-style stacks use): equal to the stack without remat."""
+    if backend == "mosaic" and not on_gpu():
+        with pytest.raises(Exception, match="OrderedIOEffect"):
+            _block_stack(backend, None, True).trace(*_block_args(jnp.bfloat16))
+        pytest.skip(CPU_MOSAIC_NO_REMAT)
+    args = _block_args(_dtype(backend))
+    plain = jax.tree.map(np.asarray, _block_stack(backend, None, False)(*args))
+    for policy in (None, jax.checkpoint_policies.dots_saveable):
+        got = jax.tree.map(np.asarray, _block_stack(backend, policy, True)(*args))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(plain)):
+            assert a.dtype == b.dtype and rel_err(a, b) <= 1e-6, (backend, policy)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_eval_shape_and_donated_arguments(backend):
+    """jax.eval_shape gives the plain run's shapes and dtypes without running
+    it; with q, k, v and the cotangent donated the results are the plain run's."""
+    inputs, plain = _plain(backend, SHAPE, _dtype(backend))
+    shapes = jax.eval_shape(helpers.fwd_bwd(backend), *inputs.args)
+    for shape, value in zip(jax.tree.leaves(shapes), jax.tree.leaves(plain)):
+        assert (shape.shape, shape.dtype) == (value.shape, value.dtype)
+    if backend == "mosaic" and not on_gpu():
+        return  # the compile below would add a minute; the GPU test donates
+    donated = _fwd_bwd(backend, donate_argnums=(0, 1, 2, 6))
+    copies = [None if x is None else jnp.array(x, copy=True) for x in inputs.args]
+    got = jax.tree.map(np.asarray, donated(*copies))
+    _close(got, plain, f"donate/{backend}", rtol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_export_round_trip(backend):
+    """jax.export of forward + backward for this host, serialised, restored
+    and called: the plain run's results."""
+    if backend == "mosaic" and not on_gpu():
+        pytest.skip(CPU_MOSAIC_NO_EXPORT)
+    pytest.importorskip("flatbuffers", reason="jax.export serialisation needs flatbuffers")
+    from msa_pallas import exporting
+
+    inputs, plain = _plain(backend, SHAPE, _dtype(backend))
+    platforms = None if on_gpu() else ("cpu",)
+    exported = exporting.export(helpers.fwd_bwd(backend).__wrapped__, platforms=platforms)(
+        *inputs.args)
+    restored = export.deserialize(exported.serialize())
+    got = jax.tree.map(np.asarray, restored.call(*inputs.args))
+    _close(got, plain, f"export/{backend}", rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_jitted_training_step_of_the_linen_layer(backend):
+    """One jitted SGD step of the linen layer (params donated): the new params
+    are params - lr * the gradient, and a second step lowers the loss."""
+    msa, pair, mask = _layer_inputs()
+    layer = msa_pallas.MSARowAttentionWithPairBias(
+        msa_dim=16, pair_dim=8, num_heads=2, implementation=backend)
+    params = layer.init(jax.random.key(0), msa, pair, mask)
+    target = jnp.roll(msa, 1, axis=-1)
+
+    def loss(params):
+        return jnp.mean((layer.apply(params, msa, pair, mask) - target) ** 2)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(params):
+        value, grads = jax.value_and_grad(loss)(params)
+        return value, jax.tree.map(lambda p, g: p - 0.5 * g, params, grads), grads
+
+    before = jax.tree.map(np.asarray, params)
+    first_loss, params, grads = step(params)
+    for p, b, g in zip(jax.tree.leaves(params), jax.tree.leaves(before), jax.tree.leaves(grads)):
+        np.testing.assert_array_equal(np.asarray(p), (b - 0.5 * np.asarray(g)).astype(b.dtype))
+    second_loss, _, _ = step(params)
+    assert np.isfinite(first_loss) and second_loss < first_loss
+
+
+@pytest.mark.parametrize("backend", ["pallas", "mosaic"])
+def test_forward_mode_is_refused_with_the_op_named(backend):
+    inputs = _inputs(SHAPE, _dtype(backend))
+    f = lambda q: msa_pallas.msa_row_attention(
+        q, inputs.k, inputs.v, inputs.bias, implementation=backend)
+    with pytest.raises(TypeError, match=r"msa_row_attention.*reverse mode"):
+        jax.jvp(f, (inputs.q,), (inputs.q,))
