@@ -14,7 +14,7 @@ from msa_pallas.dispatch import (  # noqa: F401  (kernel_bias_dtype: public befo
 )
 from msa_pallas.kernels.mosaic.support import pad_head_dim
 from msa_pallas.kernels.vjp import fused_attention
-from msa_pallas.reference import msa_row_attention_xla
+from msa_pallas.reference import key_keep, msa_row_attention_xla
 
 
 def target_platform() -> str:
@@ -125,7 +125,7 @@ def msa_row_attention(
     gate = None if gate is None else gate.reshape(rows_shape)
     bias = bias.reshape(batch, heads, n_res, n_res)
     if mask is not None:
-        mask = mask.reshape(batch, rows, n_res) != 0
+        mask = key_keep(mask.reshape(batch, rows, n_res))
 
     if plan.implementation == "xla":
         out = msa_row_attention_xla(

@@ -117,6 +117,7 @@ import jax.numpy as jnp
 
 from msa_pallas.attention import msa_row_attention
 from msa_pallas.layer_core import LAYER_NORM_EPS, resolve_precision
+from msa_pallas.reference import key_keep
 from msa_pallas.validation import shape_str
 
 __all__ = ["MSARowAttentionWithPairBias", "MASK_MODES", "glorot_uniform"]
@@ -224,13 +225,18 @@ class _Attention(hk.Module):
             def project(w):  # [*, S, N, c_m] x [c_m, H, d] -> [*, S, N, H, d], no transpose
                 return jnp.einsum("...a,ahc->...hc", x, w, precision=self.precision)
 
-            gate = None if gating_w is None else project(gating_w) + gating_b  # logits
+            # Logits (the op applies the sigmoid); the bias's leading axes spelled
+            # out, as rank promotion "raise" wants.
+            gate = None if gating_w is None else (
+                project(gating_w) + jnp.expand_dims(gating_b, tuple(range(x.ndim - 1)))
+            )
             o = msa_row_attention(
                 project(query_w), project(key_w), project(value_w), bias, mask, gate,
                 scale=d ** -0.5,  # AF2 scales q by key_dim**-0.5 before q.k: same product
                 implementation=self.implementation, block_config=self.block_config,
             )
-            return jnp.einsum("...hc,hco->...o", o, output_w, precision=self.precision) + output_b
+            out = jnp.einsum("...hc,hco->...o", o, output_w, precision=self.precision)
+            return out + jnp.expand_dims(output_b, tuple(range(out.ndim - 1)))
 
         return map_row_chunks(rows, x, mask, self.row_chunk)
 
@@ -350,7 +356,7 @@ class MSARowAttentionWithPairBias(hk.Module):
 
         mask = None
         if msa_mask is not None:
-            mask = jnp.asarray(msa_mask) != 0
+            mask = key_keep(jnp.asarray(msa_mask))
             if self.mask_mode == "additive":
                 # logits + 1e9 * (mask - 1), exactly: a uniform shift of every key of
                 # a fully masked row cancels in the softmax, i.e. no mask on that row.

@@ -20,6 +20,19 @@ import jax.numpy as jnp
 MASKED_LOGIT = -1e9
 
 
+def key_keep(mask: jax.Array) -> jax.Array:
+    """The kept keys of a mask: bool `[*shape]` from a bool or numeric one
+    (nonzero keeps).
+
+    No implicit promotion (a bool compared with a Python 0 is refused under
+    `jax.numpy_dtype_promotion("strict")`): a bool mask is returned as it is,
+    a numeric one compared with a zero of its own dtype.
+    """
+    if mask.dtype == jnp.bool_:
+        return mask
+    return mask != jnp.zeros((), mask.dtype)
+
+
 def _matmul_precision(dtype) -> jax.lax.Precision:
     # float32 must mean float32: without HIGHEST, XLA on GPU may use TF32.
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else jax.lax.Precision.DEFAULT

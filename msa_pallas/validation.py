@@ -7,9 +7,12 @@ mistake inside a large model points at the call that made it.
 from __future__ import annotations
 
 import math
+import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.interpreters import ad
 
 from msa_pallas.block_sizes import BlockConfig
 from msa_pallas.kernels.mosaic.support import supports as mosaic_supports
@@ -21,6 +24,9 @@ MAX_KERNEL_HEAD_DIM = 128
 IMPLEMENTATIONS = ("triton", "mosaic", "xla")
 # Older names: "pallas" has always meant the Triton kernels.
 IMPLEMENTATION_ALIASES = {"pallas": "triton"}
+# The Mosaic GPU interpreter of jax 0.11.2 hangs in its barrier waits on some
+# programs under XLA's concurrency-optimised CPU scheduler.
+INTERPRETER_SCHEDULE_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 
 def shape_str(shape) -> str:
@@ -117,6 +123,8 @@ def validate_arguments(q, k, v, bias, mask, gate, scale, implementation) -> None
         raise ValueError(
             f"q has shape {shape_str(q.shape)}; every dimension must be >= 1."
         )
+    if implementation in ("pallas", "mosaic"):
+        check_reverse_mode(q, k, v, bias, gate, implementation=implementation)
     if implementation == "mosaic":
         reason = mosaic_supports(q.shape, q.dtype, bias.dtype)
         if reason is not None:
@@ -152,3 +160,66 @@ def validate_dropout(dropout_rate, dropout_rng, implementation) -> None:
                 f"dropout_rate={dropout_rate}: attention dropout is not in the Pallas "
                 "kernels yet; use implementation=None or 'xla'."
             )
+
+
+def check_reverse_mode(*arrays, implementation: str) -> None:
+    """Raises TypeError when the kernels are asked for a forward-mode
+    derivative (`jax.jvp`, `jax.jacfwd`): their derivative is a custom VJP,
+    reverse mode only (`jax.linearize`, which JAX runs as reverse mode, works).
+
+    Caught here when the op itself is traced for `jvp`; under `jvp` of a
+    jitted or checkpointed function JAX raises its own "can't apply
+    forward-mode autodiff (jvp) to a custom_vjp function" later.
+    """
+    if any(isinstance(x, ad.JVPTracer) for x in arrays if x is not None):
+        raise TypeError(
+            f"msa_row_attention(implementation={implementation!r}) has no forward-mode "
+            "derivative (jax.jvp, jax.jacfwd): the kernels' derivative is a custom VJP, "
+            "reverse mode only. Use reverse mode (jax.grad, jax.vjp, jax.jacrev), or "
+            "implementation='xla' where forward mode is needed."
+        )
+
+
+def _flag_is_set(flags: str, flag: str) -> bool:
+    name, value = flag.split("=")
+    return any(
+        entry.split("=")[0] == name and entry.split("=", 1)[-1].lower() in (value, "0")
+        for entry in flags.split()
+    )
+
+
+def check_mosaic_interpreter() -> None:
+    """Raises RuntimeError, at trace time, where the Mosaic GPU kernels'
+    interpreter (`implementation="mosaic"` on a machine without a GPU) would
+    hang or fail at run time, with the fix:
+
+    - XLA's concurrency-optimised CPU scheduler is on (XLA_FLAGS lacks
+      `INTERPRETER_SCHEDULE_FLAG`): the interpreter hangs in its barrier waits
+      on some programs (the backward with B * H > 1, say). XLA reads XLA_FLAGS
+      once, when JAX creates its CPU backend, before any op is traced, so the
+      flag must be in the environment the program starts with.
+    - 64-bit types are on or off for this thread only (`with
+      jax.enable_x64(...)`) against the global setting: the interpreter runs
+      each kernel's threads under the global setting and fails on the
+      mismatched integer types.
+    """
+    if not _flag_is_set(os.environ.get("XLA_FLAGS", ""), INTERPRETER_SCHEDULE_FLAG):
+        raise RuntimeError(
+            "implementation='mosaic' on a CPU runs the Mosaic GPU kernels in their "
+            "interpreter, which hangs under XLA's concurrency-optimised CPU scheduler. "
+            f"Start the program with XLA_FLAGS={INTERPRETER_SCHEDULE_FLAG} in its "
+            "environment, e.g. `XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler"
+            "=false python train.py` (XLA reads it when JAX creates its CPU backend: "
+            "setting os.environ later has no effect), or use implementation='pallas' "
+            "(the Triton kernels' interpreter) or 'xla' on a CPU."
+        )
+    if jax.config.jax_enable_x64 != jax.enable_x64.get_global():
+        raise RuntimeError(
+            "implementation='mosaic' on a CPU inside `with jax.enable_x64("
+            f"{jax.config.jax_enable_x64})`: the Mosaic GPU interpreter runs the kernels "
+            "in threads that see only the global setting "
+            f"(jax_enable_x64={jax.enable_x64.get_global()}) and fails on the mismatch. "
+            "Set it globally, jax.config.update('jax_enable_x64', "
+            f"{jax.config.jax_enable_x64}), or use implementation='pallas' or 'xla' "
+            "on a CPU."
+        )

@@ -40,6 +40,7 @@ from msa_pallas.kernels.triton import forward as triton_forward
 from msa_pallas.kernels.triton.backward import (
     backward_dbias, backward_dkdv, backward_dq, backward_dq_dbias,
 )
+from msa_pallas.validation import check_mosaic_interpreter
 from msa_pallas.kernels.partitioning import (
     BIAS, KEY_ROWS, MASK, QUERY_ROWS, STACKED_STATS, STATS, partitioned_call,
 )
@@ -67,6 +68,7 @@ def _mosaic_call(kernel, args, in_layouts, out_layouts, *, interpret: bool) -> t
     interpreter's ordered callbacks cannot sit inside a custom_partitioning
     op, so interpreted kernels are called as they are (never sharded)."""
     if interpret:
+        check_mosaic_interpreter()
         return tuple(jax.tree.leaves(kernel(*args)))
     return partitioned_call(kernel, args, in_layouts, out_layouts)
 

@@ -194,8 +194,11 @@ def launch(body, plan, *, inputs: dict, out_types: dict, interpret: bool):
 
     def entry(*refs):
         gmem = dict(zip(names, refs))
-        pl.run_scoped(lambda *scratch_refs: body(gmem, *scratch_refs), *plan.scratch(),
-                      collective_axes="wg")
+        # The kernel's index arithmetic is int32 whatever `jax_enable_x64`
+        # says: traced with it on, its Python ints would be int64 operands.
+        with jax.enable_x64(False):
+            pl.run_scoped(lambda *scratch_refs: body(gmem, *scratch_refs), *plan.scratch(),
+                          collective_axes="wg")
 
     return plgpu.kernel(
         entry,

@@ -107,8 +107,8 @@ def _dkdv_kernel(
         return tuple(updated)
 
     zeros = jnp.zeros(keys[0][0].shape, jnp.float32)
-    carry = jax.lax.fori_loop(
-        0, pl.cdiv(n_res, block_q), visit_query_tile, tuple((zeros, zeros) for _ in program_rows)
+    carry = common.tile_loop(
+        pl.cdiv(n_res, block_q), visit_query_tile, tuple((zeros, zeros) for _ in program_rows)
     )
     for row, (dk, dv) in zip(program_rows, carry):
         common.store_residues(dk_ref, row, k_start, dk * scale, n_res, head_dim)
@@ -151,8 +151,8 @@ def _dq_kernel(
         return tuple(updated)
 
     zeros = jnp.zeros(queries[0][0].shape, jnp.float32)
-    carry = jax.lax.fori_loop(
-        0, pl.cdiv(n_res, block_k), visit_key_tile, tuple(zeros for _ in program_rows)
+    carry = common.tile_loop(
+        pl.cdiv(n_res, block_k), visit_key_tile, tuple(zeros for _ in program_rows)
     )
     for row, dq in zip(program_rows, carry):
         common.store_residues(dq_ref, row, q_start, dq * scale, n_res, head_dim)
@@ -169,7 +169,7 @@ def _bias_gradient_body(
     then covers whole softmax rows and gives dq in one product."""
     q_start = pl.program_id(0) * block_q
     # With dq there is one key tile: a constant start lets the compiler fold it.
-    k_start = 0 if dq_ref is not None else pl.program_id(1) * block_k
+    k_start = common.index(0) if dq_ref is not None else pl.program_id(1) * block_k
     # The bias tile is the same for every MSA row: read it once.
     bias = common.load_bias_tile(bias_ref, q_start, k_start, block_q, block_k, n_res)
 
@@ -193,8 +193,8 @@ def _bias_gradient_body(
         return dbias + ds
 
     msa_rows_here = q_ref.shape[0]
-    dbias = jax.lax.fori_loop(
-        0, msa_rows_here, visit_msa_row, jnp.zeros((block_q, block_k), jnp.float32)
+    dbias = common.tile_loop(
+        msa_rows_here, visit_msa_row, jnp.zeros((block_q, block_k), jnp.float32)
     )
     plgpu.store(
         common.bias_view(dbias_ref, q_start, k_start, block_q, block_k),

@@ -51,7 +51,28 @@ def program_rows_of(msa_rows: int) -> list[tuple]:
     """Ref index prefixes of a program's MSA rows: `[()]` for one row (the
     specs then drop the row axis), `[(0,), (1,), ...]` for several."""
     # Array indices: a Python int index is not accepted by interpret mode.
-    return [()] if msa_rows == 1 else [(jnp.int32(row),) for row in range(msa_rows)]
+    return [()] if msa_rows == 1 else [(index(row),) for row in range(msa_rows)]
+
+
+def index(value: int):
+    """A static index or tile start as int32, the kernels' one index type.
+
+    Under `jax_enable_x64` a Python int becomes int64 where it meets traced
+    indices, and Pallas's interpreter refuses indices of mixed types (its
+    masked loads and stores slice with all of a view's starts at once)."""
+    return jnp.int32(value)
+
+
+def full_columns(ref):
+    """Every column of a `[..., d_pad]` ref, as an int32-started slice
+    (`slice(None)` would start at a Python 0: `index`)."""
+    return pl.ds(index(0), ref.shape[-1])
+
+
+def tile_loop(num_tiles: int, visit, init):
+    """`lax.fori_loop(0, num_tiles, visit, init)` with an int32 counter,
+    whatever `jax_enable_x64` says (`index`)."""
+    return jax.lax.fori_loop(index(0), index(num_tiles), visit, init)
 
 
 def residue_ids(start, block: int):
@@ -95,7 +116,7 @@ def load_residues(ref, prefix: tuple, start, block: int, n_res: int, head_dim: i
       `[block, d_pad]` in the ref's dtype.
     """
     mask = residue_mask(start, block, n_res, head_dim, ref.shape[-1])
-    view = ref.at[(*prefix, pl.ds(start, block), slice(None))]
+    view = ref.at[(*prefix, pl.ds(start, block), full_columns(ref))]
     if mask is None:
         return view[...]
     return plgpu.load(view, mask=mask, other=0)
@@ -104,7 +125,7 @@ def load_residues(ref, prefix: tuple, start, block: int, n_res: int, head_dim: i
 def store_residues(ref, prefix: tuple, start, value, n_res: int, head_dim: int):
     """Stores `[block, d_pad]` into rows `[start, start + block)`, columns < head_dim."""
     block, d_pad = value.shape
-    view = ref.at[(*prefix, pl.ds(start, block), slice(None))]
+    view = ref.at[(*prefix, pl.ds(start, block), full_columns(ref))]
     plgpu.store(
         view, value.astype(ref.dtype), mask=residue_mask(start, block, n_res, head_dim, d_pad)
     )

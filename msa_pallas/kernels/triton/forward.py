@@ -65,7 +65,7 @@ def _forward_kernel(
         )
         for _ in program_rows
     )
-    carry = jax.lax.fori_loop(0, pl.cdiv(n_res, block_k), visit_key_tile, init)
+    carry = common.tile_loop(pl.cdiv(n_res, block_k), visit_key_tile, init)
     for row, (acc, row_max, row_sum) in zip(program_rows, carry):
         out = acc / row_sum[:, None]
         if attention_ref is not None:
