@@ -24,9 +24,9 @@ or `query_seq_lengths`. `key_value_seq_lengths` is turned into a key mask
 and stays fused. A key whose row keeps no key gets uniform weights on both
 paths (the op's convention), where tokamax's XLA path gives NaN or zeros.
 
-`implementation`: msa_pallas's names (None, `"pallas"`, `"mosaic"`,
-`"xla"`) or tokamax's `"triton"` (-> `"pallas"`), `"mosaic"`, `"xla"`;
-`"cudnn"` is refused.
+`implementation`: the op's names (None, `"triton"` or its alias
+`"pallas"`, `"mosaic"`, `"xla"`), which include tokamax's `"triton"`,
+`"mosaic"` and `"xla"`; any other name (tokamax's `"cudnn"`) is refused.
 
 Example (AlphaFold3's triangle attention around the starting node)::
 
@@ -45,12 +45,10 @@ import jax
 import jax.numpy as jnp
 
 from msa_pallas.attention import msa_row_attention
-from msa_pallas.validation import shape_str
+from msa_pallas.validation import canonical_implementation, shape_str
 
 __all__ = ["dot_product_attention"]
 
-_IMPLEMENTATIONS = {None: None, "pallas": "pallas", "triton": "pallas", "mosaic": "mosaic",
-                    "xla": "xla"}
 _MASK_VALUE = -1e9
 
 
@@ -92,7 +90,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       is_causal, query_seq_lengths: accepted for tokamax's signature; they take
         the plain path (warning).
       key_value_seq_lengths: `[*batch]` int, keys at or past it masked.
-      implementation: None, `"pallas"`/`"triton"`, `"mosaic"`, `"xla"`.
+      implementation: None, `"triton"` (or `"pallas"`), `"mosaic"`, `"xla"`.
       gate: msa_pallas's addition, `[*batch, T, H, D]` gate logits: the
         output is multiplied by `sigmoid(gate)` inside the kernel.
       block_config: the op's tiles (optional).
@@ -100,10 +98,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     Returns:
       `[*batch, T, H, D]` in query's dtype.
     """
-    if implementation not in _IMPLEMENTATIONS:
-        raise ValueError(f"implementation={implementation!r}; expected one of "
-                         f"{sorted(k for k in _IMPLEMENTATIONS if k)} or None.")
-    implementation = _IMPLEMENTATIONS[implementation]
+    implementation = canonical_implementation(implementation)
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     if query.ndim < 3 or key.shape != value.shape or key.shape[:-3] != query.shape[:-3] \
             or key.shape[-2:] != query.shape[-2:]:

@@ -123,7 +123,7 @@ def validate_arguments(q, k, v, bias, mask, gate, scale, implementation) -> None
         raise ValueError(
             f"q has shape {shape_str(q.shape)}; every dimension must be >= 1."
         )
-    if implementation in ("pallas", "mosaic"):
+    if implementation in ("triton", "pallas", "mosaic"):
         check_reverse_mode(q, k, v, bias, gate, implementation=implementation)
     if implementation == "mosaic":
         reason = mosaic_supports(q.shape, q.dtype, bias.dtype)
