@@ -430,8 +430,10 @@ def _check_scan_with_checkpoint(backend, shape, dtype):
     for policy in (None, jax.checkpoint_policies.dots_saveable):
         got = jax.tree.map(np.asarray, _block_stack(backend, policy, True, shape)(*args))
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(plain)):
-            # bf16: the recomputing program rounds its projections where XLA fuses them.
-            rtol = 1e-6 if dtype == jnp.float32 else 1e-2
+            # bf16: the recomputing program rounds its projections where XLA fuses them;
+            # float32 on a GPU: its projections' default-precision products differ
+            # between the two programs (measured 2.8e-6 on an H200).
+            rtol = (1e-5 if on_gpu() else 1e-6) if dtype == jnp.float32 else 1e-2
             assert a.dtype == b.dtype and rel_err(a, b) <= rtol, (backend, policy)
 
 
@@ -469,7 +471,7 @@ def _check_export(backend, shape, dtype):
     from msa_pallas import exporting
 
     inputs, plain = _plain(backend, shape, dtype)
-    platforms = None if on_gpu() else ("cpu",)
+    platforms = ("cuda",) if on_gpu() else ("cpu",)
     exported = exporting.export(helpers.fwd_bwd(backend).__wrapped__, platforms=platforms)(
         *inputs.args)
     restored = export.deserialize(exported.serialize())
@@ -498,7 +500,9 @@ def test_jitted_training_step_of_the_linen_layer(backend):
     before = jax.tree.map(np.asarray, params)
     first_loss, params, grads = step(params)
     for p, b, g in zip(jax.tree.leaves(params), jax.tree.leaves(before), jax.tree.leaves(grads)):
-        np.testing.assert_array_equal(np.asarray(p), (b - 0.5 * np.asarray(g)).astype(b.dtype))
+        # Within an ulp: XLA on a GPU fuses the update into one multiply-add.
+        np.testing.assert_allclose(
+            np.asarray(p), (b - 0.5 * np.asarray(g)).astype(b.dtype), rtol=2e-7, atol=1e-9)
     second_loss, _, _ = step(params)
     assert np.isfinite(first_loss) and second_loss < first_loss
 

@@ -12,6 +12,8 @@ Logits are computed in base 2 (`exp2` is the hardware's native exponential):
 
 from __future__ import annotations
 
+import contextvars
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -51,27 +53,35 @@ def program_rows_of(msa_rows: int) -> list[tuple]:
     """Ref index prefixes of a program's MSA rows: `[()]` for one row (the
     specs then drop the row axis), `[(0,), (1,), ...]` for several."""
     # Array indices: a Python int index is not accepted by interpret mode.
-    return [()] if msa_rows == 1 else [(index(row),) for row in range(msa_rows)]
+    return [()] if msa_rows == 1 else [(jnp.int32(row),) for row in range(msa_rows)]
+
+
+# Set while an interpreted kernel body is traced (`pallas_call`): its static
+# indices and tile starts are then int32 arrays. Under `jax_enable_x64` a
+# Python int becomes int64 where it meets traced indices, and Pallas's
+# interpreter refuses indices of mixed types (its masked loads and stores
+# slice with all of a view's starts at once). The Triton lowering needs the
+# opposite: a static start in a load's indexer must stay a Python int (an
+# array there is not a constant it can fold, and its masked-load rule fails),
+# and it takes 64-bit mode as it is. Compiled kernels keep Python ints.
+_int32_indices = contextvars.ContextVar("int32_indices", default=False)
 
 
 def index(value: int):
-    """A static index or tile start as int32, the kernels' one index type.
-
-    Under `jax_enable_x64` a Python int becomes int64 where it meets traced
-    indices, and Pallas's interpreter refuses indices of mixed types (its
-    masked loads and stores slice with all of a view's starts at once)."""
-    return jnp.int32(value)
+    """A static index or tile start: int32 in an interpreted body, a Python
+    int in a compiled one (`_int32_indices`)."""
+    return jnp.int32(value) if _int32_indices.get() else value
 
 
 def full_columns(ref):
-    """Every column of a `[..., d_pad]` ref, as an int32-started slice
-    (`slice(None)` would start at a Python 0: `index`)."""
-    return pl.ds(index(0), ref.shape[-1])
+    """Every column of a `[..., d_pad]` ref (`slice(None)`, or in an
+    interpreted body a slice with an int32 start: `index`)."""
+    return pl.ds(index(0), ref.shape[-1]) if _int32_indices.get() else slice(None)
 
 
 def tile_loop(num_tiles: int, visit, init):
-    """`lax.fori_loop(0, num_tiles, visit, init)` with an int32 counter,
-    whatever `jax_enable_x64` says (`index`)."""
+    """`lax.fori_loop(0, num_tiles, visit, init)`, its counter int32 in an
+    interpreted body whatever `jax_enable_x64` says (`index`)."""
     return jax.lax.fori_loop(index(0), index(num_tiles), visit, init)
 
 
@@ -210,9 +220,18 @@ def logit_gradient(p, dp, delta, key_keep):
 
 
 def pallas_call(kernel, tiles, *, grid, in_specs, out_specs, out_shape, interpret: bool, name: str):
-    """`pl.pallas_call` with the Triton launch parameters of `tiles` (a KernelTiles)."""
+    """`pl.pallas_call` with the Triton launch parameters of `tiles` (a KernelTiles);
+    an interpreted kernel's body is traced with int32 indices (`_int32_indices`)."""
+
+    def traced_body(*refs):
+        token = _int32_indices.set(interpret)
+        try:
+            return kernel(*refs)
+        finally:
+            _int32_indices.reset(token)
+
     return pl.pallas_call(
-        kernel,
+        traced_body,
         grid=grid,
         in_specs=in_specs,
         out_specs=out_specs,
