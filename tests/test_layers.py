@@ -239,7 +239,10 @@ def test_nnx_dropout_modes():
     layer = MSARowAttentionWithPairBiasNNX.alphafold2(32, 16, 4, dropout=0.5, implementation="xla",
                                                       rngs=nnx.Rngs(params=0, dropout=1))
     layer.out_proj.kernel[...] = jax.random.normal(jax.random.key(2), layer.out_proj.kernel[...].shape)
-    train_a, train_b = layer(m, z, mask), layer(m, z, mask)   # NNX default: train mode
+    # The default is inference, as linen's deterministic=True: no rng drawn.
+    np.testing.assert_array_equal(np.asarray(layer(m, z, mask)), np.asarray(layer(m, z, mask)))
+    layer.train()
+    train_a, train_b = layer(m, z, mask), layer(m, z, mask)
     assert not np.array_equal(np.asarray(train_a), np.asarray(train_b))
     zeros = np.asarray(train_a) == 0
     assert zeros.any() and all(np.array_equal(zeros[:, s], zeros[:, 0]) for s in range(m.shape[1]))
@@ -247,9 +250,11 @@ def test_nnx_dropout_modes():
     np.testing.assert_array_equal(np.asarray(layer(m, z, mask)), np.asarray(layer(m, z, mask)))
     attn = MSARowAttentionWithPairBiasNNX(32, 16, 4, dropout=0.5, implementation="xla",
                                           rngs=nnx.Rngs(params=0))
+    np.testing.assert_array_equal(np.asarray(attn(m, z, mask)),
+                                  np.asarray(attn(m, z, mask, deterministic=True)))
     with pytest.raises(ValueError, match="'dropout' rng"):
-        attn(m, z, mask)
-    out = attn(m, z, mask, rngs=nnx.Rngs(dropout=3))
+        attn(m, z, mask, deterministic=False)
+    out = attn(m, z, mask, deterministic=False, rngs=nnx.Rngs(dropout=3))
     assert rel_err(out, attn(m, z, mask, deterministic=True)) > 0.01
 
 
