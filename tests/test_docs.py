@@ -1,0 +1,69 @@
+"""Every ```python block of README.md and docs/*.md runs, as written.
+
+Each block runs on its own, in a fresh namespace, from the repository root
+(the paths in the blocks are relative to it): a block that uses a name must
+define or import it. A block preceded by a line `<!-- skip: REASON -->`
+(a GPU, torch, AlphaFold2's parameter files) is reported as skipped with
+that reason; `<!-- devices: N -->` runs the block in a subprocess with N
+simulated CPU devices. `test_blocks_are_counted` prints how many ran.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+_BLOCK = re.compile(
+    r"(?:^<!-- (?P<marker>skip|devices): (?P<arg>[^\n]*?) -->\n)?^```python\n(?P<code>.*?)^```",
+    re.S | re.M,
+)
+
+
+def blocks():
+    """`(page, line, marker, argument, code)` of every python block, in page order."""
+    found = []
+    for page in PAGES:
+        text = page.read_text()
+        for match in _BLOCK.finditer(text):
+            line = text.count("\n", 0, match.start("code"))
+            found.append((page.relative_to(ROOT).as_posix(), line, match["marker"], match["arg"],
+                          match["code"]))
+    return found
+
+
+BLOCKS = blocks()
+
+
+@pytest.mark.parametrize("page, line, marker, arg, code", BLOCKS,
+                         ids=[f"{page}:{line}" for page, line, *_ in BLOCKS])
+def test_block_runs(page, line, marker, arg, code, monkeypatch):
+    if marker == "skip":
+        pytest.skip(f"{page}:{line}: {arg}")
+    monkeypatch.chdir(ROOT)
+    if marker == "devices":
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={int(arg)}"
+        result = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT,
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, f"{page}:{line}\n{result.stderr[-3000:]}"
+        return
+    exec(compile(code, f"{page}:{line}", "exec"), {"__name__": "__doc_block__"})
+
+
+def test_blocks_are_counted(capsys):
+    """Each page that has code has python blocks; prints the counts."""
+    skipped = [b for b in BLOCKS if b[2] == "skip"]
+    per_page = {}
+    for page, *_ in BLOCKS:
+        per_page[page] = per_page.get(page, 0) + 1
+    assert per_page.get("README.md", 0) >= 3
+    with capsys.disabled():
+        print(f"\ndoc blocks: {len(BLOCKS)} in {len(per_page)} pages, {len(BLOCKS) - len(skipped)} run, "
+              f"{len(skipped)} skipped: {per_page}")
