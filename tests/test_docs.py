@@ -64,6 +64,9 @@ def test_blocks_are_counted(capsys):
     for page, *_ in BLOCKS:
         per_page[page] = per_page.get(page, 0) + 1
     assert per_page.get("README.md", 0) >= 3
+    for page in PAGES:  # a block the pattern missed (a marker typo, say) would go unrun
+        opened = page.read_text().count("\n```python\n") + page.read_text().startswith("```python\n")
+        assert opened == per_page.get(page.relative_to(ROOT).as_posix(), 0), page
     with capsys.disabled():
-        print(f"\ndoc blocks: {len(BLOCKS)} in {len(per_page)} pages, {len(BLOCKS) - len(skipped)} run, "
+        print(f"\ndoc blocks: {len(BLOCKS)} in {len(per_page)} of {len(PAGES)} pages, {len(BLOCKS) - len(skipped)} run, "
               f"{len(skipped)} skipped: {per_page}")
