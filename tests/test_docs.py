@@ -70,3 +70,21 @@ def test_blocks_are_counted(capsys):
     with capsys.disabled():
         print(f"\ndoc blocks: {len(BLOCKS)} in {len(per_page)} of {len(PAGES)} pages, {len(BLOCKS) - len(skipped)} run, "
               f"{len(skipped)} skipped: {per_page}")
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(ROOT).as_posix() for p in PAGES])
+def test_relative_links_and_anchors_exist(page):
+    for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+        if re.match(r"[a-z]+:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        linked = (page.parent / path).resolve() if path else page
+        assert linked.exists(), f"{page.name}: {target}"
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", linked.read_text(), re.M)
+            assert anchor in {_anchor(h) for h in headings}, f"{page.name}: {target}"
