@@ -4,8 +4,10 @@ Each block runs on its own, in a fresh namespace, from the repository root
 (the paths in the blocks are relative to it): a block that uses a name must
 define or import it. A block preceded by a line `<!-- skip: REASON -->`
 (a GPU, torch, AlphaFold2's parameter files) is reported as skipped with
-that reason; `<!-- devices: N -->` runs the block in a subprocess with N
-simulated CPU devices. `test_blocks_are_counted` prints how many ran.
+that reason; `<!-- gpu: REASON -->` runs the block on a GPU and skips it
+elsewhere; `<!-- devices: N -->` runs the block in a subprocess with N
+simulated CPU devices (on a GPU machine too). `test_blocks_are_counted` prints
+how many ran.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ import re
 import subprocess
 import sys
 
+import jax
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _BLOCK = re.compile(
-    r"(?:^<!-- (?P<marker>skip|devices): (?P<arg>[^\n]*?) -->\n)?^```python\n(?P<code>.*?)^```",
+    r"(?:^<!-- (?P<marker>skip|devices|gpu): (?P<arg>[^\n]*?) -->\n)?^```python\n(?P<code>.*?)^```",
     re.S | re.M,
 )
 
@@ -46,10 +49,13 @@ BLOCKS = blocks()
 def test_block_runs(page, line, marker, arg, code, monkeypatch):
     if marker == "skip":
         pytest.skip(f"{page}:{line}: {arg}")
+    if marker == "gpu" and jax.default_backend() != "gpu":
+        pytest.skip(f"{page}:{line}: needs a GPU ({arg})")
     monkeypatch.chdir(ROOT)
     if marker == "devices":
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={int(arg)}"
+        env["JAX_PLATFORMS"] = "cpu"  # simulated devices, also on a machine with one GPU
         result = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT,
                                 capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, f"{page}:{line}\n{result.stderr[-3000:]}"
@@ -59,7 +65,7 @@ def test_block_runs(page, line, marker, arg, code, monkeypatch):
 
 def test_blocks_are_counted(capsys):
     """Each page that has code has python blocks; prints the counts."""
-    skipped = [b for b in BLOCKS if b[2] == "skip"]
+    skipped = [b for b in BLOCKS if b[2] == "skip" or (b[2] == "gpu" and jax.default_backend() != "gpu")]
     per_page = {}
     for page, *_ in BLOCKS:
         per_page[page] = per_page.get(page, 0) + 1
