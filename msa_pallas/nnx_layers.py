@@ -15,8 +15,8 @@ Example::
     from msa_pallas.nnx_layers import MSARowAttentionWithPairBiasNNX
 
     layer = MSARowAttentionWithPairBiasNNX(64, 64, 4, rngs=nnx.Rngs(0))
-    out = layer(m, z, mask)            # deterministic unless dropout > 0 and train mode
-    layer.eval()                       # or nnx.view(layer, deterministic=True)
+    out = layer(m, z, mask)            # deterministic by default, as the linen layer
+    layer.train()                      # dropout on (with dropout > 0); layer.eval() turns it off
 """
 
 from __future__ import annotations
@@ -49,10 +49,12 @@ class MSARowAttentionWithPairBiasNNX(nnx.Module):
     supplies the `"params"` stream (initialisation) and the `"dropout"`
     stream (used when `dropout > 0` and the layer is not deterministic).
 
-    `deterministic` follows NNX's convention: an attribute (default False,
-    like `nnx.Dropout`) set by `layer.eval()` / `layer.train()` or
-    `nnx.view(layer, deterministic=...)`, overridden per call by the
-    `deterministic=` argument. With `dropout=0` (the default) it has no effect.
+    `deterministic` is an attribute set by `layer.eval()` / `layer.train()`
+    or `nnx.view(layer, deterministic=...)`, overridden per call by the
+    `deterministic=` argument. Its default is True, as the linen layer's
+    (where `nnx.Dropout` defaults to training), so a layer built for
+    inference needs no dropout rng; `layer.train()` turns dropout on. With
+    `dropout=0` (the default) it has no effect.
 
     `attention_fn` (a callable with `msa_pallas.msa_row_attention`'s
     signature; None means that op) swaps the attention core, as the linen
@@ -80,7 +82,7 @@ class MSARowAttentionWithPairBiasNNX(nnx.Module):
         precision: Any = None,
         layer_norm_eps: float = core.LAYER_NORM_EPS,
         attention_fn: Callable | None = None,
-        deterministic: bool = False,
+        deterministic: bool = True,
         rngs: nnx.Rngs,
     ):
         self.msa_dim, self.pair_dim, self.num_heads = msa_dim, pair_dim, num_heads

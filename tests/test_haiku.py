@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import importlib.util
-import re
 import subprocess
 import sys
 import types
@@ -304,7 +303,7 @@ def test_import_msa_pallas_does_not_import_haiku():
 
 
 # ---------------------------------------------------------------------------
-# examples/haiku_evoformer.py and the README.
+# examples/haiku_evoformer.py.
 # ---------------------------------------------------------------------------
 
 def _load_example():
@@ -338,15 +337,3 @@ def test_haiku_evoformer_example(capsys):
         block1, None, msa_act, msa_mask, pair_act)
     flax_out = jax.jit(layer.apply)(variables, msa_act, pair_act, msa_mask)
     assert rel_err(haiku_out, flax_out) < TOL
-
-
-def test_readme_haiku_example_runs(capsys):
-    """The README's Haiku section runs as written (skipped while the README has none)."""
-    readme = (ROOT / "README.md").read_text()
-    section = re.search(r"^## Haiku.*?(?=^## |\Z)", readme, re.S | re.M)
-    if section is None:
-        pytest.skip("README.md has no '## Haiku' section")
-    blocks = re.findall(r"```python\n(.*?)```", section.group(0), re.S)
-    assert blocks, "the README's Haiku section has no python block"
-    exec(compile(blocks[0], "README.md:haiku", "exec"), {"__name__": "readme_haiku"})
-    assert "(16, 64, 256)" in capsys.readouterr().out
