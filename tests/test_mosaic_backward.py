@@ -475,6 +475,7 @@ def test_split_float32_sums_to_float32():
     assert helpers.rel_err(pieces[0].astype(jnp.float32) + pieces[1], x) > 1e-7
 
 
+@pytest.mark.parametrize("head_dim", [16, 32, 64])
 def test_float32_kernels_lower_for_the_gpu_on_a_cpu(head_dim):
     """The three kernels with float32 inputs (three bf16 pieces per operand,
     float32 output tiles) lower for CUDA with their default tiles, which
