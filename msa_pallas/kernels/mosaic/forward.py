@@ -27,22 +27,17 @@ one CTA per item.
 
 N need not be a whole number of tiles (TMA reads past N as zeros, keys past N
 get a -inf logit, stores past N are dropped), nor a multiple of 8 where
-`support.takes_any_n` (16-bit, d <= 64): the row tiles are then pairs of
-views (`smem.unaligned_row_tile`: TMA copies through the untiled one,
-`wgmma` reads the 8-row tiled one; the float32 residual at d = 64 as two
-column pieces, `smem.row_tile`). Only the bias and mask rows are padded
-(`support.pad_residues`, `support.pad_bias_rows`); the row statistics go to
-planes padded to whole query tiles and sliced, as Mosaic GPU clips the bulk
-copy of a contiguous `[1, block_q]` window only at the array's end, so one
-running past N would overwrite the next head's. Results and residuals are
-those of the Triton forward (`kernels.triton.forward`): either backward
-follows.
+`support.takes_any_n`: row tiles are then pairs of views
+(`smem.unaligned_row_tile`, `smem.row_tile`). Only the bias and mask rows
+are padded (`support.pad_residues`, `support.pad_bias_rows`); the row
+statistics go to planes padded to whole query tiles and sliced (Mosaic GPU
+clips a contiguous window's bulk copy only at the array's end). Results and
+residuals are the Triton forward's: either backward follows.
 
 Each item's key loop runs between bounds that may be known only at run time
-(`key_tiles_of` in the kernel; today every key tile), and the ring's slots
-and barrier phases follow a running count of the steps the CTA has taken,
-carried from item to item: skipping key tiles that the mask removes
-entirely, or adding work per tile, changes that one function.
+(`key_tiles_of`; today every key tile), the ring's slots and barrier phases
+following a running count of the CTA's steps, carried from item to item:
+skipping key tiles, or adding work per tile, changes that one function.
 """
 
 from __future__ import annotations
