@@ -21,9 +21,8 @@ so the CTAs that run at the same time read the same bias tiles and find them
 in L2. With `MosaicTiles.persistent` one CTA per SM loops over its share of
 them: the ring's steps and barriers run on across items, so the producer
 streams the next item's first tiles while the consumers finish the last ones,
-and each consumer loads its next q tile once its last `q k^T` product of the
-item is done, and its next gate tile after the gating. Otherwise the grid has
-one CTA per item.
+and each consumer loads its next q tile after the item's last `q k^T` and its
+next gate tile after the gating. Otherwise the grid has one CTA per item.
 
 N need not be a whole number of tiles (TMA reads past N as zeros, keys past N
 get a -inf logit, stores past N are dropped), nor a multiple of 8 where
