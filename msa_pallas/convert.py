@@ -35,7 +35,8 @@ import numpy as np
 from msa_pallas.layer_core import alphafold2_options
 from msa_pallas.layers import MSARowAttentionWithPairBias
 from msa_pallas.weight_checks import (
-    as_param, check_keys, expect_shape, flatten_haiku, strip_prefix, to_numpy,
+    as_param, check_keys, expect_shape, flatten_haiku, strip_prefix, to_numpy, torch_layer_norm,
+    torch_linear,
 )
 from msa_pallas.convert_triangle import (  # noqa: F401  (re-exported)
     triangle_from_alphafold2_params, triangle_from_openfold_state_dict,
@@ -57,27 +58,6 @@ __all__ = [
 # The Evoformer's row attention in AlphaFold2's parameter files; the extra-MSA
 # stack's is ".../evoformer/extra_msa_stack/msa_row_attention_with_pair_bias".
 DEFAULT_ALPHAFOLD2_MODULE = "msa_row_attention_with_pair_bias"
-
-
-def _linear(sd: dict, name: str, n_in: int, n_out: int, bias: bool | None, dtype, what: str):
-    """Flax Dense params from torch `name.weight [out, in]` (+ `name.bias [out]`)."""
-    w = sd[f"{name}.weight"]
-    expect_shape(f"{name}.weight", w, (n_out, n_in), f"[out, in] of {what}")
-    params = {"kernel": as_param(w.T, dtype)}
-    if bias is None:
-        bias = f"{name}.bias" in sd
-    if bias:
-        b = sd[f"{name}.bias"]
-        expect_shape(f"{name}.bias", b, (n_out,), f"[out] of {what}")
-        params["bias"] = as_param(b, dtype)
-    return params
-
-
-def _layer_norm(sd: dict, name: str, n: int, dtype, what: str):
-    w, b = sd[f"{name}.weight"], sd[f"{name}.bias"]
-    expect_shape(f"{name}.weight", w, (n,), what)
-    expect_shape(f"{name}.bias", b, (n,), what)
-    return {"scale": as_param(w, dtype), "bias": as_param(b, dtype)}
 
 
 def from_torch_state_dict(state_dict: Mapping[str, Any], *, prefix: str = "",
@@ -139,17 +119,17 @@ def from_torch_state_dict(state_dict: Mapping[str, Any], *, prefix: str = "",
         )
     inner = qw.shape[0]
 
-    params = {"layer_norm": _layer_norm(sd, "layer_norm", msa_dim, dtype, "[msa_dim]")}
+    params = {"layer_norm": torch_layer_norm(sd, "layer_norm", msa_dim, dtype, "[msa_dim]")}
     for name in ("query", "key", "value"):
-        params[name] = _linear(sd, name, msa_dim, inner, qkv_biases[0], dtype,
+        params[name] = torch_linear(sd, name, msa_dim, inner, qkv_biases[0], dtype,
                                f"{name}: msa_dim -> num_heads*head_dim")
-    params["gate"] = _linear(sd, "gate", msa_dim, inner, True, dtype,
+    params["gate"] = torch_linear(sd, "gate", msa_dim, inner, True, dtype,
                              "gate: msa_dim -> num_heads*head_dim")
     if "pair_layer_norm.weight" in sd:
-        params["pair_layer_norm"] = _layer_norm(sd, "pair_layer_norm", pair_dim, dtype, "[pair_dim]")
-    params["pair_bias"] = _linear(sd, "pair_bias", pair_dim, num_heads, None, dtype,
+        params["pair_layer_norm"] = torch_layer_norm(sd, "pair_layer_norm", pair_dim, dtype, "[pair_dim]")
+    params["pair_bias"] = torch_linear(sd, "pair_bias", pair_dim, num_heads, None, dtype,
                                   "pair_bias: pair_dim -> num_heads")
-    params["out_proj"] = _linear(sd, "out_proj", inner, msa_dim, True, dtype,
+    params["out_proj"] = torch_linear(sd, "out_proj", inner, msa_dim, True, dtype,
                                  "out_proj: num_heads*head_dim -> msa_dim")
     return {"params": params}
 
@@ -201,14 +181,14 @@ def from_openfold_state_dict(state_dict: Mapping[str, Any], *, prefix: str = "",
                          f"[no_heads * c_hidden, c_m] with no_heads={num_heads}.")
     inner = wq.shape[0]
     params = {
-        "layer_norm": _layer_norm(sd, "layer_norm_m", c_m, dtype, "[c_m]"),
-        "pair_layer_norm": _layer_norm(sd, "layer_norm_z", c_z, dtype, "[c_z]"),
-        "pair_bias": _linear(sd, "linear_z", c_z, num_heads, False, dtype, "linear_z: c_z -> H"),
-        "query": _linear(sd, "mha.linear_q", c_m, inner, False, dtype, "linear_q: c_m -> H*c_hidden"),
-        "key": _linear(sd, "mha.linear_k", c_m, inner, False, dtype, "linear_k: c_m -> H*c_hidden"),
-        "value": _linear(sd, "mha.linear_v", c_m, inner, False, dtype, "linear_v: c_m -> H*c_hidden"),
-        "gate": _linear(sd, "mha.linear_g", c_m, inner, True, dtype, "linear_g: c_m -> H*c_hidden"),
-        "out_proj": _linear(sd, "mha.linear_o", inner, c_m, True, dtype, "linear_o: H*c_hidden -> c_m"),
+        "layer_norm": torch_layer_norm(sd, "layer_norm_m", c_m, dtype, "[c_m]"),
+        "pair_layer_norm": torch_layer_norm(sd, "layer_norm_z", c_z, dtype, "[c_z]"),
+        "pair_bias": torch_linear(sd, "linear_z", c_z, num_heads, False, dtype, "linear_z: c_z -> H"),
+        "query": torch_linear(sd, "mha.linear_q", c_m, inner, False, dtype, "linear_q: c_m -> H*c_hidden"),
+        "key": torch_linear(sd, "mha.linear_k", c_m, inner, False, dtype, "linear_k: c_m -> H*c_hidden"),
+        "value": torch_linear(sd, "mha.linear_v", c_m, inner, False, dtype, "linear_v: c_m -> H*c_hidden"),
+        "gate": torch_linear(sd, "mha.linear_g", c_m, inner, True, dtype, "linear_g: c_m -> H*c_hidden"),
+        "out_proj": torch_linear(sd, "mha.linear_o", inner, c_m, True, dtype, "linear_o: H*c_hidden -> c_m"),
     }
     return {"params": params}
 

@@ -25,7 +25,8 @@ import numpy as np
 
 from msa_pallas.triangle import TriangleAttention
 from msa_pallas.weight_checks import (
-    as_param, check_keys, expect_shape, flatten_haiku, strip_prefix, to_numpy,
+    as_param, check_keys, expect_shape, flatten_haiku, strip_prefix, to_numpy, torch_layer_norm,
+    torch_linear,
 )
 
 __all__ = [
@@ -39,16 +40,6 @@ _AF2_NAMES = (
     "attention/query_w", "attention/key_w", "attention/value_w",
     "attention/gating_w", "attention/gating_b", "attention/output_w", "attention/output_b",
 )
-
-
-def _torch_linear(sd, name, n_in, n_out, bias: bool, dtype, what):
-    """Dense params from torch `name.weight [out, in]` (+ `name.bias [out]`)."""
-    expect_shape(f"{name}.weight", sd[f"{name}.weight"], (n_out, n_in), f"[out, in] of {what}")
-    params = {"kernel": as_param(sd[f"{name}.weight"].T, dtype)}
-    if bias:
-        expect_shape(f"{name}.bias", sd[f"{name}.bias"], (n_out,), f"[out] of {what}")
-        params["bias"] = as_param(sd[f"{name}.bias"], dtype)
-    return params
 
 
 def triangle_from_openfold_state_dict(state_dict: Mapping[str, Any], *, prefix: str = "",
@@ -90,15 +81,14 @@ def triangle_from_openfold_state_dict(state_dict: Mapping[str, Any], *, prefix: 
         raise ValueError(f"'mha.linear_q.weight' has shape {wq.shape}; expected "
                          f"[no_heads * c_hidden, c_in] with no_heads={heads} (from linear.weight).")
     inner = wq.shape[0]
-    expect_shape("layer_norm.bias", sd["layer_norm.bias"], (c,), "[c_in]")
     params = {
-        "layer_norm": {"scale": as_param(ln, dtype), "bias": as_param(sd["layer_norm.bias"], dtype)},
-        "query": _torch_linear(sd, "mha.linear_q", c, inner, False, dtype, "linear_q"),
-        "key": _torch_linear(sd, "mha.linear_k", c, inner, False, dtype, "linear_k"),
-        "value": _torch_linear(sd, "mha.linear_v", c, inner, False, dtype, "linear_v"),
-        "gate": _torch_linear(sd, "mha.linear_g", c, inner, True, dtype, "linear_g"),
-        "pair_bias": _torch_linear(sd, "linear", c, heads, False, dtype, "linear: c_in -> H"),
-        "out_proj": _torch_linear(sd, "mha.linear_o", inner, c, True, dtype, "linear_o"),
+        "layer_norm": torch_layer_norm(sd, "layer_norm", c, dtype, "[c_in]"),
+        "query": torch_linear(sd, "mha.linear_q", c, inner, False, dtype, "linear_q"),
+        "key": torch_linear(sd, "mha.linear_k", c, inner, False, dtype, "linear_k"),
+        "value": torch_linear(sd, "mha.linear_v", c, inner, False, dtype, "linear_v"),
+        "gate": torch_linear(sd, "mha.linear_g", c, inner, True, dtype, "linear_g"),
+        "pair_bias": torch_linear(sd, "linear", c, heads, False, dtype, "linear: c_in -> H"),
+        "out_proj": torch_linear(sd, "mha.linear_o", inner, c, True, dtype, "linear_o"),
     }
     return {"params": params}
 

@@ -1,5 +1,6 @@
-"""Reading weight dictionaries for the converters (`msa_pallas.convert`):
-arrays from torch, JAX or NumPy, and errors that name the key."""
+"""Reading weight dictionaries for the converters (`msa_pallas.convert`,
+`msa_pallas.convert_triangle`): arrays from torch, JAX or NumPy, errors that
+name the key, and torch Linear / LayerNorm weights as Flax params."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 
 __all__ = [
     "to_numpy", "as_param", "check_keys", "expect_shape", "strip_prefix", "flatten_haiku",
+    "torch_linear", "torch_layer_norm",
 ]
 
 
@@ -77,3 +79,25 @@ def flatten_haiku(params: Mapping, parent: str = "") -> dict[str, Any]:
         else:
             flat[path] = value
     return flat
+
+
+def torch_linear(sd: dict, name: str, n_in: int, n_out: int, bias: bool | None, dtype, what: str):
+    """Flax Dense params from torch `name.weight [out, in]` (+ `name.bias [out]`)."""
+    w = sd[f"{name}.weight"]
+    expect_shape(f"{name}.weight", w, (n_out, n_in), f"[out, in] of {what}")
+    params = {"kernel": as_param(w.T, dtype)}
+    if bias is None:
+        bias = f"{name}.bias" in sd
+    if bias:
+        b = sd[f"{name}.bias"]
+        expect_shape(f"{name}.bias", b, (n_out,), f"[out] of {what}")
+        params["bias"] = as_param(b, dtype)
+    return params
+
+
+def torch_layer_norm(sd: dict, name: str, n: int, dtype, what: str):
+    """Flax LayerNorm params from torch `name.weight [n]` and `name.bias [n]`."""
+    w, b = sd[f"{name}.weight"], sd[f"{name}.bias"]
+    expect_shape(f"{name}.weight", w, (n,), what)
+    expect_shape(f"{name}.bias", b, (n,), what)
+    return {"scale": as_param(w, dtype), "bias": as_param(b, dtype)}
