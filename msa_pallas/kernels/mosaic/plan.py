@@ -197,6 +197,21 @@ def forward_plan(
     )
 
 
+def _backward_operand_tiles(q_shape, q_dtype, interpret: bool):
+    """What the backward plans share about q, k, v and do for q of `q_shape`:
+    heads per tile (`heads.tile_heads`), bf16 pieces per operand (3 for
+    float32, else 1), whether row tiles are view pairs (`smem.takes_row_views`),
+    and a function of a tile shape giving the operand's shared-memory tile(s)
+    (`smem.split_tiles`)."""
+    pieces = FLOAT32_PIECES if jnp.dtype(q_dtype) == jnp.float32 else 1
+    row_views = takes_row_views(q_shape[2], interpret)
+
+    def operand_tiles(shape):
+        return split_tiles(shape, q_dtype, pieces, row_views)
+
+    return tile_heads(q_shape, q_dtype), pieces, row_views, operand_tiles
+
+
 def dkdv_plan(q_shape, q_dtype, bias_dtype, tiles: MosaicTiles, *, mask_dtype, interpret: bool):
     """The dk/dv kernel's plan for q of `q_shape` `[B, S, N, H, d]` (d = 8
     with an even H and 16 bits: two heads per tile, `heads.tile_heads`;
@@ -212,11 +227,8 @@ def dkdv_plan(q_shape, q_dtype, bias_dtype, tiles: MosaicTiles, *, mask_dtype, i
     batch, rows, n_res, heads, head_dim = q_shape
     msa_rows = tiles.msa_rows_for(rows)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
-    pair = tile_heads(q_shape, q_dtype)
-    pieces = FLOAT32_PIECES if jnp.dtype(q_dtype) == jnp.float32 else 1
+    pair, pieces, row_views, operand_tiles = _backward_operand_tiles(q_shape, q_dtype, interpret)
     tile_dim = head_dim * pair
-    row_views = takes_row_views(n_res, interpret)
-    operand_tiles = lambda shape: split_tiles(shape, q_dtype, pieces, row_views)  # noqa: E731
     smem = {
         "k": operand_tiles((msa_rows, block_k, tile_dim)),
         "v": operand_tiles((msa_rows, block_k, tile_dim)),
@@ -260,11 +272,8 @@ def dq_plan(q_shape, q_dtype, bias_dtype, tiles: MosaicTiles, *, mask_dtype, int
     batch, rows, n_res, heads, head_dim = q_shape
     msa_rows = tiles.msa_rows_for(rows)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
-    pair = tile_heads(q_shape, q_dtype)
-    pieces = FLOAT32_PIECES if jnp.dtype(q_dtype) == jnp.float32 else 1
+    pair, pieces, row_views, operand_tiles = _backward_operand_tiles(q_shape, q_dtype, interpret)
     tile_dim = head_dim * pair
-    row_views = takes_row_views(n_res, interpret)
-    operand_tiles = lambda shape: split_tiles(shape, q_dtype, pieces, row_views)  # noqa: E731
     smem = {
         "q": operand_tiles((msa_rows, block_q, tile_dim)),
         "do": operand_tiles((msa_rows, block_q, tile_dim)),
@@ -307,11 +316,8 @@ def dbias_plan(q_shape, q_dtype, bias_dtype, tiles: MosaicTiles, *, mask_dtype, 
     batch, rows, n_res, heads, head_dim = q_shape
     consumers = tiles.msa_rows
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
-    pair = tile_heads(q_shape, q_dtype)
-    pieces = FLOAT32_PIECES if jnp.dtype(q_dtype) == jnp.float32 else 1
+    pair, pieces, row_views, operand_tiles = _backward_operand_tiles(q_shape, q_dtype, interpret)
     tile_dim = head_dim * pair
-    row_views = takes_row_views(n_res, interpret)
-    operand_tiles = lambda shape: split_tiles(shape, q_dtype, pieces, row_views)  # noqa: E731
     smem = {"bias": smem_tile((consumers, block_q, block_k), bias_dtype)}
     if not dbias_in_bias_tile(pieces, bias_dtype):
         smem["dbias"] = smem_tile((consumers, block_q, block_k), jnp.float32)
