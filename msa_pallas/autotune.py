@@ -145,7 +145,8 @@ def _neighbours(tiles: MosaicTiles, *, persistent: bool) -> list[MosaicTiles]:
     forward the persistent grid); choices `MosaicTiles` rejects are left out."""
     changes = [
         {"block_q": 192 - tiles.block_q},  # the other of 64 and 128
-        {"block_k": tiles.block_k - 64}, {"block_k": tiles.block_k + 64},
+        # Halved and doubled: the dk/dv kernel fails at block_k = 192 (`plan.DKDV_BLOCK_K`).
+        {"block_k": tiles.block_k // 2}, {"block_k": tiles.block_k * 2},
         {"num_stages": tiles.num_stages + 1},
         {"msa_rows": 3 - tiles.msa_rows if tiles.msa_rows <= 2 else 2},
     ]

@@ -212,6 +212,10 @@ def _backward_operand_tiles(q_shape, q_dtype, interpret: bool):
     return tile_heads(q_shape, q_dtype), pieces, row_views, operand_tiles
 
 
+# The dk/dv kernel's keys per consumer (`dkdv_plan`).
+DKDV_BLOCK_K = (64, 128, 256)
+
+
 def dkdv_plan(q_shape, q_dtype, bias_dtype, tiles: MosaicTiles, *, mask_dtype, interpret: bool):
     """The dk/dv kernel's plan for q of `q_shape` `[B, S, N, H, d]` (d = 8
     with an even H and 16 bits: two heads per tile, `heads.tile_heads`;
@@ -225,6 +229,12 @@ def dkdv_plan(q_shape, q_dtype, bias_dtype, tiles: MosaicTiles, *, mask_dtype, i
     and the bias tile of each head.
     """
     batch, rows, n_res, heads, head_dim = q_shape
+    if tiles.block_k not in DKDV_BLOCK_K:
+        # Measured on the H200 (jax 0.11.2): block_k = 192 compiles, then the
+        # launch fails with a misaligned address, which poisons the process.
+        raise ValueError(
+            f"block_k={tiles.block_k}: the dk/dv kernel takes block_k in {DKDV_BLOCK_K}."
+        )
     msa_rows = tiles.msa_rows_for(rows)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair, pieces, row_views, operand_tiles = _backward_operand_tiles(q_shape, q_dtype, interpret)

@@ -1,0 +1,95 @@
+"""What the key mask lets the kernels skip: a small summary, computed once per kernel call.
+
+The mask's meaning is exact (SPEC §1), so padding costs nothing it need not:
+
+- a key j with `mask[b, s, j] == 0` in a row that keeps at least one key gets
+  probability exactly 0 (its logit is -1e9; exp2 of it less the row's max
+  underflows in float32), so it adds nothing to the output, to dq, dk, dv
+  or to the bias gradient: a key tile whose keys are all masked in that row
+  need not be loaded;
+- a row whose keys are all masked (a "dead" row: an MSA row of padding)
+  gives uniform weights over all N keys: its output is the mean of v over
+  the N keys, its dq and dk and its part of the bias gradient are exactly
+  0 (its logits depend on neither q, k nor the bias) and its dv is the mean
+  over queries of its output gradient: no tile of it needs the matrix units.
+
+Each kernel loops over key (or query, or MSA-row) tiles between bounds read
+at run time; the functions here give those bounds from the mask, in XLA,
+for a few microseconds (B·S·N bytes read). Tiles masked in the middle of a
+row are inside the bounds and computed (exactly, as zeros): real padding is
+at the end of a crop and of an alignment.
+
+Arrays are int32 whatever `jax_enable_x64` says (the kernels' index type).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def kept_key_tiles(mask, n_res: int, block_k: int):
+    """`[B, S, T]` bool: whether key tile t (keys t·block_k ... up to N) of
+    each row keeps a key, T = ceil(N / block_k).
+
+    Args:
+      mask: `[B, S, N']` (N' >= N; nonzero keeps a key; columns past N,
+        the kernels' padding, are ignored).
+      n_res: N.
+      block_k: keys per tile.
+    """
+    batch, rows = mask.shape[:2]
+    tiles = -(-n_res // block_k)
+    keep = mask[..., :n_res] != 0
+    keep = jnp.pad(keep, ((0, 0), (0, 0), (0, tiles * block_k - n_res)))
+    return jnp.any(keep.reshape(batch, rows, tiles, block_k), axis=-1)
+
+
+def dead_rows(mask, n_res: int):
+    """`[B, S]` bool: the rows that keep no key among the first `n_res`."""
+    return ~jnp.any(mask[..., :n_res] != 0, axis=-1)
+
+
+def _first_and_end(kept, axis: int):
+    """(first index where `kept`, last such index + 1) along `axis`, int32;
+    (0, 0) where nothing is kept."""
+    axis = axis % kept.ndim
+    count = kept.shape[axis]
+    index = jax.lax.broadcasted_iota(jnp.int32, kept.shape, axis)
+    first = jnp.min(jnp.where(kept, index, count), axis=axis)
+    end = jnp.max(jnp.where(kept, index + 1, 0), axis=axis)
+    return jnp.where(end > 0, first, 0).astype(jnp.int32), end.astype(jnp.int32)
+
+
+def key_tile_bounds(mask, n_res: int, block_k: int, rows_per_group: int = 1):
+    """`[B, S / rows_per_group, 2]` int32: for each group of `rows_per_group`
+    consecutive MSA rows (the rows one CTA serves), `(first, end)`: the key
+    tiles first <= t < end hold every kept key of those rows; (0, 0) where
+    they keep none (all dead)."""
+    kept = kept_key_tiles(mask, n_res, block_k)
+    batch, rows, tiles = kept.shape
+    kept = jnp.any(kept.reshape(batch, rows // rows_per_group, rows_per_group, tiles), axis=2)
+    first, end = _first_and_end(kept, axis=-1)
+    return jnp.stack([first, end], axis=-1)
+
+
+def row_bounds(mask, n_res: int, block_k: int, rows_per_step: int = 1):
+    """`[B, T, 2]` int32: for each key tile t, `(first, end)` over MSA-row
+    steps of `rows_per_step` rows (S / rows_per_step of them): the steps
+    first <= step < end hold every row that keeps a key in tile t; (0, 0)
+    where no row does. For a kernel that sums over MSA rows per key tile
+    (the bias gradient)."""
+    kept = kept_key_tiles(mask, n_res, block_k)
+    batch, rows, tiles = kept.shape
+    kept = jnp.any(kept.reshape(batch, rows // rows_per_step, rows_per_step, tiles), axis=2)
+    first, end = _first_and_end(kept, axis=1)
+    return jnp.stack([first, end], axis=-1)
+
+
+def row_means(x, n_res: int | None = None):
+    """`[B, S, H, d]` float32: the mean over residues (axis 2) of `x`
+    `[B, S, N', H, d]`, of its first `n_res` residues (default all): a dead
+    row's output (x = v) and, for dv, its output gradient's mean (x = do)."""
+    if n_res is not None:
+        x = x[:, :, :n_res]
+    return jnp.mean(x.astype(jnp.float32), axis=2)
