@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import msa_pallas
 from msa_pallas.kernels.mosaic.support import supports as mosaic_supports
 # Unavailable, on_gpu and the importers are used by the scripts through this module too.
-from packages import (ALTERNATIVE_PACKAGES, Unavailable, import_cuequivariance,  # noqa: F401
+from benchmarks.packages import (ALTERNATIVE_PACKAGES, Unavailable, import_cuequivariance,  # noqa: F401
                       import_tokamax, on_gpu, package_version, tokamax_with)
-from shapes import HALF_DTYPES, Case
+from benchmarks.shapes import HALF_DTYPES, Case
 
 
 @dataclasses.dataclass

@@ -1,22 +1,32 @@
-"""The benchmark's results as Markdown (a table, the targets, notes) and as a plot.
+"""The op benchmark's results as Markdown (a table, the targets, notes), a plot, and RESULTS.md.
 
-Everything here reads the `results` dict that bench_attention.py writes to results.json,
-so a table can be rendered again from an old run's file:
+Everything here reads the `results` dict that `python -m benchmarks op` writes to
+results.json, so a table can be rendered again from any run's file:
 
-    python -c "import json, sys; sys.path.insert(0, 'benchmarks'); import report; \\
-        print(report.markdown_table(json.load(open('OUT/results.json'))))"
+    python -m benchmarks report OUT/results.json                  # the table, on stdout
+    python -m benchmarks report OUT/results.json --out DIR        # DIR/results.md, results.png
+    python -m benchmarks report --page benchmarks/RESULTS.md --plot benchmarks/results_h200.png
+
+The last one writes benchmarks/RESULTS.md, the current table with its command, commit,
+date and device, and its plot, from the newest complete results file in
+benchmarks/results/ that times msa_pallas against an alternative (or the file named),
+with the list of the dated entries in benchmarks/log/.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import sys
 from pathlib import Path
 
 import numpy as np
 
-from alternatives import OWN_VARIANTS, REFERENCE_POINTS
-from measure import CHECK_REFERENCE, CHECK_TOLERANCE, EXP_PER_S, MODE_LABELS, MODES, ok
-from shapes import HALF_DTYPES
+from benchmarks import runs
+from benchmarks.alternatives import OWN_VARIANTS, REFERENCE_POINTS
+from benchmarks.measure import CHECK_REFERENCE, CHECK_TOLERANCE, EXP_PER_S, MODE_LABELS, MODES, ok
+from benchmarks.shapes import HALF_DTYPES
 
 SUBJECT = "msa_pallas"  # the implementation the speed-ups, floor fractions and targets are about
 
@@ -38,6 +48,14 @@ LONG_CHAIN_N = 4096
 # --- cells ---------------------------------------------------------------------
 
 
+NOT_MEASURED = "not measured yet"  # a cell a run stopped by its budget has left for the next
+
+
+def cell_of(case: dict, impl: str, mode: str) -> dict:
+    """The `mode` cell of `impl` in a case, `{"status": NOT_MEASURED}` when there is none."""
+    return case["impls"].get(impl, {}).get(mode, {"status": NOT_MEASURED})
+
+
 def fmt_ms(value: float) -> str:
     return f"{value:.3f}" if value < 10 else f"{value:.2f}" if value < 100 else f"{value:.1f}"
 
@@ -47,6 +65,8 @@ def fmt_cell(cell: dict) -> str:
     if ok(cell):
         return fmt_ms(cell["median_ms"])
     status = cell.get("status", "")
+    if status == NOT_MEASURED:
+        return "…"
     if status.endswith("OOM"):
         return "OOM"
     return "n/a" if status.startswith("skipped") else "error"
@@ -104,13 +124,12 @@ def markdown_table(results: dict) -> str:
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     notes: dict[str, list[str]] = {}
     for case in results["cases"]:
-        cells = case["impls"]
         row = [shape_label(case), case["dtype"], bias_dtype(case)]
-        row += [fmt_cell(cells[name][mode]) for mode in MODES for name in impls]
-        row += [fmt_pair([case["speedup"][name][m] for m in MODES]) for name in others]
+        row += [fmt_cell(cell_of(case, name, mode)) for mode in MODES for name in impls]
+        row += [fmt_pair([case["speedup"].get(name, {}).get(m) for m in MODES]) for name in others]
         if SUBJECT in impls:
-            row.append(fmt_pair([cells[SUBJECT][m].get("fraction_of_floor") for m in MODES]))
-        row += [fmt_mb(cells[name]["fwd_bwd"]) for name in impls]
+            row.append(fmt_pair([cell_of(case, SUBJECT, m).get("fraction_of_floor") for m in MODES]))
+        row += [fmt_mb(cell_of(case, name, "fwd_bwd")) for name in impls]
         lines.append("| " + " | ".join(row) + " |")
         for note, where in case_notes(case, impls):
             notes.setdefault(note, [])
@@ -164,6 +183,8 @@ def case_notes(case: dict, impls: list[str]) -> list[tuple[str, str]]:
         f" bias {bias_dtype(case)}" if bias_dtype(case) != case["dtype"] else "")
     tolerance = CHECK_TOLERANCE.get(case["dtype"], 1e-2)
     for name in impls:
+        if name not in case["impls"]:
+            continue  # not measured yet: the table says so
         cells = case["impls"][name]
         statuses = [cells[mode].get("status", "") for mode in MODES]
         if len(set(statuses)) == 1 and statuses[0] != "ok":
@@ -220,7 +241,7 @@ def _verdict(ratio: float, goal: float) -> str:
 
 def time_target(case: dict, mode: str) -> tuple[str, bool | None]:
     """(cell, met) of the speed target of one mode; met is None when it cannot be judged."""
-    ours = case["impls"][SUBJECT][mode]
+    ours = cell_of(case, SUBJECT, mode)
     if not ok(ours):
         return f"{SUBJECT}: {fmt_cell(ours)}", False
     other = fastest_alternative(case, mode)
@@ -248,7 +269,7 @@ def long_chain_target(case: dict) -> tuple[str, bool | None]:
     """(cell, met) at N >= LONG_CHAIN_N: the subject's f+b runs where XLA's fails."""
     if case["dims"]["N"] < LONG_CHAIN_N:
         return "–", None
-    ours = case["impls"][SUBJECT]["fwd_bwd"]
+    ours = cell_of(case, SUBJECT, "fwd_bwd")
     xla = case["impls"].get(CHECK_REFERENCE, {}).get("fwd_bwd", {"status": "not run"})
     memory = ours.get("temp_plus_output_bytes")
     ours_text = (f"{fmt_ms(ours['median_ms'])} ms, {memory / 1e6:,.0f} MB" if ok(ours)
@@ -307,10 +328,10 @@ def plot(results: dict, path: Path) -> str | None:
     panels.append(("f+b temp+output memory (MB)", "fwd_bwd", "temp_plus_output_bytes", 1e-6))
     for ax, (title, mode, field, factor) in zip(axes, panels):
         for name in results["metadata"]["impls"]:
-            values = [c["impls"][name][mode].get(field) for c in cases]
+            values = [cell_of(c, name, mode).get(field) for c in cases]
             ys = [np.nan if v is None else v * factor for v in values]
             if field == "median_ms":
-                ys = [y if ok(c["impls"][name][mode]) else np.nan for y, c in zip(ys, cases)]
+                ys = [y if ok(cell_of(c, name, mode)) else np.nan for y, c in zip(ys, cases)]
             ax.plot(x, ys, marker="o", label=name)
         if field == "median_ms" and len(cases):
             ax.plot(x, [c["floor"][mode]["floor_ms"] for c in cases], "k--", linewidth=1,
@@ -330,7 +351,163 @@ def plot(results: dict, path: Path) -> str | None:
 
 
 def write_outputs(results: dict, out_dir: Path) -> None:
-    """results.json and results.md (rewritten after every case, so a cut run keeps its part)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    """results.json and results.md (rewritten after every cell, so a cut run keeps its part)."""
+    runs.write_json(out_dir / "results.json", results)
     (out_dir / "results.md").write_text(markdown_table(results))
+
+
+# --- RESULTS.md ---------------------------------------------------------------------------
+
+BENCHMARKS_DIR = Path(__file__).resolve().parent
+RESULTS_DIR = BENCHMARKS_DIR / "results"
+LOG_DIR = BENCHMARKS_DIR / "log"
+
+
+def last_date(meta: dict) -> str:
+    """The date a results file was finished (`"A to B"`: B), as written, sortable."""
+    return str(meta.get("date_utc", "")).split(" to ")[-1]
+
+
+def times_against_an_alternative(results: dict) -> bool:
+    """Whether a results file has msa_pallas and an alternative (not a variant of its own,
+    not a reference point): a table worth showing as the current one."""
+    impls = results.get("metadata", {}).get("impls", [])
+    return SUBJECT in impls and any(
+        name != SUBJECT and name not in OWN_VARIANTS and name not in REFERENCE_POINTS
+        for name in impls)
+
+
+def complete(results: dict) -> bool:
+    """Whether every cell of every case of a results file was measured: none left for a
+    later call, none cut by a time budget (as runs before 2026-12-03 recorded it)."""
+    impls = results["metadata"].get("impls", [])
+    return results["metadata"].get("complete", True) and all(
+        cell_of(case, impl, mode).get("status") not in (NOT_MEASURED, "skipped: time budget")
+        for case in results["cases"] for impl in impls for mode in MODES)
+
+
+def newest_results(folder: Path = RESULTS_DIR) -> Path:
+    """The newest complete op results file in `folder` (by the date it records) that
+    times msa_pallas against an alternative; raises FileNotFoundError when there is none."""
+    found = []
+    for path in sorted(folder.glob("*.json")):
+        results = json.loads(path.read_text())
+        if "cases" in results and times_against_an_alternative(results) and complete(results):
+            found.append((last_date(results["metadata"]), path.name, path))
+    if not found:
+        raise FileNotFoundError(f"no complete op results file with an alternative in {folder}")
+    return max(found)[2]
+
+
+def command_line(meta: dict) -> str:
+    """The command that measured a results file, as recorded (OUT_DIR for its --out)."""
+    first = (meta.get("runs") or [{}])[0].get("argv", meta.get("argv", []))
+    return " ".join(["python -m benchmarks op", *first])
+
+
+def log_entries(folder: Path = LOG_DIR) -> list[tuple[str, str]]:
+    """(file name, title) of each dated entry in benchmarks/log/, newest first; the title
+    is the entry's heading without its `###`."""
+    entries = []
+    for path in sorted(folder.glob("[0-9]*.md"), reverse=True):
+        heading = path.read_text().split("\n", 1)[0]
+        entries.append((path.name, heading.lstrip("# ").strip()))
+    return entries
+
+
+def results_page(results: dict, source: Path, page: Path, plot_path: Path | None,
+                 log_folder: Path = LOG_DIR) -> str:
+    """benchmarks/RESULTS.md: the current table of `results` (read from `source`) with
+    its command, commit, date and device, the plot at `plot_path`, and the log's index.
+    Links are relative to `page`."""
+    meta = results["metadata"]
+    relative = lambda path: Path(os.path.relpath(path, page.parent)).as_posix()  # noqa: E731
+    calls = len(meta.get("runs") or [None])
+    lines = [
+        "# Benchmark results",
+        "",
+        "<!-- Written by `python -m benchmarks report --page ... --plot ...` from the results "
+        "file below: change benchmarks/report.py or the results, not this page. -->",
+        "",
+        "`msa_pallas.msa_row_attention` against the other ways of computing MSA row attention "
+        "with a pair bias in JAX, measured in one run on one GPU (ratios measured in the same "
+        "run are what count; absolute times drift between machines).",
+        "",
+        f"- Results file: [{relative(source)}]({relative(source)})",
+        f"- Command: `{command_line(meta)}`"
+        + (f" (continued in {calls - 1} more calls)" if calls > 1 else ""),
+        f"- Commit {meta.get('commit', '?')}, {meta.get('date_utc', '?')}, "
+        f"{meta.get('device_kind', '?')}, jax {meta.get('jax_version', '?')}",
+        "",
+        markdown_table(results).rstrip("\n"),
+        "",
+    ]
+    if plot_path is not None:
+        lines += [f"![time and memory against N]({relative(plot_path)})", ""]
+    lines += [
+        "## Measuring it again",
+        "",
+        "    bash benchmarks/fetch_wheels.sh        # where pip reaches the index: the "
+        "alternatives' wheels, into .whl/",
+        "    python -m benchmarks op --out OUT      # on the GPU machine (benchmarks/run_gpu.sh "
+        "installs the wheels first)",
+        "    cp OUT/results.json benchmarks/results/DATE-DEVICE-WHAT.json",
+        "    python -m benchmarks report --page benchmarks/RESULTS.md "
+        "--plot benchmarks/results_h200.png",
+        "",
+        "`--budget SECONDS` stops the op benchmark before that many seconds and the same "
+        "command continues it; `python -m benchmarks compare OLD.json NEW.json` lists the "
+        "cells that changed. benchmarks/README.md says more.",
+        "",
+        "## The log",
+        "",
+        "What was measured and why, one dated entry per file in "
+        f"[{relative(log_folder)}/]({relative(log_folder)}/), newest first:",
+        "",
+    ]
+    lines += [f"- [{title}]({relative(log_folder / name)})"
+              for name, title in log_entries(log_folder)]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+                                     epilog=__doc__.split("\n\n", 1)[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", type=Path, nargs="?", default=None,
+                        help="an op results.json (default: the newest complete one in "
+                             "benchmarks/results/ that times msa_pallas against an alternative)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write results.md and results.png of the file into this folder")
+    parser.add_argument("--page", type=Path, default=None,
+                        help="write the results page (benchmarks/RESULTS.md) here")
+    parser.add_argument("--plot", type=Path, default=None,
+                        help="with --page: write the page's plot here")
+    args = parser.parse_args(argv)
+    try:
+        source = args.results or newest_results()
+        results = json.loads(source.read_text())
+        table = markdown_table(results)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"report: cannot read the results: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.md").write_text(table)
+        why_not = plot(results, args.out / "results.png")
+        print(f"# wrote {args.out}/results.md" + (f"; no plot: {why_not}" if why_not
+                                                  else ", results.png"))
+    if args.page is not None:
+        plot_path = args.plot
+        for path in (args.page, plot_path):
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+        if plot_path is not None and (why_not := plot(results, plot_path)):
+            print(f"# no plot: {why_not}")
+            plot_path = None
+        args.page.write_text(results_page(results, source, args.page, plot_path))
+        print(f"# wrote {args.page} from {source}"
+              + (f" and {plot_path}" if plot_path is not None else ""))
+    if args.out is None and args.page is None:
+        print(table, end="")
+    return 0
