@@ -1,4 +1,4 @@
-"""The entry point: `python -m benchmarks op|layer|model|multi-gpu|check|profile|compare|merge|report`."""
+"""The entry point: `python -m benchmarks COMMAND`, the commands and the modules that run them."""
 
 from __future__ import annotations
 

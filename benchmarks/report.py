@@ -126,9 +126,11 @@ def markdown_table(results: dict) -> str:
     for case in results["cases"]:
         row = [shape_label(case), case["dtype"], bias_dtype(case)]
         row += [fmt_cell(cell_of(case, name, mode)) for mode in MODES for name in impls]
-        row += [fmt_pair([case["speedup"].get(name, {}).get(m) for m in MODES]) for name in others]
+        row += [fmt_pair([case["speedup"].get(name, {}).get(m) for m in MODES])
+                for name in others]
         if SUBJECT in impls:
-            row.append(fmt_pair([cell_of(case, SUBJECT, m).get("fraction_of_floor") for m in MODES]))
+            row.append(fmt_pair([cell_of(case, SUBJECT, m).get("fraction_of_floor")
+                                 for m in MODES]))
         row += [fmt_mb(cell_of(case, name, "fwd_bwd")) for name in impls]
         lines.append("| " + " | ".join(row) + " |")
         for note, where in case_notes(case, impls):

@@ -1,4 +1,4 @@
-"""Kernel-level tools: `python -m benchmarks profile kernels|forward|backward|launch|durations|stalls|memory`.
+"""Kernel-level tools: `python -m benchmarks profile COMMAND` (the commands below).
 
 - kernels.py: each Pallas Triton kernel timed alone, default tiles and candidates;
 - forward.py / backward.py: the Triton and Mosaic GPU kernels side by side;
@@ -14,14 +14,15 @@ from __future__ import annotations
 
 from benchmarks import dispatch
 
+_HERE = "benchmarks.profiling."
 COMMANDS = {
-    "kernels": ("benchmarks.profiling.kernels", "each Triton kernel alone: default tiles, candidates"),
-    "forward": ("benchmarks.profiling.forward", "the Triton and Mosaic forward kernels side by side"),
-    "backward": ("benchmarks.profiling.backward", "the Triton and Mosaic backward kernels side by side"),
-    "launch": ("benchmarks.profiling.launch", "a few forward+backward calls, for a profiler"),
-    "durations": ("benchmarks.profiling.durations", "every launch of one call under Nsight Compute"),
-    "stalls": ("benchmarks.profiling.stall_sources", "where the warps wait (profile_ncu.sh's CSVs)"),
-    "memory": ("benchmarks.profiling.memory_breakdown", "the largest buffers of the compiled f+b"),
+    "kernels": (_HERE + "kernels", "each Triton kernel alone: default tiles, candidates"),
+    "forward": (_HERE + "forward", "the Triton and Mosaic forward kernels side by side"),
+    "backward": (_HERE + "backward", "the Triton and Mosaic backward kernels side by side"),
+    "launch": (_HERE + "launch", "a few forward+backward calls, for a profiler"),
+    "durations": (_HERE + "durations", "every launch of one call under Nsight Compute"),
+    "stalls": (_HERE + "stall_sources", "where the warps wait (profile_ncu.sh's CSVs)"),
+    "memory": (_HERE + "memory_breakdown", "the largest buffers of the compiled f+b"),
 }
 
 
