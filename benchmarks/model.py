@@ -28,14 +28,17 @@ Blocks and MSA depths (AlphaFold2's monomer config): `evoformer` c_m = 256,
 c_z = 128, S = 512 (max_msa_clusters); `extra_msa` c_m = 64, c_z = 128,
 S = 1024 (max_extra_msa of models 3-5; `--extra-depth 5120` for models 1-2).
 
-    python3 benchmarks/bench_evoformer.py --out benchmarks/out/evoformer
-    python3 benchmarks/bench_evoformer.py --sizes 256,384 --dtypes bf16 --blocks evoformer \\
+    python -m benchmarks model --out benchmarks/out/evoformer
+    python -m benchmarks model --sizes 256,384 --dtypes bf16 --blocks evoformer \\
         --out benchmarks/out/evoformer_small
-    python3 benchmarks/bench_evoformer.py --sizes 16 --msa-depth 4 --extra-depth 4 \\
+    python -m benchmarks model --sizes 16 --msa-depth 4 --extra-depth 4 \\
         --iters 1 --warmup 0 --out /tmp/evo                               # CPU smoke test
 
 Writes `results.json` in `--out` (meta, rows), rewritten after every cell, and
-prints a Markdown table (time ratio > 1: patched is faster).
+prints a Markdown table (time ratio > 1: patched is faster). A rerun with the same
+`--out` (same commit, device and settings) keeps the rows there and measures the rest;
+`--budget SECONDS` stops before a pair of cells (unpatched, patched) that would not end
+in time (exit status 4) and the same command continues.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""benchmarks/merge.py: parts of one table, measured in separate runs, merged."""
+"""`python -m benchmarks merge`: parts of one table, measured in separate runs, merged."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import json
 
 import pytest
 
-from benchmarks import compare, merge
-from benchmarks import op as bench_attention
+from benchmarks import compare, merge, op
 
 SHAPE = "1x2x16x2x16"
 
@@ -17,7 +16,7 @@ SHAPE = "1x2x16x2x16"
 def measured(tmp_path_factory) -> dict:
     """A real results.json from the CPU: the xla path, bf16 with both bias dtypes."""
     out = tmp_path_factory.mktemp("run")
-    status = bench_attention.main(
+    status = op.main(
         ["--shapes", SHAPE, "--dtypes", "bf16", "--bias-dtypes", "f32,input", "--impls", "xla",
          "--iters", "1", "--reps", "1", "--warmup", "1", "--out", str(out), "--commit", "abc1234"])
     assert status == 0

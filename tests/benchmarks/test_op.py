@@ -16,8 +16,7 @@ import pytest
 
 import msa_pallas
 from benchmarks import alternatives, measure, report, shapes
-from benchmarks import layer as bench_layer
-from benchmarks import op as bench_attention
+from benchmarks import layer, op
 from benchmarks.profiling import backward as profile_backward
 from benchmarks.profiling import durations as launch_durations
 from benchmarks.profiling import forward as profile_forward
@@ -71,13 +70,13 @@ def test_bias_dtypes_per_input_dtype():
     assert shapes.bias_dtype_names("f32", ["f32", "input"]) == ["f32"]
     with pytest.raises(ValueError):
         shapes.bias_dtype_names("bf16", ["f64"])
-    args = bench_attention.parse_args(["--shapes", "tiny,train_padded", "--dtypes", "bf16,f32"])
-    assert [case.key for case in bench_attention.cases(args)] == [
+    args = op.parse_args(["--shapes", "tiny,train_padded", "--dtypes", "bf16,f32"])
+    assert [case.key for case in op.cases(args)] == [
         "tiny/bf16/bias f32", "tiny/bf16/bias bf16",
         "train_padded/bf16/bias f32", "train_padded/bf16/bias bf16",
         "tiny/f32/bias f32", "train_padded/f32/bias f32"]
     with pytest.raises(SystemExit):
-        bench_attention.parse_args(["--bias-dtypes", "f64"])
+        op.parse_args(["--bias-dtypes", "f64"])
 
 
 def test_input_sets_carry_the_bias_dtype_and_the_shape_mask():
@@ -228,7 +227,7 @@ def test_profile_forward_mosaic_candidates_alone(capsys):
 
 
 @CPU_ONLY
-def test_bench_attention_measures_each_bias_dtype_padded(tmp_path, capsys, monkeypatch):
+def test_op_measures_each_bias_dtype_padded(tmp_path, capsys, monkeypatch):
     seen = []  # the bias dtypes the xla adapter was traced with
 
     def spying_xla(case):
@@ -237,7 +236,7 @@ def test_bench_attention_measures_each_bias_dtype_padded(tmp_path, capsys, monke
         return alternatives.jitted_pair(op)
 
     monkeypatch.setitem(alternatives.IMPLEMENTATIONS, "xla", spying_xla)
-    status = bench_attention.main(
+    status = op.main(
         ["--shapes", "1x4x64x2x16:padded", "--dtypes", "bf16", "--bias-dtypes", "f32,input",
          "--impls", "msa_pallas,xla", "--iters", "1", "--reps", "2", "--warmup", "1",
          "--out", str(tmp_path)])
@@ -431,20 +430,20 @@ def _xla_core():
 
 
 def test_layer_core_options():
-    assert bench_layer.core_options("pallas") == {"implementation": "pallas"}
+    assert layer.core_options("pallas") == {"implementation": "pallas"}
 
     class NoField:
         __dataclass_fields__ = {"msa_dim": None}
 
     with pytest.raises(alternatives.Unavailable, match="no attention_fn"):
-        bench_layer.core_options("cuequivariance", NoField)
+        layer.core_options("cuequivariance", NoField)
 
 
 @CPU_ONLY
-def test_bench_layer_times_each_core(tmp_path, monkeypatch, capsys):
+def test_layer_times_each_core(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(alternatives.LAYER_CORES, "xla_swapped", _xla_core)
-    monkeypatch.setattr(bench_layer, "CORES", bench_layer.CORES + ("xla_swapped",))
-    rows = bench_layer.main(
+    monkeypatch.setattr(layer, "CORES", layer.CORES + ("xla_swapped",))
+    rows = layer.main(
         ["--shapes", "tiny", "--cores", "xla,xla_swapped,cuequivariance", "--iters", "1",
          "--warmup", "1", "--reps", "1", "--out", str(tmp_path), "--commit", "abc1234"])
     by_core = {row["core"]: row for row in rows}
@@ -452,7 +451,7 @@ def test_bench_layer_times_each_core(tmp_path, monkeypatch, capsys):
     assert by_core["xla"]["finite"]
     assert (by_core["xla"]["S"], by_core["xla"]["N"], by_core["xla"]["msa_dim"]) == (4, 64, 32)
     assert by_core["cuequivariance"]["status"].startswith("skipped")
-    if bench_layer.supports_attention_fn():
+    if layer.supports_attention_fn():
         # The swapped core (gate applied by the adapter) gives the layer's own result.
         assert by_core["xla_swapped"]["status"] == "ok", by_core["xla_swapped"]
         assert by_core["xla_swapped"]["fwd_bwd_ms"] > 0
@@ -467,8 +466,8 @@ def test_bench_layer_times_each_core(tmp_path, monkeypatch, capsys):
     assert "| tiny | 1, 4, 64, 2, 16 | 32, 16 |" in capsys.readouterr().out
 
 
-def test_bench_layer_keeps_the_rows_of_a_run_cut_short(tmp_path, monkeypatch):
-    measured = bench_layer.bench_one
+def test_layer_keeps_the_rows_of_a_run_cut_short(tmp_path, monkeypatch):
+    measured = layer.bench_one
     calls = []
 
     def cut_at_the_second_core(*args, **kwargs):
@@ -477,9 +476,9 @@ def test_bench_layer_keeps_the_rows_of_a_run_cut_short(tmp_path, monkeypatch):
             raise TimeoutError("the call's time ran out")
         return measured(*args, **kwargs)
 
-    monkeypatch.setattr(bench_layer, "bench_one", cut_at_the_second_core)
+    monkeypatch.setattr(layer, "bench_one", cut_at_the_second_core)
     with pytest.raises(TimeoutError):
-        bench_layer.main(["--shapes", "tiny", "--cores", "xla,cuequivariance", "--iters", "1",
+        layer.main(["--shapes", "tiny", "--cores", "xla,cuequivariance", "--iters", "1",
                           "--warmup", "1", "--reps", "1", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "results.json").read_text())
     assert [(row["core"], row["status"]) for row in saved["rows"]] == [("xla", "ok")]
@@ -499,7 +498,7 @@ def test_parse_mosaic_candidates():
 
 
 def test_launch_durations_reads_the_last_call_from_ncu_csv():
-    """The per-launch table of `launch_durations.py`: compile-time launches
+    """The per-launch table of `profile durations`: compile-time launches
     (here two autotuning kernels and a transpose) are left out, the last
     call's launches kept in order, each value converted to microseconds."""
     header = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream",'
