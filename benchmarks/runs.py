@@ -28,8 +28,9 @@ class Progress:
     """A tqdm bar on stderr when stderr is a terminal; result lines go to stdout.
 
     When stderr is not a terminal (a log file), the bar is disabled and each result
-    line starts with `[k/n]` and the time since the start instead, so that a captured
-    log stays one line per result and still says how far the run is.
+    line starts with `[k/n]`, the time since the start and a guess of the time left
+    (at the pace so far) instead, so that a captured log stays one line per result and
+    still says how far the run is.
     """
 
     def __init__(self, total: int):
@@ -48,8 +49,9 @@ class Progress:
             self.bar.write(line, file=sys.stdout)
         else:
             elapsed = time.monotonic() - self.start
-            print(f"[{self.done:>{len(str(self.total))}}/{self.total} {elapsed:5.0f} s] {line}",
-                  flush=True)
+            left = elapsed / self.done * (self.total - self.done)
+            print(f"[{self.done:>{len(str(self.total))}}/{self.total} {elapsed:5.0f} s, "
+                  f"~{left:.0f} s left] {line}", flush=True)
         self.bar.update(1)
 
     def close(self) -> None:
