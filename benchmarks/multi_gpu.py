@@ -50,7 +50,7 @@ each device's bf16 part of the MSA and pair gradients the same way (~1e-2).
 
 `--budget S` starts no run that the longest so far says would end after S seconds; the
 MSA-row runs go first (every shape and variant), then heads, then batch, and what is left
-is recorded as skipped. A rerun with the same `--out` (same devices, dtype and timing)
+is recorded as skipped (exit status 4). A rerun with the same `--out` (same devices, dtype and timing)
 keeps the rows there that ran and measures the rest.
 
 Writes `DIR/results.json` (every number, the collectives and the run's metadata) and
@@ -363,4 +363,8 @@ def main(argv=None, prog: str | None = None) -> list[dict]:
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(table)
     print("\n" + table, flush=True)
+    if any(row.get("skipped") for row in rows):
+        print(f"# stopped before the budget of {args.time_budget:g} s: the same command "
+              "continues", flush=True)
+        raise SystemExit(runs.EXIT_UNFINISHED)
     return rows
