@@ -190,6 +190,14 @@ def start_results(args) -> tuple[dict, str | None]:
     return earlier, None
 
 
+def all_measured(results: dict) -> bool:
+    """Whether every cell that any call asked for (`runs`: its cases and impls) is there."""
+    records = {measure.case_key(record): record for record in results["cases"]}
+    return not any(unfinished(records.get(key), impl)
+                   for run in results["metadata"]["runs"]
+                   for key in run["cases"] for impl in run["impls"])
+
+
 def date_range(meta: dict) -> str:
     """When the cells of a results file were measured: a date, or `FIRST to LAST`."""
     dates = [run["date_utc"] for run in meta.get("runs", []) if run.get("cells")]
@@ -244,7 +252,8 @@ def main(argv=None, prog: str | None = None) -> int:
           f"iters {args.iters} x reps {args.reps}; {cells_left} cells to measure"
           + (f" ({sum(len(c['impls']) for c in results['cases'])} done in {args.out})"
              if results["cases"] else ""), flush=True)
-    this_run = {"date_utc": runs.utc_now(), "argv": runs.portable_argv(args.argv), "cells": 0}
+    this_run = {"date_utc": runs.utc_now(), "argv": runs.portable_argv(args.argv), "cells": 0,
+                "cases": [case.key for case in cases(args)], "impls": args.impls}
     meta["runs"].append(this_run)
     settings = measure.Settings(iters=args.iters, warmup=args.warmup, reps=args.reps,
                                 seed=args.seed)
@@ -269,14 +278,14 @@ def main(argv=None, prog: str | None = None) -> int:
             meta["date_utc"] = date_range(meta)
             this_run["elapsed_s"] = budget.elapsed()
             meta["elapsed_s"] = sum(run.get("elapsed_s", 0.0) for run in meta["runs"])
-            meta["complete"] = cells_left == 0
+            meta["complete"] = all_measured(results)
             report.write_outputs(results, args.out)
             if done < len(impls):
                 stopped = True
                 break
     finally:
         progress.close()
-    meta["complete"] = cells_left == 0
+    meta["complete"] = all_measured(results)
     if not this_run["cells"]:
         meta["runs"].remove(this_run)  # a call that measured nothing leaves no trace
     report.write_outputs(results, args.out)
