@@ -8,7 +8,8 @@ with `--help`. The modules:
 - alternatives.py (with packages.py): the table of implementations the op is timed against;
 - timing.py: the one timing loop; runs.py: progress line, time budget, resumable results;
 - op.py, layer.py, model.py, multi_gpu.py (with multi_gpu_problems.py): the benchmarks;
-- measure.py: one case of the op benchmark; report.py: its tables, plot and RESULTS.md;
+- measure.py: one case of the op benchmark; report.py: its tables and plot; page.py: the
+  `report` command and RESULTS.md;
 - check.py, compare.py, merge.py: the alternatives checked, two runs compared, parts merged;
 - profiling/: per-kernel timings and the Nsight Compute tools.
 

@@ -15,7 +15,7 @@ COMMANDS = {
     "profile": ("benchmarks.profiling", "per-kernel times and the Nsight Compute tools"),
     "compare": ("benchmarks.compare", "two op results files, cell by cell (exit 1: a regression)"),
     "merge": ("benchmarks.merge", "op results files of one commit and device into one"),
-    "report": ("benchmarks.report", "the table and plot of an op results file; RESULTS.md"),
+    "report": ("benchmarks.page", "the table and plot of an op results file; RESULTS.md"),
 }
 
 if __name__ == "__main__":

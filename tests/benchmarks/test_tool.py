@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from benchmarks import layer, measure, op, report, runs
+from benchmarks import layer, measure, op, page, runs
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TWO_SHAPES = "1x2x16x2x8,1x2x24x2x8"
@@ -175,14 +175,14 @@ def test_report_writes_the_page_from_the_newest_complete_results(tmp_path, capsy
                           ("d.json", own_only)):
         (folder / name).write_text(json.dumps(results))
     # An unfinished run and one without an alternative are not the current table.
-    assert report.newest_results(folder) == folder / "b.json"
+    assert page.newest_results(folder) == folder / "b.json"
     for name, heading in (("2026-12-01-01-first.md", "### 2026-12-01 · H200 — first"),
                           ("2026-12-02-01-second.md", "### 2026-12-02 · H200 — second")):
         (log / name).write_text(heading + "\n\ntext\n")
 
-    page = tmp_path / "RESULTS.md"
+    page_path = tmp_path / "RESULTS.md"
     has_plot = importlib.util.find_spec("matplotlib") is not None
-    text = report.results_page(newest, folder / "b.json", page,
+    text = page.results_page(newest, folder / "b.json", page_path,
                                tmp_path / "plot.png" if has_plot else None, log)
     assert "- Results file: [results/b.json](results/b.json)" in text
     assert ("- Command: `python -m benchmarks op --out OUT_DIR --shapes train --budget 500` "
@@ -195,22 +195,22 @@ def test_report_writes_the_page_from_the_newest_complete_results(tmp_path, capsy
                      "- [2026-12-01 · H200 — first](log/2026-12-01-01-first.md)"]
 
     # The command: the table on stdout, or files.
-    assert report.main([str(folder / "a.json")]) == 0
+    assert page.main([str(folder / "a.json")]) == 0
     assert "commit aaa1111" in capsys.readouterr().out
-    assert report.main([str(folder / "b.json"), "--out", str(tmp_path / "again")]) == 0
+    assert page.main([str(folder / "b.json"), "--out", str(tmp_path / "again")]) == 0
     assert "commit bbb2222" in (tmp_path / "again" / "results.md").read_text()
-    assert report.main([str(tmp_path / "missing.json")]) == 2
+    assert page.main([str(tmp_path / "missing.json")]) == 2
 
 
 def test_results_page_is_the_one_the_report_writes():
     """benchmarks/RESULTS.md is generated: rendering its results file again gives it
     back, and it lists every entry of benchmarks/log/."""
-    page = ROOT / "benchmarks" / "RESULTS.md"
-    text = page.read_text()
+    page_path = ROOT / "benchmarks" / "RESULTS.md"
+    text = page_path.read_text()
     source = ROOT / "benchmarks" / text.split("- Results file: [", 1)[1].split("]", 1)[0]
     plot = ROOT / "benchmarks" / "results_h200.png"
     assert plot.exists() and "](results_h200.png)" in text
-    assert report.results_page(json.loads(source.read_text()), source, page, plot) == text
+    assert page.results_page(json.loads(source.read_text()), source, page_path, plot) == text
     for entry in (ROOT / "benchmarks" / "log").glob("2*.md"):
         assert f"](log/{entry.name})" in text, entry.name
         assert entry.read_text().startswith("### " + entry.name[:10] + " "), entry.name
