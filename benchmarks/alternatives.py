@@ -7,7 +7,7 @@ tokamax_mosaic and tokamax_triton (`tokamax.dot_product_attention`), and jax_mha
 a reference point that computes less (no bias, no mask). The other packages are not in
 the GPU image: benchmarks/fetch_wheels.sh fetches their wheels and run_gpu.sh installs
 them; where they are missing, or without a GPU, the builders raise `Unavailable`.
-benchmarks/check_alternatives.py checks each mapping, forward and gradients, against xla.
+`python -m benchmarks check` checks each mapping, forward and gradients, against xla.
 
 Every op is `op(q, k, v, bias, mask) -> out` in msa_pallas' layout: q/k/v `[B, S, N, H, d]`,
 bias `[B, H, N, N]` in the case's bias dtype (an adapter whose package needs another
@@ -27,9 +27,9 @@ import jax.numpy as jnp
 import msa_pallas
 from msa_pallas.kernels.mosaic.support import supports as mosaic_supports
 # Unavailable, on_gpu and the importers are used by the scripts through this module too.
-from packages import (ALTERNATIVE_PACKAGES, Unavailable, import_cuequivariance,  # noqa: F401
+from benchmarks.packages import (ALTERNATIVE_PACKAGES, Unavailable, import_cuequivariance,  # noqa: F401
                       import_tokamax, on_gpu, package_version, tokamax_with)
-from shapes import HALF_DTYPES, Case
+from benchmarks.shapes import HALF_DTYPES, Case
 
 
 @dataclasses.dataclass
@@ -123,7 +123,7 @@ def cudnn_op(scale: float, implementation: str = "cudnn") -> Callable:
     mask into an additive bias and adds it to `bias`, so with a mask the
     combined `[B*S, H, N, N]` bias is materialised in any case (and its
     gradient reduced over S by XLA). `implementation="xla"` runs the same
-    mapping anywhere (benchmarks/check_alternatives.py uses it on CPU).
+    mapping anywhere (`python -m benchmarks check` uses it on CPU).
     """
 
     def op(q, k, v, bias, mask):

@@ -1,11 +1,10 @@
-#!/usr/bin/env python3
-"""Compares two benchmark runs (results.json of bench_attention.py) cell by cell.
+"""Compares two op benchmark runs (results.json of `python -m benchmarks op`) cell by cell.
 
-    python benchmarks/compare.py OLD/results.json NEW/results.json
-    python benchmarks/compare.py OLD.json NEW.json --threshold 0.05 --impl msa_pallas,xla
+    python -m benchmarks compare OLD/results.json NEW/results.json
+    python -m benchmarks compare OLD.json NEW.json --threshold 0.10 --impl msa_pallas,xla
 
 A cell is (shape, dtype, bias dtype, mode) of an implementation (default msa_pallas).
-Lists the cells whose median time got worse by more than the threshold (default 10%),
+Lists the cells whose median time got worse by more than the threshold (default 5%),
 or that ran before and fail now (out of memory, an error); then, separately, those
 that got better by more than the threshold or run now and failed before, and the cells
 found in only one of the files. Results written before the bias dtype was recorded had
@@ -102,12 +101,12 @@ def format_report(found: dict[str, list], threshold: float) -> list[str]:
     return lines
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("old", type=Path, help="results.json of the earlier run")
     parser.add_argument("new", type=Path, help="results.json of the later run")
-    parser.add_argument("--threshold", type=float, default=0.10,
-                        help="relative change in median time that counts (default 0.10)")
+    parser.add_argument("--threshold", type=float, default=0.05,
+                        help="relative change in median time that counts (default 0.05)")
     parser.add_argument("--impl", default="msa_pallas",
                         help="implementation(s) to compare, comma-separated (default msa_pallas)")
     args = parser.parse_args(argv)
@@ -118,7 +117,7 @@ def main(argv=None) -> int:
         metas = [json.loads(path.read_text())["metadata"] for path in (args.old, args.new)]
         old, new = (load_cells(path, impls) for path in (args.old, args.new))
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        print(f"compare.py: cannot read the results: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"compare: cannot read the results: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     print(f"# OLD {args.old} ({describe(metas[0])})")
     print(f"# NEW {args.new} ({describe(metas[1])})")
@@ -128,7 +127,3 @@ def main(argv=None) -> int:
     regressed = len(found["regressed"])
     print(f"# {regressed} regressed" if regressed else "# no regression")
     return 1 if regressed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

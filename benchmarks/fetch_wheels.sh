@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Downloads the wheels that let benchmarks/bench_attention.py and bench_layer.py
+# Downloads the wheels that let `python -m benchmarks op` and `layer`
 # measure NVIDIA's cuEquivariance and Google's tokamax beside msa_pallas on a
 # GPU machine that has no network.
 #
@@ -19,9 +19,9 @@
 # (cuequivariance-ops-cu13); absl-py, jax, jaxlib, jaxtyping, tqdm (tokamax);
 # flax (qwix); protobuf (tensorboardx). tokamax also requires xprof, which
 # is not fetched: benchmarks/packages.py provides a stand-in for the one
-# module tokamax imports from it (benchmarks/_stubs/xprof).
+# module tokamax imports from it.
 #
-# AlphaFold2's own model for benchmarks/bench_evoformer.py and
+# AlphaFold2's own model for `python -m benchmarks model` and
 # tests/test_alphafold2_patch.py go into DIR/alphafold (install them, with
 # DIR/test's dm-haiku, into a --target folder put on PYTHONPATH: README,
 # "Inside AlphaFold2 / OpenFold / AlphaFold3-style models"). They are fetched

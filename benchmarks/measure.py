@@ -2,7 +2,7 @@
 
 A case is measured in two modes: `fwd` (the forward) and `fwd_bwd` (the forward plus the
 gradients of q, k, v and bias). For each implementation and mode: the median and minimum
-wall time of jitted calls (`msa_pallas.timing.batched_times_ms`: samples of back-to-back
+wall time of jitted calls (`timing.times_ms`: samples of back-to-back
 calls), XLA's compiled temporary and output memory, and the time against a lower bound set
 by the exponentials and the matrix work.
 """
@@ -20,9 +20,9 @@ from typing import Callable, Protocol
 import jax
 import jax.numpy as jnp
 
-from alternatives import IMPLEMENTATIONS, REFERENCE_POINTS, Unavailable
-from msa_pallas.timing import batched_times_ms
-from shapes import Case, make_mask
+from benchmarks import timing
+from benchmarks.alternatives import IMPLEMENTATIONS, REFERENCE_POINTS, Unavailable
+from benchmarks.shapes import Case, make_mask
 
 MODES = ("fwd", "fwd_bwd")
 MODE_LABELS = {"fwd": "fwd", "fwd_bwd": "f+b"}
@@ -127,7 +127,7 @@ def measure_callable(
     """Compiles, reads memory, warms up, then takes `iters` samples rotating `arg_sets`.
 
     A sample is `reps` back-to-back calls, waited for once, divided by `reps`
-    (`msa_pallas.timing.batched_times_ms`): the host's dispatch latency stays
+    (`timing.times_ms`): the host's dispatch latency stays
     out of the number.
 
     Returns (result dict, output of the first call or None). Failures are
@@ -140,14 +140,9 @@ def measure_callable(
         compiled = jitted.lower(*arg_sets[0]).compile()
         result["compile_s"] = time.perf_counter() - t0
         result.update(memory_stats(compiled))
-        for i in range(max(1, warmup)):
-            out = jax.block_until_ready(compiled(*arg_sets[i % len(arg_sets)]))
-            if i == 0:
-                first_output = out
-            del out
-        times = batched_times_ms(
-            lambda i: compiled(*arg_sets[i % len(arg_sets)]), samples=iters, reps=reps
-        )
+        first_output = jax.block_until_ready(compiled(*arg_sets[0]))  # the first warm-up call
+        times = timing.times_ms(lambda i: compiled(*arg_sets[i % len(arg_sets)]),
+                                samples=iters, reps=reps, warmup=max(1, warmup) - 1)
         result.update(median_ms=statistics.median(times), min_ms=min(times), times_ms=times)
     except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
         result["status"] = describe_failure(exc)
@@ -187,17 +182,20 @@ class Progress(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """How to time: `iters` samples of `reps` calls after `warmup` calls; inputs from
-    `seed`; nothing starts after `deadline` (a `time.monotonic()` value, None: no limit)."""
+    """How to time: `iters` samples of `reps` calls after `warmup` calls; inputs from `seed`."""
 
     iters: int
     warmup: int
     reps: int
     seed: int = 0
-    deadline: float | None = None
 
-    def out_of_time(self) -> bool:
-        return self.deadline is not None and time.monotonic() > self.deadline
+
+class Budget(Protocol):
+    """Whether another measurement of a kind may start (runs.Budget), told how long each took."""
+
+    def allows_another(self, kind: str) -> bool: ...
+
+    def spent(self, seconds: float, kind: str) -> None: ...
 
 
 def ok(cell: dict) -> bool:
@@ -209,48 +207,73 @@ def kept_fraction(mask) -> float:
     return float(jnp.mean(jnp.asarray(mask, jnp.float32)))
 
 
-def run_case(case: Case, impls: list[str], settings: Settings, progress: Progress) -> dict:
-    """Measures every implementation of `impls` on one case; returns the case's record."""
-    record = {
+def case_key(record: dict) -> str:
+    """The `Case.key` of a case's record in results.json."""
+    return f"{record['shape']}/{record['dtype']}/bias {record.get('bias_dtype', record['dtype'])}"
+
+
+def new_record(case: Case) -> dict:
+    return {
         "shape": case.shape_name, "dims": dict(zip("BSNHd", case.dims)),
         "dtype": case.dtype_name, "bias_dtype": case.bias_dtype_name,
         "mask": case.shape.mask, "logits": case.logits,
         "floor": {mode: floor_ms(case, mode) for mode in MODES}, "impls": {},
+        "input_sets": num_input_sets(case),
     }
-    n_sets = num_input_sets(case)
-    record["input_sets"] = n_sets
+
+
+def run_case(case: Case, impls: list[str], settings: Settings, progress: Progress,
+             record: dict | None = None, budget: Budget | None = None) -> tuple[dict, int]:
+    """Measures each implementation of `impls` on one case, both modes: a cell each.
+
+    `record` holds the case's cells measured earlier (None: a new record); the new
+    cells join it, and the implementations it already has keep their place. Before
+    each cell `budget` is asked whether another "cell" may start; when it says no, the
+    case stops there. Returns (the case's record, how many of `impls` it measured).
+    """
+    record = new_record(case) if record is None else record
+    started = time.monotonic()
     try:
-        if settings.out_of_time():
-            raise Unavailable("time budget")
-        keys = jax.random.split(input_key(settings.seed), n_sets)
+        keys = jax.random.split(input_key(settings.seed), record["input_sets"])
         arg_sets = [make_input_set(case, key) for key in keys]
         record["kept_fraction"] = kept_fraction(arg_sets[0][4])
         rows = jnp.any(arg_sets[0][4], axis=-1)  # [B, S]: rows with a key left
         record["fully_masked_rows"] = int(rows.size - jnp.sum(rows))
         check_rows = rows if record["fully_masked_rows"] else None
     except Exception as exc:  # noqa: BLE001 - every cell of the case records it
-        status = f"skipped: {exc}" if isinstance(exc, Unavailable) else (
-            f"inputs: {describe_failure(exc)}")
+        status = f"inputs: {describe_failure(exc)}"
         for impl in impls:
             record["impls"][impl] = {mode: {"status": status} for mode in MODES}
             for mode in MODES:
                 progress.result(format_result_line(case, impl, mode, record["impls"][impl][mode]))
-        return finish_case(record, impls)
+        return finish_case(record), len(impls)
 
-    # The reference implementation goes first so its forward output can check the others.
+    # The reference implementation goes first so its forward output can check the others;
+    # when an earlier run measured it, its forward runs once more, untimed.
     reference_out = None
+    if CHECK_REFERENCE not in impls and ok(record["impls"].get(CHECK_REFERENCE, {}).get("fwd", {})):
+        try:
+            reference_out = IMPLEMENTATIONS[CHECK_REFERENCE](case).fwd(*arg_sets[0][:5])
+        except Exception:  # noqa: BLE001 - the check is left out, the timing is not
+            reference_out = None
+    done = 0
     for impl in sorted(impls, key=lambda name: name != CHECK_REFERENCE):
+        if budget is not None and not budget.allows_another("cell"):
+            break
         entry, out = run_impl(case, impl, arg_sets, settings, progress, reference_out,
                               check_rows)
         record["impls"][impl] = entry
+        done += 1
+        if budget is not None:  # the first cell's time includes the inputs'
+            budget.spent(time.monotonic() - started, "cell")
+        started = time.monotonic()
         if impl == CHECK_REFERENCE:
             reference_out = out
         del out
         gc.collect()
-    record["impls"] = {impl: record["impls"][impl] for impl in impls}  # in the order asked
     del arg_sets, reference_out
     gc.collect()
-    return finish_case(record, impls)
+    return finish_case(record), done
 
 
 def run_impl(case: Case, impl: str, arg_sets: list[tuple], settings: Settings,
@@ -273,8 +296,6 @@ def run_impl(case: Case, impl: str, arg_sets: list[tuple], settings: Settings,
         progress.describe(f"{case.key} {impl} {MODE_LABELS[mode]}")
         if built is None:
             entry[mode] = {"status": unavailable}
-        elif settings.out_of_time():
-            entry[mode] = {"status": "skipped: time budget"}
         else:
             sets = [mode_args(mode, inputs) for inputs in arg_sets]
             entry[mode], out = measure_callable(
@@ -290,8 +311,9 @@ def run_impl(case: Case, impl: str, arg_sets: list[tuple], settings: Settings,
     return entry, fwd_out
 
 
-def finish_case(record: dict, impls: list[str], subject: str = "msa_pallas") -> dict:
+def finish_case(record: dict, subject: str = "msa_pallas") -> dict:
     """Adds every cell's fraction of the floor, and the subject's speed-ups over the others."""
+    impls = list(record["impls"])
     for impl in impls:
         for mode in MODES:
             cell = record["impls"][impl][mode]

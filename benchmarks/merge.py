@@ -1,14 +1,12 @@
-#!/usr/bin/env python3
 """Merges benchmark runs of one commit on one device into one results.json.
 
-    python benchmarks/merge.py RUN_A/results.json RUN_B/results.json --out MERGED
+    python -m benchmarks merge RUN_A/results.json RUN_B/results.json --out MERGED
 
-The whole table (every SPEC shape, two input dtypes, two bias dtypes, six
-implementations) takes longer than one call of a time-limited GPU machine: run
-it in parts (`--shapes`, `--dtypes`, or a `--budget-s` that cut the first part
-short, then the cases it skipped) and merge the parts. Each case (shape, dtype,
-bias dtype) keeps all of its implementations from one part, so the ratios of a
-row are still measured side by side in one process:
+A table measured in one `--out` needs no merging: `python -m benchmarks op --budget S`
+stops in time and the same command continues it. Merging joins runs made apart (other
+`--out` folders, or machines of the same kind): each case (shape, dtype, bias dtype)
+keeps all of its implementations from one part, so the ratios of a row are still
+measured side by side in one process:
 
 - a case found in several parts is taken from the part in which more of its
   cells ran (status ok); on a tie, from the later part on the command line;
@@ -19,8 +17,8 @@ row are still measured side by side in one process:
   `skipped` in the cases of the other parts.
 
 Writes MERGED/results.json (the metadata say which part each case came from),
-results.md and results.png, as bench_attention.py does; compare.py and
-report.py read the merged file like any other.
+results.md and results.png, as the op benchmark does; compare and
+report read the merged file like any other.
 """
 
 from __future__ import annotations
@@ -31,10 +29,9 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import report  # noqa: E402
-from report import MODES  # noqa: E402
+from benchmarks import report
+from benchmarks.report import MODES
 
 # Metadata that must agree between the parts.
 SHARED_KEYS = ("commit", "device_kind", "jax_version", "packages")
@@ -107,8 +104,8 @@ def merge(parts: list[tuple[str, dict]]) -> dict:
     return {"metadata": meta, "cases": cases}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv=None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("parts", type=Path, nargs="+", help="results.json files, in run order")
     parser.add_argument("--out", type=Path, required=True,
                         help="directory for the merged results.json, results.md, results.png")
@@ -117,7 +114,7 @@ def main(argv=None) -> int:
         parts = [(str(path), json.loads(path.read_text())) for path in args.parts]
         merged = merge(parts)
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        print(f"merge.py: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"merge: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     report.write_outputs(merged, args.out)
     why_not = report.plot(merged, args.out / "results.png")
@@ -126,7 +123,3 @@ def main(argv=None) -> int:
     print(f"# wrote {args.out}/results.json, results.md"
           + (f"; no plot: {why_not}" if why_not else ", results.png"))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""The programs `bench_multi_gpu.py` times: the op's and the layer's forward + backward,
+"""The programs `python -m benchmarks multi-gpu` times: the op's and the layer's forward + backward,
 their random inputs, and the partition specs of their arguments along each mesh axis.
 
 `make_problem(variant, dims, dtype, implementation, seed)` returns

@@ -1,22 +1,20 @@
-"""The benchmark's results as Markdown (a table, the targets, notes) and as a plot.
+"""The op benchmark's results as Markdown (a table, the targets, notes) and as a plot.
 
-Everything here reads the `results` dict that bench_attention.py writes to results.json,
-so a table can be rendered again from an old run's file:
-
-    python -c "import json, sys; sys.path.insert(0, 'benchmarks'); import report; \\
-        print(report.markdown_table(json.load(open('OUT/results.json'))))"
+Everything here reads the `results` dict that `python -m benchmarks op` writes to
+results.json, so a table can be rendered again from any run's file
+(`python -m benchmarks report OUT/results.json`, page.py).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
-from alternatives import OWN_VARIANTS, REFERENCE_POINTS
-from measure import CHECK_REFERENCE, CHECK_TOLERANCE, EXP_PER_S, MODE_LABELS, MODES, ok
-from shapes import HALF_DTYPES
+from benchmarks import runs
+from benchmarks.alternatives import OWN_VARIANTS, REFERENCE_POINTS
+from benchmarks.measure import CHECK_REFERENCE, CHECK_TOLERANCE, EXP_PER_S, MODE_LABELS, MODES, ok
+from benchmarks.shapes import HALF_DTYPES
 
 SUBJECT = "msa_pallas"  # the implementation the speed-ups, floor fractions and targets are about
 
@@ -38,6 +36,14 @@ LONG_CHAIN_N = 4096
 # --- cells ---------------------------------------------------------------------
 
 
+NOT_MEASURED = "not measured yet"  # a cell a run stopped by its budget has left for the next
+
+
+def cell_of(case: dict, impl: str, mode: str) -> dict:
+    """The `mode` cell of `impl` in a case, `{"status": NOT_MEASURED}` when there is none."""
+    return case["impls"].get(impl, {}).get(mode, {"status": NOT_MEASURED})
+
+
 def fmt_ms(value: float) -> str:
     return f"{value:.3f}" if value < 10 else f"{value:.2f}" if value < 100 else f"{value:.1f}"
 
@@ -47,6 +53,8 @@ def fmt_cell(cell: dict) -> str:
     if ok(cell):
         return fmt_ms(cell["median_ms"])
     status = cell.get("status", "")
+    if status == NOT_MEASURED:
+        return "…"
     if status.endswith("OOM"):
         return "OOM"
     return "n/a" if status.startswith("skipped") else "error"
@@ -104,13 +112,14 @@ def markdown_table(results: dict) -> str:
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     notes: dict[str, list[str]] = {}
     for case in results["cases"]:
-        cells = case["impls"]
         row = [shape_label(case), case["dtype"], bias_dtype(case)]
-        row += [fmt_cell(cells[name][mode]) for mode in MODES for name in impls]
-        row += [fmt_pair([case["speedup"][name][m] for m in MODES]) for name in others]
+        row += [fmt_cell(cell_of(case, name, mode)) for mode in MODES for name in impls]
+        row += [fmt_pair([case["speedup"].get(name, {}).get(m) for m in MODES])
+                for name in others]
         if SUBJECT in impls:
-            row.append(fmt_pair([cells[SUBJECT][m].get("fraction_of_floor") for m in MODES]))
-        row += [fmt_mb(cells[name]["fwd_bwd"]) for name in impls]
+            row.append(fmt_pair([cell_of(case, SUBJECT, m).get("fraction_of_floor")
+                                 for m in MODES]))
+        row += [fmt_mb(cell_of(case, name, "fwd_bwd")) for name in impls]
         lines.append("| " + " | ".join(row) + " |")
         for note, where in case_notes(case, impls):
             notes.setdefault(note, [])
@@ -164,6 +173,8 @@ def case_notes(case: dict, impls: list[str]) -> list[tuple[str, str]]:
         f" bias {bias_dtype(case)}" if bias_dtype(case) != case["dtype"] else "")
     tolerance = CHECK_TOLERANCE.get(case["dtype"], 1e-2)
     for name in impls:
+        if name not in case["impls"]:
+            continue  # not measured yet: the table says so
         cells = case["impls"][name]
         statuses = [cells[mode].get("status", "") for mode in MODES]
         if len(set(statuses)) == 1 and statuses[0] != "ok":
@@ -220,7 +231,7 @@ def _verdict(ratio: float, goal: float) -> str:
 
 def time_target(case: dict, mode: str) -> tuple[str, bool | None]:
     """(cell, met) of the speed target of one mode; met is None when it cannot be judged."""
-    ours = case["impls"][SUBJECT][mode]
+    ours = cell_of(case, SUBJECT, mode)
     if not ok(ours):
         return f"{SUBJECT}: {fmt_cell(ours)}", False
     other = fastest_alternative(case, mode)
@@ -248,7 +259,7 @@ def long_chain_target(case: dict) -> tuple[str, bool | None]:
     """(cell, met) at N >= LONG_CHAIN_N: the subject's f+b runs where XLA's fails."""
     if case["dims"]["N"] < LONG_CHAIN_N:
         return "–", None
-    ours = case["impls"][SUBJECT]["fwd_bwd"]
+    ours = cell_of(case, SUBJECT, "fwd_bwd")
     xla = case["impls"].get(CHECK_REFERENCE, {}).get("fwd_bwd", {"status": "not run"})
     memory = ours.get("temp_plus_output_bytes")
     ours_text = (f"{fmt_ms(ours['median_ms'])} ms, {memory / 1e6:,.0f} MB" if ok(ours)
@@ -307,10 +318,10 @@ def plot(results: dict, path: Path) -> str | None:
     panels.append(("f+b temp+output memory (MB)", "fwd_bwd", "temp_plus_output_bytes", 1e-6))
     for ax, (title, mode, field, factor) in zip(axes, panels):
         for name in results["metadata"]["impls"]:
-            values = [c["impls"][name][mode].get(field) for c in cases]
+            values = [cell_of(c, name, mode).get(field) for c in cases]
             ys = [np.nan if v is None else v * factor for v in values]
             if field == "median_ms":
-                ys = [y if ok(c["impls"][name][mode]) else np.nan for y, c in zip(ys, cases)]
+                ys = [y if ok(cell_of(c, name, mode)) else np.nan for y, c in zip(ys, cases)]
             ax.plot(x, ys, marker="o", label=name)
         if field == "median_ms" and len(cases):
             ax.plot(x, [c["floor"][mode]["floor_ms"] for c in cases], "k--", linewidth=1,
@@ -330,7 +341,6 @@ def plot(results: dict, path: Path) -> str | None:
 
 
 def write_outputs(results: dict, out_dir: Path) -> None:
-    """results.json and results.md (rewritten after every case, so a cut run keeps its part)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    """results.json and results.md (rewritten after every cell, so a cut run keeps its part)."""
+    runs.write_json(out_dir / "results.json", results)
     (out_dir / "results.md").write_text(markdown_table(results))

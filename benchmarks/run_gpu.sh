@@ -5,9 +5,13 @@
 #   BENCH_ARGS="--shapes train,long --dtypes bf16" bash benchmarks/run_gpu.sh OUT_DIR
 #   COMPARE_WITH=old_run/results.json bash benchmarks/run_gpu.sh OUT_DIR
 #
-# Writes OUT_DIR/gpu_tests.log, OUT_DIR/bench.log and the benchmark's
-# results.json, results.md and results.png; the layer benchmark's results
-# under OUT_DIR/layer and its log in OUT_DIR/bench_layer.log. Everything also goes to stdout,
+# Writes OUT_DIR/gpu_tests.log, OUT_DIR/bench.log and the op benchmark's
+# (`python -m benchmarks op`) results.json, results.md and results.png; the layer
+# benchmark's results under OUT_DIR/layer and its log in OUT_DIR/bench_layer.log.
+# Both benchmarks continue the results.json they find in their folder (same commit,
+# device and settings): with BENCH_ARGS="--budget SECONDS" a long table is measured
+# over several calls with the same OUT_DIR, each stopping in time (exit status 4
+# while cells are left). Everything also goes to stdout,
 # and a compact summary (test summary line, the results table, the comparison
 # with an earlier run) comes last, since whoever reads the run may see only the
 # end of its output.
@@ -18,7 +22,7 @@
 # $BENCH_SITE (default $TMPDIR/msa_pallas_bench_site), which is put first on
 # PYTHONPATH for the alternatives check and the two benchmarks only (not for the
 # tests). If that fails, the run goes on and their cells read `skipped`.
-# benchmarks/check_alternatives.py then checks every implementation's forward
+# `python -m benchmarks check` then checks every implementation's forward
 # and gradients against a float32 reference on small shapes (log in
 # OUT_DIR/alternatives_check.log; its verdict is in the summary, it does not
 # change the exit status).
@@ -26,9 +30,9 @@
 # The Haiku drop-in's test wheels (WHEEL_DIR/test, also from fetch_wheels.sh)
 # are installed into $TMPDIR/msa_pallas_test_site for the tests only.
 #
-# With COMPARE_WITH set to an earlier run's results.json, benchmarks/compare.py
-# lists the cells of msa_pallas whose median time changed by more than 10%
-# against it (COMPARE_ARGS: more arguments, e.g. "--threshold 0.05"); its output
+# With COMPARE_WITH set to an earlier run's results.json, `python -m benchmarks compare`
+# lists the cells of msa_pallas whose median time changed by more than 5%
+# against it (COMPARE_ARGS: more arguments, e.g. "--threshold 0.10"); its output
 # is in OUT_DIR/compare.log and in the summary.
 #
 # Environment: PYTHON (default python3), TEST_ARGS (extra pytest arguments,
@@ -36,14 +40,15 @@
 # the op benchmark and the comparison, e.g. to run the tests and the layer benchmark
 # in a call of their own), LAYER_BENCH (0 skips the
 # layer benchmark), BENCH_ARGS (extra arguments of
-# benchmarks/bench_attention.py, split on spaces), LAYER_ARGS (of
-# benchmarks/bench_layer.py), XLA_PYTHON_CLIENT_MEM_FRACTION
+# `python -m benchmarks op`, split on spaces), LAYER_ARGS (of
+# `python -m benchmarks layer`), XLA_PYTHON_CLIENT_MEM_FRACTION
 # (default 0.90 here, so that large XLA baselines get their chance), WHEEL_DIR,
 # BENCH_SITE, CHECK_ALTERNATIVES (default 1; 0 skips the check), CHECK_ARGS
-# (arguments of check_alternatives.py, default
+# (arguments of `python -m benchmarks check`, default
 # "--shapes 2x3x37x2x8,1x4x128x4x32 --dtypes bf16,f32"), COMPARE_WITH, COMPARE_ARGS.
 # Exit status: 1 if the GPU tests failed, else the benchmark's status when it
-# failed, else 3 when compare.py found a regression, else 0.
+# failed (4: stopped at its --budget with cells left; the same command continues),
+# else 3 when the comparison found a regression, else 0.
 
 set -uo pipefail
 
@@ -107,8 +112,8 @@ fi
 
 check_verdict="not run (CHECK_ALTERNATIVES=$CHECK_ALTERNATIVES)"
 if [[ $CHECK_ALTERNATIVES != 0 ]]; then
-    section "alternatives check: $PYTHON benchmarks/check_alternatives.py ${CHECK_ARGV[*]}"
-    PYTHONPATH=$BENCH_PYTHONPATH "$PYTHON" benchmarks/check_alternatives.py \
+    section "alternatives check: $PYTHON -m benchmarks check ${CHECK_ARGV[*]}"
+    PYTHONPATH=$BENCH_PYTHONPATH "$PYTHON" -m benchmarks check \
         ${CHECK_ARGV[@]+"${CHECK_ARGV[@]}"} 2>&1 | tee "$OUT_DIR/alternatives_check.log"
     check_status=${PIPESTATUS[0]}
     case $check_status in
@@ -118,8 +123,9 @@ if [[ $CHECK_ALTERNATIVES != 0 ]]; then
     esac
 fi
 
-# `run_benchmark SWITCH_NAME LOG SCRIPT ARGS...`: the script with the alternatives'
-# packages on PYTHONPATH, its output also in LOG, unless $SWITCH_NAME is 0; its exit status.
+# `run_benchmark SWITCH_NAME LOG COMMAND ARGS...`: `python -m benchmarks COMMAND ARGS...`
+# with the alternatives' packages on PYTHONPATH, its output also in LOG, unless
+# $SWITCH_NAME is 0; its exit status.
 run_benchmark() {
     local switch=$1 log=$2
     shift 2
@@ -127,26 +133,26 @@ run_benchmark() {
         echo "skipped ($switch=0)" | tee "$log"
         return 0
     fi
-    PYTHONPATH=$BENCH_PYTHONPATH "$PYTHON" "$@" 2>&1 | tee "$log"
+    PYTHONPATH=$BENCH_PYTHONPATH "$PYTHON" -m benchmarks "$@" 2>&1 | tee "$log"
     return "${PIPESTATUS[0]}"
 }
 
-section "benchmark: $PYTHON benchmarks/bench_attention.py --out $OUT_DIR ${BENCH_ARGS:-}"
-run_benchmark BENCH "$OUT_DIR/bench.log" benchmarks/bench_attention.py --out "$OUT_DIR" \
+section "benchmark: $PYTHON -m benchmarks op --out $OUT_DIR ${BENCH_ARGS:-}"
+run_benchmark BENCH "$OUT_DIR/bench.log" op --out "$OUT_DIR" \
     ${BENCH_ARGV[@]+"${BENCH_ARGV[@]}"}
 bench_status=$?
 
 rm -f "$OUT_DIR/compare.log"
 compare_status=0
 if [[ -n ${COMPARE_WITH:-} && ${BENCH:-1} != 0 ]]; then
-    section "comparison: $PYTHON benchmarks/compare.py $COMPARE_WITH $OUT_DIR/results.json ${COMPARE_ARGS:-}"
-    "$PYTHON" benchmarks/compare.py "$COMPARE_WITH" "$OUT_DIR/results.json" \
+    section "comparison: $PYTHON -m benchmarks compare $COMPARE_WITH $OUT_DIR/results.json ${COMPARE_ARGS:-}"
+    "$PYTHON" -m benchmarks compare "$COMPARE_WITH" "$OUT_DIR/results.json" \
         ${COMPARE_ARGV[@]+"${COMPARE_ARGV[@]}"} 2>&1 | tee "$OUT_DIR/compare.log"
     compare_status=${PIPESTATUS[0]}
 fi
 
-section "layer benchmark: $PYTHON benchmarks/bench_layer.py --out $OUT_DIR/layer ${LAYER_ARGS:-}"
-run_benchmark LAYER_BENCH "$OUT_DIR/bench_layer.log" benchmarks/bench_layer.py \
+section "layer benchmark: $PYTHON -m benchmarks layer --out $OUT_DIR/layer ${LAYER_ARGS:-}"
+run_benchmark LAYER_BENCH "$OUT_DIR/bench_layer.log" layer \
     --out "$OUT_DIR/layer" ${LAYER_ARGV[@]+"${LAYER_ARGV[@]}"}
 layer_status=$?
 (( bench_status == 0 )) && bench_status=$layer_status
@@ -168,7 +174,7 @@ if [[ -s $OUT_DIR/alternatives_check.log ]]; then
     grep -E '  (FAIL: |error: |OOM)|row differs' "$OUT_DIR/alternatives_check.log" | head -n 15
     tail -n 1 "$OUT_DIR/alternatives_check.log"
 fi
-echo "benchmark: exit $bench_status"
+echo "benchmark: exit $bench_status$( ((bench_status == 4)) && echo ' (stopped at its budget: run the same command again to continue)')"
 if [[ -s "$OUT_DIR/results.md" ]]; then
     cat "$OUT_DIR/results.md"
 else

@@ -1,9 +1,9 @@
 """The shapes of MSA row attention that matter, their dtypes and their key masks, once.
 
-The benchmarks, the tests and the demo import them from here (only jax is needed):
+The benchmarks, the tests and the demo import them from here (only jax is needed), from
+the repository root:
 
-    sys.path.insert(0, "benchmarks")
-    import shapes
+    from benchmarks import shapes
     shape = shapes.SHAPES["train"]               # Shape(name="train", dims=(1, 128, 256, 8, 32), ...)
     mask = shapes.make_mask(shape, jax.random.key(0))   # [B, S, N] bool, True keeps a key
 
@@ -58,11 +58,34 @@ SHAPES: dict[str, Shape] = {shape.name: shape for shape in (
     Shape("longer", (1, 128, 2048, 8, 32), about="inference on a longer chain"),
     Shape("train_padded", (1, 128, 256, 8, 32), mask="padded",
           about="the training crop of a short chain: a quarter of residues and rows padding"),
+    Shape("extra_padded", (1, 1024, 384, 8, 8), mask="padded",
+          about="the extra-MSA stack of a short chain and a shallow alignment, padded"),
+    Shape("long_padded", (1, 512, 1024, 8, 32), mask="padded",
+          about="a long-chain batch padded to N = 1024 and S = 512"),
 )}
 # (B, S, N, H, d) by name, for scripts that need only the numbers.
 DIMS: dict[str, tuple[int, int, int, int, int]] = {name: s.dims for name, s in SHAPES.items()}
-GPU_DEFAULT_SHAPES = ("train", "finetune", "extra", "long", "longer", "train_padded")
+GPU_DEFAULT_SHAPES = ("train", "finetune", "extra", "long", "longer", "train_padded",
+                      "extra_padded", "long_padded")
 CPU_DEFAULT_SHAPES = ("tiny",)
+
+
+def first_rows(dims: tuple[int, int, int, int, int], rows: int) -> tuple[int, int, int, int, int]:
+    """`dims` with S cut to `rows` MSA rows."""
+    b, _, n, h, d = dims
+    return (b, rows, n, h, d)
+
+
+# The GPU tests' shapes (tests/test_gpu.py): the table's, long and longer cut to their
+# first 16 MSA rows, where a float64 reference of every row would take minutes.
+GPU_TEST_DIMS: dict[str, tuple[int, int, int, int, int]] = {
+    "seed": DIMS["seed"],
+    "train": DIMS["train"],
+    "finetune": DIMS["finetune"],
+    "extra": DIMS["extra"],
+    "long-S16": first_rows(DIMS["long"], 16),
+    "longer-S16": first_rows(DIMS["longer"], 16),
+}
 
 # The channels (c_m, c_z) of the AlphaFold2 layer whose attention has this shape
 # (c_m = H * d); the layer benchmark builds its layers from these.

@@ -32,15 +32,8 @@ pytestmark = pytest.mark.gpu
 
 PALLAS = "pallas"
 
-# The shapes that matter (README, "Shapes"): id -> (B, S, N, H, d).
-SHAPES = {
-    "seed": (2, 8, 32, 4, 16),
-    "train": (1, 128, 256, 8, 32),
-    "finetune": (1, 512, 384, 8, 32),
-    "extra": (1, 1024, 384, 8, 8),
-    "long-S16": (1, 16, 1024, 8, 32),  # long is (1, 512, 1024, 8, 32): first 16 MSA rows
-    "longer-S16": (1, 16, 2048, 8, 32),  # longer is (1, 128, 2048, 8, 32): first 16 rows
-}
+# The shapes that matter (benchmarks/shapes.py): id -> (B, S, N, H, d).
+from benchmarks.shapes import GPU_TEST_DIMS as SHAPES  # noqa: E402
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 
 # float64 logits of one reference chunk: at most this many bytes.

@@ -1,1 +1,0 @@
-"""Stand-in for the `xprof` package (see benchmarks/_stubs/README.md)."""

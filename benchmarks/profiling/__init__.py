@@ -1,0 +1,30 @@
+"""Kernel-level tools: `python -m benchmarks profile COMMAND` (the commands below).
+
+- kernels.py: each Pallas Triton kernel timed alone, default tiles and candidates;
+- forward.py / backward.py: the Triton and Mosaic GPU kernels side by side;
+- launch.py: a few forward+backward calls at one shape, for a profiler;
+- profile_ncu.sh: Nsight Compute sections and the Mosaic kernels' machine code
+  (`bash benchmarks/profiling/profile_ncu.sh OUT_DIR [launch arguments]`);
+- durations.py: every kernel launch of one call under Nsight Compute;
+- stall_sources.py: where a kernel's warps wait, from profile_ncu.sh's source CSVs;
+- memory_breakdown.py: the largest buffers of the compiled forward+backward.
+"""
+
+from __future__ import annotations
+
+from benchmarks import dispatch
+
+_HERE = "benchmarks.profiling."
+COMMANDS = {
+    "kernels": (_HERE + "kernels", "each Triton kernel alone: default tiles, candidates"),
+    "forward": (_HERE + "forward", "the Triton and Mosaic forward kernels side by side"),
+    "backward": (_HERE + "backward", "the Triton and Mosaic backward kernels side by side"),
+    "launch": (_HERE + "launch", "a few forward+backward calls, for a profiler"),
+    "durations": (_HERE + "durations", "every launch of one call under Nsight Compute"),
+    "stalls": (_HERE + "stall_sources", "where the warps wait (profile_ncu.sh's CSVs)"),
+    "memory": (_HERE + "memory_breakdown", "the largest buffers of the compiled f+b"),
+}
+
+
+def main(argv=None, prog: str = "python -m benchmarks profile") -> int:
+    return dispatch(prog, COMMANDS, list(argv or []))

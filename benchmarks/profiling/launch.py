@@ -1,0 +1,51 @@
+"""Runs the op's forward and backward a few times at one shape, for a profiler.
+
+Under Nsight Compute (`benchmarks/profiling/profile_ncu.sh`) each launch of a kernel is
+measured on its own; with `MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=DIR` the
+Mosaic GPU kernels' PTX is written to DIR as they compile (their SASS too with
+`MOSAIC_GPU_DUMP_SASS=1`, where `nvdisasm` is on PATH):
+
+    python -m benchmarks profile launch --shape 1x32x1024x8x32 --implementation mosaic
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+
+
+from benchmarks.profiling.forward import parse_shape
+from benchmarks.profiling.kernels import make_inputs
+from benchmarks.shapes import DTYPES
+from msa_pallas import msa_row_attention
+
+
+def main(argv=None, prog: str | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="1x32x1024x8x32", help="a name of shapes.py or BxSxNxHxd")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--bias-dtype", default="input", help="input (q's dtype) or a dtype name")
+    parser.add_argument("--implementation", default="mosaic",
+                        help="msa_row_attention's implementation; default: its own choice")
+    parser.add_argument("--calls", type=int, default=2, help="forward+backward calls")
+    parser.add_argument("--no-gate", action="store_true")
+    args = parser.parse_args(argv)
+    dtype = DTYPES[args.dtype]
+    bias_dtype = dtype if args.bias_dtype == "input" else DTYPES[args.bias_dtype]
+    q, k, v, do, gate, bias, mask = make_inputs(parse_shape(args.shape), dtype, bias_dtype=bias_dtype)
+    gate = None if args.no_gate else gate
+
+    def loss(q, k, v, bias, gate):
+        implementation = None if args.implementation == "default" else args.implementation
+        out = msa_row_attention(
+            q, k, v, bias, mask != 0, gate, implementation=implementation,
+        )
+        return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32))
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    for _ in range(args.calls):
+        jax.block_until_ready(grads(q, k, v, bias, gate))
+    print("ran", args.calls, "forward+backward calls at", args.shape, args.dtype, flush=True)
+    return 0

@@ -1,0 +1,518 @@
+"""The op benchmark, the layer benchmark and the profiling tools run on CPU (interpret mode).
+
+Speed is never asserted here: on CPU the numbers say nothing. These tests
+check that the scripts run end to end, that they measure every case they
+should (shapes, dtypes, bias dtypes, padded masks), that their timing loops
+count calls correctly and that their tables judge the targets right, so a GPU
+session does not discover a broken script."""
+
+from __future__ import annotations
+
+import json
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import msa_pallas
+from benchmarks import alternatives, measure, report, shapes
+from benchmarks import layer, op
+from benchmarks.profiling import backward as profile_backward
+from benchmarks.profiling import durations as launch_durations
+from benchmarks.profiling import forward as profile_forward
+from benchmarks.profiling import kernels as profile_kernels
+
+CPU_ONLY = pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU smoke shape")
+
+
+# --- shapes, masks, inputs ---------------------------------------------------------
+
+
+def test_shapes_cover_every_attention_shape_that_matters():
+    expected = {"seed": (2, 8, 32, 4, 16), "train": (1, 128, 256, 8, 32),
+                "finetune": (1, 512, 384, 8, 32), "extra": (1, 1024, 384, 8, 8),
+                "long": (1, 512, 1024, 8, 32), "longer": (1, 128, 2048, 8, 32),
+                "train_padded": (1, 128, 256, 8, 32), "extra_padded": (1, 1024, 384, 8, 8),
+                "long_padded": (1, 512, 1024, 8, 32)}
+    for name, dims in expected.items():
+        assert shapes.SHAPES[name].dims == dims and shapes.DIMS[name] == dims
+    assert set(shapes.GPU_DEFAULT_SHAPES) == set(expected) - {"seed"}
+    assert all(shapes.SHAPES[name].mask == "padded"
+               for name in ("train_padded", "extra_padded", "long_padded"))
+    # The GPU tests' shapes: the table's, long and longer cut to 16 MSA rows.
+    assert shapes.GPU_TEST_DIMS["long-S16"] == (1, 16, 1024, 8, 32)
+    assert shapes.GPU_TEST_DIMS["longer-S16"] == (1, 16, 2048, 8, 32)
+    assert shapes.parse_shape("1x2x40x2x8:padded") == shapes.Shape(
+        "1x2x40x2x8:padded", (1, 2, 40, 2, 8), "padded")
+    assert shapes.parse_shape("1x2x40x2x8").mask == "random"
+    for bad in ("nope", "1x2x3x4", "1x2x40x2x8:half"):
+        with pytest.raises(ValueError):
+            shapes.parse_shape(bad)
+
+
+def test_padded_mask_masks_a_quarter_of_residues_and_of_rows():
+    shape = shapes.SHAPES["train_padded"]
+    mask = np.asarray(shapes.make_mask(shape, measure.input_key(0)))
+    assert mask.shape == (1, 128, 256) and mask.dtype == bool
+    rows, residues = shapes.padding_sizes(shape)
+    assert (rows, residues) == (96, 192)
+    assert not mask[:, :, 192:].any()  # padding residues: masked in every row
+    assert not mask[:, 96:, :].any()  # padding rows: every key masked
+    assert mask[:, :96, :192].all()  # the real alignment: every key kept
+    assert measure.kept_fraction(mask) == pytest.approx(0.75 * 0.75)
+    random = np.asarray(shapes.make_mask(shapes.SHAPES["train"], measure.input_key(0)))
+    assert 0.88 < random.mean() < 0.92 and random[:, 96:, 192:].any()
+
+
+def test_bias_dtypes_per_input_dtype():
+    assert shapes.bias_dtype_names("bf16", ["f32", "input"]) == ["f32", "bf16"]
+    assert shapes.bias_dtype_names("f16", ["input"]) == ["f16"]
+    assert shapes.bias_dtype_names("f32", ["f32", "input"]) == ["f32"]
+    with pytest.raises(ValueError):
+        shapes.bias_dtype_names("bf16", ["f64"])
+    args = op.parse_args(["--shapes", "tiny,train_padded", "--dtypes", "bf16,f32"])
+    assert [case.key for case in op.cases(args)] == [
+        "tiny/bf16/bias f32", "tiny/bf16/bias bf16",
+        "train_padded/bf16/bias f32", "train_padded/bf16/bias bf16",
+        "tiny/f32/bias f32", "train_padded/f32/bias f32"]
+    with pytest.raises(SystemExit):
+        op.parse_args(["--bias-dtypes", "f64"])
+
+
+def test_input_sets_carry_the_bias_dtype_and_the_shape_mask():
+    case = shapes.Case(shapes.parse_shape("1x4x16x2x8:padded"), "bf16", "f32")
+    q, k, v, bias, mask, ct = measure.make_input_set(case, measure.input_key(0))
+    assert q.dtype == k.dtype == v.dtype == ct.dtype == jnp.bfloat16
+    assert bias.dtype == jnp.float32 and bias.shape == (1, 2, 16, 16)
+    assert not bool(mask[:, 3:].any()) and not bool(mask[:, :, 12:].any())
+    same = shapes.Case(case.shape, "bf16", "bf16")
+    assert measure.make_input_set(same, measure.input_key(0))[3].dtype == jnp.bfloat16
+    assert measure.input_set_bytes(case) - measure.input_set_bytes(same) == 2 * 2 * 16 * 16
+
+
+def test_forward_check_leaves_out_padding_rows():
+    reference = jnp.ones((1, 4, 3, 2, 2))
+    out = reference.at[:, 3].set(7.0)  # another convention in the padding row
+    assert measure.relative_error(out, reference) > 1.0
+    rows = jnp.array([[True, True, True, False]])
+    assert measure.relative_error(out, reference, rows) == 0.0
+    assert measure.relative_error(out.at[0, 0, 0, 0, 0].set(2.0), reference, rows) > 0.0
+
+
+# --- timing ----------------------------------------------------------------------
+
+
+class _CountingExecutable:
+    """Stands in for `jax.jit(f)`: lowers and compiles to itself and records
+    the argument of every call, so the timing loop's calls can be counted."""
+
+    def __init__(self):
+        self.calls = []
+        self.compiled = jax.jit(lambda x: x * 2.0)
+
+    def lower(self, *args):
+        return self
+
+    def compile(self):
+        return self
+
+    def memory_analysis(self):
+        return None
+
+    def __call__(self, x):
+        self.calls.append(float(x[0]))
+        return self.compiled(x)
+
+
+def test_measure_times_batches_of_back_to_back_calls():
+    executable = _CountingExecutable()
+    arg_sets = [(jnp.arange(3.0) + i,) for i in range(3)]
+    result, first = measure.measure_callable(executable, arg_sets, iters=4, warmup=2, reps=5)
+    assert result["status"] == "ok", result
+    assert len(result["times_ms"]) == 4
+    assert all(t > 0 for t in result["times_ms"])
+    assert result["min_ms"] <= result["median_ms"]
+    # 2 warm-up calls, then 4 samples of 5 calls, rotating the three input sets.
+    assert len(executable.calls) == 2 + 4 * 5
+    assert executable.calls[2:8] == [0.0, 1.0, 2.0, 0.0, 1.0, 2.0]
+    assert jnp.array_equal(first, arg_sets[0][0] * 2.0)
+
+
+def test_profile_kernels_runs_every_kernel(capsys):
+    status = profile_kernels.main(
+        ["--shapes", "tiny", "--dtypes", "bf16", "--reps", "1", "--samples", "1",
+         "--tiles", "dbias=16x32x4x2;dkdv=16x16x2x1"]
+    )
+    assert status == 0
+    lines = [line.split(" | ") for line in capsys.readouterr().out.splitlines()]
+    labels = [fields[2] for fields in lines]
+    for name in ("forward", "backward_dkdv", "backward_dq", "backward_dbias",
+                 "backward_dq_dbias", "op forward", "op forward+backward"):
+        assert any(label.startswith(name) for label in labels), (name, labels)
+    for candidate in ("backward_dbias KernelTiles(block_q=16, block_k=32, num_warps=4",
+                      "backward_dkdv KernelTiles(block_q=16, block_k=16, num_warps=2"):
+        assert sum(label.startswith(candidate) for label in labels) == 1, (candidate, labels)
+    assert sum(label.endswith(" default") for label in labels) == 4, labels
+    for fields in lines:
+        assert float(fields[3]) > 0, fields  # a time, not an ERROR line
+
+
+def test_profile_kernels_float32_products_and_op_tiles(capsys):
+    """float32: the defaults in each --float32-products mode; a candidate
+    without a products suffix in each mode, one with a suffix in its own; the
+    op with --op-tiles beside the defaults."""
+    status = profile_kernels.main(
+        ["--shapes", "tiny", "--dtypes", "f32", "--reps", "1", "--samples", "1", "--skip-fused",
+         "--float32-products", "tf32x3,bf16x6",
+         "--tiles", "dq=16x16x4x1,16x16x2x1:bf16x6", "--op-tiles", "dq=16x16x4x1:bf16x6"]
+    )
+    assert status == 0
+    lines = [line.split(" | ") for line in capsys.readouterr().out.splitlines()]
+    labels = [fields[2] for fields in lines]
+    assert sum(label.endswith(" default") for label in labels) == 8, labels
+    for products in ("tf32x3", "bf16x6"):
+        assert sum(label.endswith(" default") and f"[{products}]" in label
+                   for label in labels) == 4, labels
+    dq = [label for label in labels if label.startswith("backward_dq KernelTiles(block_q=16")]
+    assert sorted(label.split("float32_products=")[1] for label in dq) == [
+        "'bf16x6')", "'bf16x6')", "'tf32x3')"], dq
+    assert sum("num_warps=2" in label for label in dq) == 1, dq
+    assert sum(label.startswith("op forward+backward, dq=16x16x4x1:bf16x6") for label in labels) == 1
+    for fields in lines:
+        assert float(fields[3]) > 0, fields
+
+
+def test_profile_backward_compares_each_mosaic_kernel_with_triton(capsys):
+    """The Mosaic backward kernels beside the Triton ones, in their interpreters (a float32 bias: the Mosaic interpreter hangs on the dbias
+    kernel's two consumers with a 16-bit one, tests/test_mosaic_backward.py)."""
+    status = profile_backward.main(
+        ["--shapes", "1x2x128x1x32", "--bias-dtypes", "f32", "--reps", "1", "--samples", "1",
+         "--no-op", "--ping-pong", "both"]
+    )
+    assert status == 0
+    rows = [
+        [field.strip() for field in line.strip("|").split("|")]
+        for line in capsys.readouterr().out.splitlines()[2:]
+    ]
+    kernels = [row[3] for row in rows]
+    assert kernels == [
+        "triton dkdv", "triton dq", "triton dbias",
+        "mosaic dkdv", "mosaic dkdv", "mosaic dq", "mosaic dq", "mosaic dbias",
+    ], kernels
+    for row in rows:
+        assert float(row[5]) > 0, row  # a time, not a failure
+        if row[3].startswith("mosaic"):
+            assert float(row[7]) < 1e-3, row  # the same gradients as the Triton kernels
+
+
+def test_profile_forward_mosaic_candidates_alone(capsys):
+    """`--skip-triton`: only the Mosaic candidates, each timed and checked
+    against a float32 XLA forward, their residuals against the first's."""
+    status = profile_forward.main(
+        ["--shapes", "1x2x64x1x16", "--bias-dtypes", "f32", "--skip-triton",
+         "--mosaic", "64x64x2x2,64x64x2x1"]
+    )
+    assert status == 0
+    header, _, *lines = capsys.readouterr().out.splitlines()
+    assert header.endswith("| residuals vs first candidate |"), header
+    rows = [[field.strip() for field in line.strip("|").split("|")] for line in lines]
+    assert [row[3] for row in rows] == ["mosaic", "mosaic"], rows
+    for row in rows:
+        assert float(row[5]) > 0 and float(row[6]) > 0, row  # times, not a failure
+        assert float(row[8]) < 2e-2, row  # bf16 against the float32 forward
+    assert float(rows[0][9]) == 0.0 and float(rows[1][9]) < 1e-4, rows
+
+
+# --- the CLI ---------------------------------------------------------------------------
+
+
+@CPU_ONLY
+def test_op_measures_each_bias_dtype_padded(tmp_path, capsys, monkeypatch):
+    seen = []  # the bias dtypes the xla adapter was traced with
+
+    def spying_xla(case):
+        built = alternatives.build_xla(case)
+        op = lambda q, k, v, bias, mask: seen.append(bias.dtype) or built.fwd(q, k, v, bias, mask)  # noqa: E731
+        return alternatives.jitted_pair(op)
+
+    monkeypatch.setitem(alternatives.IMPLEMENTATIONS, "xla", spying_xla)
+    status = op.main(
+        ["--shapes", "1x4x64x2x16:padded", "--dtypes", "bf16", "--bias-dtypes", "f32,input",
+         "--impls", "msa_pallas,xla", "--iters", "1", "--reps", "2", "--warmup", "1",
+         "--out", str(tmp_path)])
+    assert status == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["metadata"]["bias_dtypes"] == ["f32", "input"]
+    padded = "1x4x64x2x16:padded"
+    assert [(c["shape"], c["dtype"], c["bias_dtype"], c["mask"]) for c in results["cases"]] == [
+        (padded, "bf16", "f32", "padded"), (padded, "bf16", "bf16", "padded")]
+    for case in results["cases"]:
+        assert case["kept_fraction"] == pytest.approx(0.5625)
+        for impl in ("msa_pallas", "xla"):
+            assert all(case["impls"][impl][m]["status"] == "ok" for m in measure.MODES), case
+        assert case["impls"]["msa_pallas"]["fwd"]["rel_err_vs_xla"] < 3e-2
+    assert {jnp.dtype(dtype).name for dtype in seen} == {"float32", "bfloat16"}
+    # Not a terminal: no bar, one numbered line per result, naming the bias dtype.
+    log = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert len(log) == 8 and log[0].startswith("[1/8 ") and log[-1].startswith("[8/8 ")
+    assert sum("bf16 bias  f32" in line for line in log) == 4
+    assert sum("bf16 bias bf16" in line for line in log) == 4
+    table = (tmp_path / "results.md").read_text()
+    assert "samples of 2 back-to-back calls" in table
+    assert f"| {padded} (1,4,64,2,16) | bf16 | f32 |" in table
+    assert f"| {padded} (1,4,64,2,16) | bf16 | bf16 |" in table
+    assert f"| {padded} | bf16 | bf16 | " in table  # the targets row
+    assert f"- {padded} bf16 bias f32: 56% of keys kept, 1 MSA rows fully masked" in table
+
+
+# --- the targets table -------------------------------------------------------------------
+
+
+def _case(shape, dtype, times, memory=None, n_res=256, bias=None, mask="random"):
+    """A results.json case: {impl: (fwd ms, f+b ms)}, f+b memory in MB by impl."""
+    memory = memory or {}
+    return {
+        "shape": shape, "dtype": dtype, "bias_dtype": bias or dtype, "mask": mask,
+        "dims": {"B": 1, "S": 128, "N": n_res, "H": 8, "d": 32},
+        "impls": {
+            name: {
+                "fwd": {"status": "ok", "median_ms": fwd},
+                "fwd_bwd": {"status": "ok", "median_ms": fwd_bwd,
+                            "temp_plus_output_bytes": memory.get(name, 0) * 1e6 or None},
+            }
+            for name, (fwd, fwd_bwd) in times.items()
+        },
+    }
+
+
+def _target_rows(results) -> dict[tuple, list[str]]:
+    """{(shape, dtype, bias): [fwd, f+b, memory, long chain, met]} of the targets table."""
+    rows = {}
+    for line in report.targets_table(results).splitlines():
+        fields = line.strip("| ").split(" | ")
+        if len(fields) == 8 and fields[0] not in ("shape", "---|---"):
+            rows[tuple(fields[:3])] = fields[3:]
+    return rows
+
+
+def test_targets_table_every_shape_against_the_fastest_alternative():
+    impls = ["msa_pallas", "xla", "cuequivariance", "tokamax_mosaic", "tokamax_triton",
+             "jax_mha_nobias"]
+    results = {"metadata": {"impls": impls}, "cases": [
+        _case("train", "bf16",
+              {"msa_pallas": (0.1, 0.4), "xla": (0.6, 1.1), "cuequivariance": (0.2, 0.9),
+               "tokamax_mosaic": (0.08, 0.5), "jax_mha_nobias": (0.01, 0.01)},
+              memory={"msa_pallas": 100, "cuequivariance": 150}, bias="f32"),
+        _case("extra", "bf16", {"msa_pallas": (1.0, 1.0), "xla": (2.0, 2.0)}),
+        _case("train", "f32", {"msa_pallas": (0.3, 1.6), "xla": (0.6, 1.5),
+                               "cuequivariance": (0.5, 1.2), "tokamax_triton": (0.1, 0.1)}),
+    ]}
+    rows = _target_rows(results)
+    assert list(rows) == [("train", "bf16", "f32"), ("extra", "bf16", "bf16"),
+                          ("train", "f32", "f32")]
+    # The reference point (no bias) is faster still, but never the yardstick.
+    fwd, fwd_bwd, memory, long_chain, met = rows["train", "bf16", "f32"]
+    assert fwd == "no: 0.80× (≥ 1.5×); 0.100 vs 0.080 ms tokamax_mosaic"
+    assert fwd_bwd == "no: 1.25× (≥ 2×); 0.400 vs 0.500 ms tokamax_mosaic"
+    assert memory == "yes: 1.50× (≥ 1×); 100 vs 150 MB cuequivariance"
+    assert (long_chain, met) == ("–", "1 of 3")
+    # Every shape is a target now, extra included; no memory yardstick ran there.
+    assert rows["extra", "bf16", "bf16"][:2] == [
+        "yes: 2.00× (≥ 1.5×); 1.000 vs 2.000 ms xla", "yes: 2.00× (≥ 2×); 1.000 vs 2.000 ms xla"]
+    assert rows["extra", "bf16", "bf16"][4] == "2 of 2"
+    # float32 against the faster of xla's and cuequivariance's float32 (tokamax's is TF32).
+    fwd, fwd_bwd, memory, _, met = rows["train", "f32", "f32"]
+    assert fwd == "yes: 1.67× (≥ 1×); 0.300 vs 0.500 ms cuequivariance"
+    assert fwd_bwd == "no: 0.75× (≥ 1×); 1.600 vs 1.200 ms cuequivariance"
+    assert (memory, met) == ("–", "1 of 2")
+
+
+def test_an_alternative_with_a_wrong_forward_is_no_yardstick():
+    # tokamax's Triton kernel gives wrong outputs at d = 8: faster, but not the op.
+    case = _case("extra", "bf16", {"msa_pallas": (1.0, 6.0), "tokamax_triton": (0.9, 5.0),
+                                   "tokamax_mosaic": (1.2, 8.0)})
+    results = {"metadata": {"impls": ["msa_pallas", "tokamax_triton", "tokamax_mosaic"]},
+               "cases": [case]}
+    assert _target_rows(results)["extra", "bf16", "bf16"][1].endswith("5.000 ms tokamax_triton")
+    case["impls"]["tokamax_triton"]["fwd"]["rel_err_vs_xla"] = 1.4
+    case["impls"]["tokamax_mosaic"]["fwd"]["rel_err_vs_xla"] = 2e-3
+    assert _target_rows(results)["extra", "bf16", "bf16"][1] == (
+        "no: 1.33× (≥ 2×); 6.000 vs 8.000 ms tokamax_mosaic")
+
+
+def test_targets_table_long_chain_and_failures():
+    """At N = 4096 the forward and backward must run where XLA runs out of memory."""
+    case = _case("1x128x4096x8x32", "f32", {"msa_pallas": (50.0, 310.0)}, {"msa_pallas": 2198},
+                 n_res=4096)
+    case["impls"]["xla"] = {"fwd": {"status": "OOM"}, "fwd_bwd": {"status": "OOM"}}
+    results = {"metadata": {"impls": ["msa_pallas", "xla"]}, "cases": [case]}
+    assert _target_rows(results)["1x128x4096x8x32", "f32", "f32"] == [
+        "no alternative ran", "no alternative ran", "–",
+        "yes: 310.0 ms, 2,198 MB; xla OOM", "1 of 1"]
+    case["impls"]["msa_pallas"]["fwd_bwd"] = {"status": "OOM"}
+    row = _target_rows(results)["1x128x4096x8x32", "f32", "f32"]
+    assert row[1] == "msa_pallas: OOM" and row[3] == "no: OOM; xla OOM" and row[4] == "0 of 2"
+    assert report.targets_table({"metadata": {"impls": ["xla"]}, "cases": [case]}) == ""
+
+
+def test_padding_lines_compare_with_the_same_shape_unpadded():
+    results = {"metadata": {"impls": ["msa_pallas"]}, "cases": [
+        _case("train", "bf16", {"msa_pallas": (1.0, 4.0)}, bias="f32"),
+        dict(_case("train_padded", "bf16", {"msa_pallas": (0.5, 3.0)}, bias="f32",
+                   mask="padded"), kept_fraction=0.5625, fully_masked_rows=32),
+    ]}
+    assert report.padding_lines(results)[-1] == (
+        "- train_padded bf16 bias f32: 56% of keys kept, 32 MSA rows fully masked (left out "
+        "of the forward check); msa_pallas time / train's (random masks, 90% kept) "
+        "fwd / f+b: 0.50 / 0.75")
+
+
+# --- adapters and the layer benchmark -------------------------------------------------
+
+
+def _attention(q, k, v, bias, mask, scale, logits_spec, out_spec):
+    """Softmax attention in plain jnp (float32), given the einsums of the logits and output."""
+    logits = jnp.einsum(logits_spec, q, k, preferred_element_type=jnp.float32) * scale + bias
+    p = jax.nn.softmax(jnp.where(mask, logits, -1e9), axis=-1)
+    return jnp.einsum(out_spec, p, v.astype(jnp.float32)).astype(q.dtype)
+
+
+class _FakeCuet:
+    """cuequivariance_jax.triangle_attention's contract: q/k/v [B,S,H,N,d], bias
+    [B,1,H,N,N] float32, mask [B,S,1,1,N] bool; returns (out, lse, max)."""
+
+    @staticmethod
+    def triangle_attention(q, k, v, bias, mask, scale):
+        assert bias.dtype == jnp.float32 and bias.shape[1] == 1, bias
+        assert mask.dtype == jnp.bool_ and mask.shape[2:4] == (1, 1), mask
+        return _attention(q, k, v, bias, mask, scale, "bshqd,bshkd->bshqk",
+                          "bshqk,bshkd->bshqd"), None, None
+
+
+class _FakeTokamax:
+    """tokamax.dot_product_attention's contract: q/k/v [*batch, N, H, d]."""
+
+    @staticmethod
+    def dot_product_attention(q, k, v, *, bias, mask, scale, implementation):
+        return _attention(q, k, v, bias, mask, scale, "...qhd,...khd->...hqk",
+                          "...hqk,...khd->...qhd")
+
+
+@pytest.mark.parametrize("name, mask_kind", [
+    ("cuequivariance", "bool"), ("cuequivariance", "none"), ("tokamax", "int8")])
+def test_layer_cores_map_the_layout_and_apply_the_gate(name, mask_kind):
+    b, s, n, h, d = 2, 3, 20, 2, 8
+    keys = jax.random.split(jax.random.key(0, impl="rbg"), 6)
+    q, k, v, gate = (jax.random.normal(key, (b, s, n, h, d)) for key in keys[:4])
+    bias = jax.random.normal(keys[4], (b, h, n, n)).astype(jnp.bfloat16)
+    mask = jax.random.bernoulli(keys[5], 0.8, (b, s, n))
+    mask = {"bool": mask, "int8": mask.astype(jnp.int8), "none": None}[mask_kind]
+    if name == "cuequivariance":
+        core = alternatives.gated_attention_fn(
+            lambda scale: alternatives.cuequivariance_op(_FakeCuet, scale))
+    else:
+        core = alternatives.gated_attention_fn(
+            lambda scale: alternatives.tokamax_op(_FakeTokamax, scale, "xla"))
+    out = jax.jit(lambda *args: core(*args, implementation="pallas", block_config=None,
+                                     dropout_rate=0.0, dropout_rng=None))(
+        q, k, v, bias, mask, gate)
+    expected = jax.jit(lambda *args: msa_pallas.msa_row_attention(*args, implementation="xla"))(
+        q, k, v, bias.astype(jnp.float32), mask, gate)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(NotImplementedError):
+        core(q, k, v, bias, mask, gate, dropout_rate=0.1)
+
+
+def _xla_core():
+    """A swapped core that runs msa_pallas' plain path through `gated_attention_fn`."""
+    return alternatives.gated_attention_fn(lambda scale: lambda q, k, v, bias, mask: (
+        msa_pallas.msa_row_attention(q, k, v, bias, mask, scale=scale, implementation="xla")))
+
+
+def test_layer_core_options():
+    assert layer.core_options("pallas") == {"implementation": "pallas"}
+
+    class NoField:
+        __dataclass_fields__ = {"msa_dim": None}
+
+    with pytest.raises(alternatives.Unavailable, match="no attention_fn"):
+        layer.core_options("cuequivariance", NoField)
+
+
+@CPU_ONLY
+def test_layer_times_each_core(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(alternatives.LAYER_CORES, "xla_swapped", _xla_core)
+    monkeypatch.setattr(layer, "CORES", layer.CORES + ("xla_swapped",))
+    rows = layer.main(
+        ["--shapes", "tiny", "--cores", "xla,xla_swapped,cuequivariance", "--iters", "1",
+         "--warmup", "1", "--reps", "1", "--out", str(tmp_path), "--commit", "abc1234"])
+    by_core = {row["core"]: row for row in rows}
+    assert by_core["xla"]["status"] == "ok" and by_core["xla"]["fwd_bwd_ms"] > 0
+    assert by_core["xla"]["finite"]
+    assert (by_core["xla"]["S"], by_core["xla"]["N"], by_core["xla"]["msa_dim"]) == (4, 64, 32)
+    assert by_core["cuequivariance"]["status"].startswith("skipped")
+    if layer.supports_attention_fn():
+        # The swapped core (gate applied by the adapter) gives the layer's own result.
+        assert by_core["xla_swapped"]["status"] == "ok", by_core["xla_swapped"]
+        assert by_core["xla_swapped"]["fwd_bwd_ms"] > 0
+        assert by_core["xla_swapped"]["reference_core"] == "xla"
+        assert by_core["xla_swapped"]["rel_err"] < 1e-2
+    else:
+        assert "no attention_fn" in by_core["xla_swapped"]["status"]
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert [row["core"] for row in saved["rows"]] == ["xla", "xla_swapped", "cuequivariance"]
+    assert saved["meta"]["commit"] == "abc1234" and saved["meta"]["date_utc"].endswith(" UTC")
+    assert "| xla_swapped fwd | xla_swapped f+b |" in saved["table"]
+    assert "| tiny | 1, 4, 64, 2, 16 | 32, 16 |" in capsys.readouterr().out
+
+
+def test_layer_keeps_the_rows_of_a_run_cut_short(tmp_path, monkeypatch):
+    measured = layer.bench_one
+    calls = []
+
+    def cut_at_the_second_core(*args, **kwargs):
+        calls.append(args[1])
+        if len(calls) == 2:
+            raise TimeoutError("the call's time ran out")
+        return measured(*args, **kwargs)
+
+    monkeypatch.setattr(layer, "bench_one", cut_at_the_second_core)
+    with pytest.raises(TimeoutError):
+        layer.main(["--shapes", "tiny", "--cores", "xla,cuequivariance", "--iters", "1",
+                          "--warmup", "1", "--reps", "1", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert [(row["core"], row["status"]) for row in saved["rows"]] == [("xla", "ok")]
+    assert saved["table"] is None  # no table: the run did not finish
+
+
+def test_parse_mosaic_candidates():
+    """`BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT]]`: the flags in that order,
+    left out meaning the defaults (ping-pong on, one CTA per item)."""
+    plain, turns_off, persistent = profile_kernels.parse_mosaic(
+        "128x64x2x2,128x128x2x2x0,64x64x3x1x1x1"
+    )
+    assert (plain.block_q, plain.block_k, plain.num_stages, plain.msa_rows) == (128, 64, 2, 2)
+    assert plain.ping_pong and not plain.persistent
+    assert not turns_off.ping_pong and not turns_off.persistent
+    assert persistent.ping_pong and persistent.persistent and persistent.num_stages == 3
+
+
+def test_launch_durations_reads_the_last_call_from_ncu_csv():
+    """The per-launch table of `profile durations`: compile-time launches
+    (here two autotuning kernels and a transpose) are left out, the last
+    call's launches kept in order, each value converted to microseconds."""
+    header = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream",'
+              '"Block Size","Grid Size","Device","CC","Section Name","Metric Name",'
+              '"Metric Unit","Metric Value"')
+    calls = [("forward", "58,688"), ("input_reduce_fusion", "19,392"), ("dq", "72,256")]
+    launches = [("RedzoneAllocatorKernel", "24,160"), ("wrapped_transpose", "3,392")] + calls * 2
+    lines = ["==PROF== Connected to process", header] + [
+        f'"{i}","1","python3","host","{name}","1","7","(128, 1, 1)","(132, 1, 1)","0","9.0",'
+        f'"Command line profiler metrics","gpu__time_duration.sum","nsecond","{value}"'
+        for i, (name, value) in enumerate(launches)
+    ] + ["ran 2 forward+backward calls"]
+    parsed = launch_durations.parse_launches("\n".join(lines))
+    assert len(parsed) == len(launches) and parsed[0] == ("RedzoneAllocatorKernel", 24.16)
+    last = launch_durations.last_call(parsed, calls=2)
+    assert [name for name, _ in last] == ["forward", "input_reduce_fusion", "dq"]
+    assert [us for _, us in last] == [58.688, 19.392, 72.256]

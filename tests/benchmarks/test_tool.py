@@ -1,0 +1,216 @@
+"""The benchmarks as one tool: its entry point, runs that continue where an earlier one
+stopped (by a budget or by a cut), and the results page rendered from a results file.
+
+Everything runs on CPU with the plain-jnp path at shapes of a few thousand logits, so a
+measured cell costs a second or two; the times themselves are never judged."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import layer, measure, op, page, runs
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TWO_SHAPES = "1x2x16x2x8,1x2x24x2x8"
+
+
+def run_op(out, *extra) -> int:
+    return op.main(["--shapes", TWO_SHAPES, "--dtypes", "f32", "--impls", "xla", "--iters", "1",
+                    "--warmup", "1", "--commit", "abc1234", "--out", str(out), *extra])
+
+
+def saved(out) -> dict:
+    return json.loads((out / "results.json").read_text())
+
+
+def cells(results) -> dict[tuple, dict]:
+    """{(case key, impl, mode): cell} of a results file."""
+    return {(measure.case_key(case), impl, mode): entry[mode]
+            for case in results["cases"] for impl, entry in case["impls"].items()
+            for mode in measure.MODES}
+
+
+# --- the entry point ----------------------------------------------------------------------
+
+
+def test_one_entry_point_and_no_module_edits_sys_path():
+    listing = subprocess.run([sys.executable, "-m", "benchmarks", "--help"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+    assert listing.returncode == 0, listing.stderr
+    bare = subprocess.run([sys.executable, "-m", "benchmarks"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert bare.returncode == 2 and bare.stdout == listing.stdout  # the usage, as an error
+    for command in ("op", "layer", "model", "multi-gpu", "check", "profile", "compare",
+                    "merge", "report"):
+        assert f"\n  {command} " in listing.stdout, listing.stdout
+    unknown = subprocess.run([sys.executable, "-m", "benchmarks", "nope"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+    assert unknown.returncode == 2 and "unknown command 'nope'" in unknown.stderr
+    profile = subprocess.run([sys.executable, "-m", "benchmarks", "profile", "--help"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert profile.returncode == 0 and "\n  memory " in profile.stdout, profile.stdout
+    sources = sorted((ROOT / "benchmarks").rglob("*.py"))
+    assert len(sources) > 15
+    editing = [str(path) for path in sources if "sys.path" in path.read_text()]
+    assert editing == [], editing
+
+
+# --- runs that continue ---------------------------------------------------------------------
+
+
+def test_op_budget_stops_and_the_same_command_continues(tmp_path, capsys):
+    """`--budget 0`: each call measures one cell (the first of a call always runs) and
+    stops with exit status 4; the next call skips what the file holds."""
+    assert run_op(tmp_path, "--budget", "0") == runs.EXIT_UNFINISHED
+    first = saved(tmp_path)
+    assert list(cells(first)) == [("1x2x16x2x8/f32/bias f32", "xla", mode)
+                                  for mode in measure.MODES]
+    assert first["metadata"]["complete"] is False
+    assert "| 1x2x16x2x8 (1,2,16,2,8) | f32 | f32 |" in (tmp_path / "results.md").read_text()
+    assert "stopped before the budget of 0 s with 1 cells left" in capsys.readouterr().out
+
+    assert run_op(tmp_path, "--budget", "0") == 0
+    second = saved(tmp_path)
+    assert second["metadata"]["complete"] is True
+    assert [case["shape"] for case in second["cases"]] == ["1x2x16x2x8", "1x2x24x2x8"]
+    # The first call's cell was kept as it was measured, not measured again.
+    assert second["cases"][0] == first["cases"][0]
+    assert [run["cells"] for run in second["metadata"]["runs"]] == [1, 1]
+    assert all(cell["status"] == "ok" for cell in cells(second).values())
+
+
+def test_op_rerun_skips_finished_cells_and_measures_new_ones(tmp_path, capsys):
+    assert run_op(tmp_path) == 0
+    before = saved(tmp_path)
+    capsys.readouterr()
+    # The same command again: nothing to measure, the file as it was.
+    assert run_op(tmp_path) == 0
+    assert "0 cells to measure (2 done in" in capsys.readouterr().out
+    assert saved(tmp_path) == before
+    # One more implementation: its cells only (here skipped: cuDNN needs a GPU).
+    assert run_op(tmp_path, "--impls", "xla,cudnn") == 0
+    after = saved(tmp_path)
+    assert after["metadata"]["impls"] == ["xla", "cudnn"]
+    for key, cell in cells(before).items():
+        assert cells(after)[key] == cell
+    new = {key: cell for key, cell in cells(after).items() if key not in cells(before)}
+    assert sorted({(key[1], cell["status"]) for key, cell in new.items()}) == [
+        ("cudnn", "skipped: cuDNN needs a GPU")]
+    assert len(new) == 4
+    out = capsys.readouterr().out
+    assert "# not run here, and why:\n#   cudnn: cuDNN needs a GPU" in out
+    # Another commit's file is not continued; --fresh starts over.
+    assert op.main(["--shapes", TWO_SHAPES, "--dtypes", "f32", "--impls", "xla", "--iters", "1",
+                    "--warmup", "1", "--commit", "fff0000", "--out", str(tmp_path)]) == 2
+    assert "is of another run (commit was 'abc1234', is 'fff0000')" in capsys.readouterr().err
+    assert saved(tmp_path) == after
+    assert run_op(tmp_path, "--fresh", "--budget", "0") == runs.EXIT_UNFINISHED
+    assert len(cells(saved(tmp_path))) == 2
+
+
+def test_layer_budget_stops_and_continues(tmp_path):
+    args = ["--shapes", "tiny", "--cores", "xla,cuequivariance", "--iters", "1", "--warmup", "1",
+            "--reps", "1", "--out", str(tmp_path), "--commit", "abc1234"]
+    with pytest.raises(SystemExit) as stopped:
+        layer.main(args + ["--budget", "0"])
+    assert stopped.value.code == runs.EXIT_UNFINISHED
+    first = json.loads((tmp_path / "results.json").read_text())
+    assert [(row["core"], row["status"]) for row in first["rows"]] == [("xla", "ok")]
+    rows = layer.main(args + ["--budget", "0"])
+    assert [row["core"] for row in rows] == ["xla", "cuequivariance"]
+    assert rows[0] == first["rows"][0]  # kept, not measured again
+    assert rows[1]["status"].startswith("skipped")
+
+
+def test_results_file_is_written_whole(tmp_path):
+    path = tmp_path / "deep" / "results.json"
+    runs.write_json(path, {"cases": [1, 2]})
+    runs.write_json(path, {"cases": [3]})
+    assert runs.read_json(path) == {"cases": [3]}
+    assert [p.name for p in path.parent.iterdir()] == ["results.json"]
+    assert runs.read_json(tmp_path / "none.json") is None
+
+
+# --- the results page ----------------------------------------------------------------------
+
+
+def _cell(ms):
+    return {"status": "ok", "median_ms": ms, "temp_plus_output_bytes": 2e8, "compile_s": 1.0}
+
+
+def _results(date, commit, impls=("msa_pallas", "cuequivariance")) -> dict:
+    case = {"shape": "train", "dtype": "bf16", "bias_dtype": "f32", "mask": "random",
+            "dims": {"B": 1, "S": 128, "N": 256, "H": 8, "d": 32}, "logits": 67108864,
+            "floor": {mode: {"floor_ms": 0.02} for mode in measure.MODES},
+            "impls": {name: {"fwd": _cell(0.1 * (i + 1)), "fwd_bwd": _cell(0.4 * (i + 1))}
+                      for i, name in enumerate(impls)}}
+    measure.finish_case(case)
+    return {"metadata": {
+        "date_utc": date, "device_kind": "NVIDIA H200", "jax_version": "0.11.2",
+        "commit": commit, "iters": 5, "reps": 5, "impls": list(impls), "packages": {},
+        "argv": ["--out", "OUT_DIR", "--shapes", "train"], "complete": True,
+        "runs": [{"date_utc": date, "argv": ["--out", "OUT_DIR", "--shapes", "train",
+                                             "--budget", "500"], "cells": 2},
+                 {"date_utc": date, "argv": ["--out", "OUT_DIR"], "cells": 2}]},
+        "cases": [case]}
+
+
+def test_report_writes_the_page_from_the_newest_complete_results(tmp_path, capsys):
+    folder, log = tmp_path / "results", tmp_path / "log"
+    folder.mkdir(), log.mkdir()
+    older = _results("2026-12-01 10:00 UTC", "aaa1111")
+    newest = _results("2026-12-02 09:00 UTC", "bbb2222")
+    unfinished = copy.deepcopy(_results("2026-12-03 09:00 UTC", "ccc3333"))
+    unfinished["metadata"]["complete"] = False
+    own_only = _results("2026-12-04 09:00 UTC", "ddd4444", impls=("msa_pallas", "xla"))
+    own_only["metadata"]["impls"] = ["msa_pallas", "msa_pallas_mosaic"]
+    for name, results in (("a.json", older), ("b.json", newest), ("c.json", unfinished),
+                          ("d.json", own_only)):
+        (folder / name).write_text(json.dumps(results))
+    # An unfinished run and one without an alternative are not the current table.
+    assert page.newest_results(folder) == folder / "b.json"
+    for name, heading in (("2026-12-01-01-first.md", "### 2026-12-01 · H200 — first"),
+                          ("2026-12-02-01-second.md", "### 2026-12-02 · H200 — second")):
+        (log / name).write_text(heading + "\n\ntext\n")
+
+    page_path = tmp_path / "RESULTS.md"
+    has_plot = importlib.util.find_spec("matplotlib") is not None
+    text = page.results_page(newest, folder / "b.json", page_path,
+                               tmp_path / "plot.png" if has_plot else None, log)
+    assert "- Results file: [results/b.json](results/b.json)" in text
+    assert ("- Command: `python -m benchmarks op --out OUT_DIR --shapes train --budget 500` "
+            "(continued in 1 more calls)") in text
+    assert "- Commit bbb2222, 2026-12-02 09:00 UTC, NVIDIA H200, jax 0.11.2" in text
+    assert "| train (1,128,256,8,32) | bf16 | f32 | 0.100 | 0.200 | 0.400 | 0.800 |" in text
+    assert ("![time and memory against N](plot.png)" in text) == has_plot
+    links = [line for line in text.splitlines() if line.startswith("- [")]
+    assert links == ["- [2026-12-02 · H200 — second](log/2026-12-02-01-second.md)",
+                     "- [2026-12-01 · H200 — first](log/2026-12-01-01-first.md)"]
+
+    # The command: the table on stdout, or files.
+    assert page.main([str(folder / "a.json")]) == 0
+    assert "commit aaa1111" in capsys.readouterr().out
+    assert page.main([str(folder / "b.json"), "--out", str(tmp_path / "again")]) == 0
+    assert "commit bbb2222" in (tmp_path / "again" / "results.md").read_text()
+    assert page.main([str(tmp_path / "missing.json")]) == 2
+
+
+def test_results_page_is_the_one_the_report_writes():
+    """benchmarks/RESULTS.md is generated: rendering its results file again gives it
+    back, and it lists every entry of benchmarks/log/."""
+    page_path = ROOT / "benchmarks" / "RESULTS.md"
+    text = page_path.read_text()
+    source = ROOT / "benchmarks" / text.split("- Results file: [", 1)[1].split("]", 1)[0]
+    plot = ROOT / "benchmarks" / "results_h200.png"
+    assert plot.exists() and "](results_h200.png)" in text
+    assert page.results_page(json.loads(source.read_text()), source, page_path, plot) == text
+    for entry in (ROOT / "benchmarks" / "log").glob("2*.md"):
+        assert f"](log/{entry.name})" in text, entry.name
+        assert entry.read_text().startswith("### " + entry.name[:10] + " "), entry.name
