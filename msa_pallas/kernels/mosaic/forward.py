@@ -33,10 +33,10 @@ statistics go to planes padded to whole query tiles and sliced (Mosaic GPU
 clips a contiguous window's bulk copy only at the array's end). Results and
 residuals are the Triton forward's: either backward follows.
 
-Each item's key loop runs between bounds that may be known only at run time
-(`key_tiles_of`; today every key tile), the ring's slots and barrier phases
-following a running count of the CTA's steps, carried from item to item:
-skipping key tiles, or adding work per tile, changes that one function.
+Each item's key loop runs between bounds known at run time (`key_tiles_of`),
+the ring's slots and barrier phases following a running count of the CTA's
+steps: with a mask, the tiles holding its rows' kept keys (`kernels.key_tiles`);
+a row with none takes its mean of v.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2
+from msa_pallas.kernels.key_tiles import dead_rows, key_tile_bounds, row_means
 from msa_pallas.kernels.mosaic.heads import (
     as_head_pairs, combine_head_columns, heads_per_tile, store_own_head_tiles,
 )
@@ -61,7 +62,7 @@ from msa_pallas.kernels.mosaic.matmul import (
     WGMMA, WGMMA_COL, WGMMA_ROW, accumulate_products, smem_products,
 )
 from msa_pallas.kernels.mosaic.pipeline import (
-    PingPong, batch_head_and_warpgroup, consumer_registers, launch, producer_registers,
+    PingPong, consumer_registers, launch, producer_registers,
 )
 from msa_pallas.kernels.mosaic.plan import forward_plan
 from msa_pallas.kernels.mosaic.smem import (
@@ -69,6 +70,7 @@ from msa_pallas.kernels.mosaic.smem import (
 )
 from msa_pallas.kernels.mosaic.support import check_kernel_inputs, pad_bias_rows, pad_residues
 from msa_pallas.kernels.mosaic.tiles import MosaicTiles, forward_tiles
+from msa_pallas.kernels.mosaic.work_items import ForwardItems
 
 
 # The tiles `attention_forward` takes by default (`tiles.forward_tiles`).
@@ -78,14 +80,15 @@ default_tiles = forward_tiles
 def _kernel(
     gmem, smem, produced, consumed, schedule, *, scale: float, n_res: int,
     tiles: MosaicTiles, msa_rows: int, heads: int, heads_per_tile: int, grid, dtype,
-    interpret: bool, row_views: tuple[str, ...] = (), key_bounds=None,
+    interpret: bool, row_views: tuple[str, ...] = (), key_bounds=None, skips_masked=False,
 ):
     """`heads`: the heads of q, k and v as the kernel sees them, each
     `heads_per_tile` heads of the bias (2 for d = 8, `heads.pairs_heads`).
     `row_views`: the names of `smem` that are pairs of views
     (`smem.unaligned_row_tile`, N % 8 != 0): TMA copies go through the
     first, everything else through the second. `key_bounds`: as in
-    `attention_forward`."""
+    `attention_forward`. `skips_masked`: gmem holds "key_bounds",
+    "row_dead" and "row_mean" (`kernels.key_tiles`, `attention_forward`)."""
     smem_tma, smem = split_row_views(smem, row_views)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair = heads_per_tile
@@ -96,36 +99,47 @@ def _kernel(
     to_log2 = scale * LOG2E
     masked = masked_accumulator_logit(scale)
     wg = lax.axis_index("wg")
-    # Bounds known when tracing: every item visits every key tile.
-    static_bounds = key_bounds is None
+    static_bounds = key_bounds is None and not skips_masked  # every item, every key tile
+    tile_dim = gmem["q"].shape[-1]
 
     def key_tiles_of(work):
         """`(lb, ub)`: item `work` visits key tiles lb <= key tile < ub, in
-        that order; lb < ub. The consumers and the producer both ask here,
-        so they agree on the ring's steps: the place where key tiles that
-        the mask removes entirely will be skipped."""
+        order. The consumers and the producer both ask here, so they agree
+        on the ring's steps."""
         if static_bounds:
             return 0, key_tiles
-        return key_bounds(work, key_tiles)
+        if key_bounds is not None:
+            return key_bounds(work, key_tiles)
+        batch, _, row_group, _ = work
+        return gmem["key_bounds"][batch, row_group, 0], gmem["key_bounds"][batch, row_group, 1]
 
     def load_own(name, work):
-        """The consumer's own copy of its q or gate tile for item `work`.
-        Both complete the consumer's "q" barrier, which the consumer waits
-        for once per item: the gate copy is issued an item's epilogue later
-        than the q copy, but lands long before the next epilogue needs it."""
+        """The consumer's copy of its q or gate tile for item `work`, on its
+        "q" barrier (awaited once per item: the gate, issued an epilogue
+        after q, lands long before the next epilogue needs it)."""
         batch, head, row_group, q_start = work
         plgpu.copy_gmem_to_smem(
             gmem[name].at[batch, row_group * msa_rows + wg, pl.ds(q_start, block_q), head],
             smem_tma[name].at[wg], produced["q"].at[wg],
         )
 
+    def load_row_data(work):
+        """Item `work`'s gate tile and row mean of v, read in the epilogue:
+        the next item's load after it."""
+        if has_gate:
+            load_own("gate", work)
+        if skips_masked:
+            batch, head, row_group, _ = work
+            plgpu.copy_gmem_to_smem(
+                gmem["row_mean"].at[batch, pl.ds(row_group * msa_rows + wg, 1), head],
+                smem["row_mean"].at[wg, :, pl.ds(0, tile_dim)], produced["q"].at[wg],
+            )
+
     def consume_item(work, steps_before, next_work, has_next):
-        """One work item `(batch, head, row_group, q_start)` for consumer
-        `wg`, whose key tiles take the ring's steps from `steps_before` on
-        (the steps of this CTA's earlier items); returns the steps after
-        it. The consumer loads its own q and gate tiles, those of
-        `next_work` (when `has_next`) as soon as this item is done with
-        them."""
+        """Work item `(batch, head, row_group, q_start)` for consumer `wg`,
+        its key tiles taking the ring's steps from `steps_before` on;
+        returns the steps after it. Loads `next_work`'s q and row data
+        (when `has_next`) as soon as this item is done with them."""
         batch, head, row_group, q_start = work
         row = row_group * msa_rows + wg
         queries = pl.ds(q_start, block_q)
@@ -135,7 +149,6 @@ def _kernel(
         first_step = steps_before - lb
         plgpu.barrier_wait(produced["q"].at[wg])
 
-        tile_dim = q_smem.shape[-1]
         if pair == 1:
             queries_of_head = (q_smem,)
         else:
@@ -184,7 +197,13 @@ def _kernel(
             statistics and output accumulator. Returns tuples, one entry per
             head."""
             acc = plgpu.layout_cast(jnp.zeros((block_q, tile_dim), jnp.float32), WGMMA)
-            plgpu.barrier_wait(produced["k"].at[slot_of(lb)])
+            if static_bounds:
+                plgpu.barrier_wait(produced["k"].at[slot_of(lb)])
+            else:
+                # An item may have no key tile (its rows all dead); its q
+                # tile then takes the next item's queries at once.
+                pl.when(lb < ub)(lambda: plgpu.barrier_wait(produced["k"].at[slot_of(lb)]))
+                prefetch_next_queries(ub <= lb)
 
             def visit_key_tile(key_tile, carry):
                 accs, row_maxes, row_sums = carry
@@ -220,11 +239,9 @@ def _kernel(
                 turns.take_turn()
 
                 def wait_for_next_keys():
-                    next_tile = key_tile + 1
-
-                    @pl.when(next_tile < ub)
-                    def _():
-                        plgpu.barrier_wait(produced["k"].at[slot_of(next_tile)])
+                    later = key_tile + 1
+                    pl.when(later < ub)(
+                        lambda: plgpu.barrier_wait(produced["k"].at[slot_of(later)]))
 
                 accs = accumulate_products(
                     accs, p16s, (smem["v"].at[slot, wg],) * pair, interpret, wait_for_next_keys
@@ -237,6 +254,10 @@ def _kernel(
             )
 
         accs, row_maxes, row_sums = key_loop()
+        if skips_masked:
+            # A live row's sum is >= 1 (its max's term); a row that visited
+            # no key tile has 0, and a dead row takes its mean of v below.
+            row_sums = tuple(jnp.maximum(row_sum, 1.0) for row_sum in row_sums)
 
         # Each head's columns of the tile come from its own accumulator.
         outs = [
@@ -244,6 +265,12 @@ def _kernel(
             for acc, row_sum in zip(accs, row_sums)
         ]
         out = combine_head_columns(outs)
+        if skips_masked:
+            dead = gmem["row_dead"][batch, row].astype(jnp.float32)
+            row_mean = plgpu.load(
+                smem["row_mean"].at[wg, 0, pl.ds(0, tile_dim)], layout=WGMMA_COL
+            )
+            out = out * (1.0 - dead) + lax.broadcast_in_dim(row_mean, out.shape, [1]) * dead
         # The previous item's results have left the tiles written below.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         if save_stats:
@@ -255,7 +282,11 @@ def _kernel(
                 if has_mask:
                     row_max_log2 = jnp.where(row_max <= masked, MASKED_LOGIT_LOG2, row_max_log2)
                 smem["row_max"][wg, h] = row_max_log2
-                smem["row_log2_sum"][wg, h] = jnp.log2(row_sum)
+                row_log2_sum = jnp.log2(row_sum)
+                if skips_masked:
+                    # Uniform weights over the N keys (`kernels.key_tiles`).
+                    row_log2_sum = row_log2_sum * (1.0 - dead) + math.log2(n_res) * dead
+                smem["row_log2_sum"][wg, h] = row_log2_sum
         if has_gate:
             out = out * sigmoid(smem["gate"][wg].astype(jnp.float32))
         # With one CTA per item q's tile is free by now and holds the output on
@@ -264,8 +295,7 @@ def _kernel(
         smem[out_name].at[wg][...] = out.astype(dtype)
         # Every thread's reads of the gate and writes of the output are done.
         plgpu.commit_smem()
-        if has_gate:
-            pl.when(has_next)(lambda: load_own("gate", next_work))
+        pl.when(has_next)(lambda: load_row_data(next_work))
         plgpu.copy_smem_to_gmem(
             smem_tma[out_name].at[wg], gmem["out"].at[batch, row, queries, head]
         )
@@ -283,10 +313,9 @@ def _kernel(
         return steps_before + (ub - lb)
 
     def produce_item(work, steps_before, *_, ring: str):
-        """The producer's copies of one ring, "k" (the K tiles, the mask
-        vectors and the bias tile) or "v" (the V tiles), for one work item,
-        into the ring's steps `steps_before` on; returns the steps after
-        it."""
+        """The producer's copies of ring "k" (K tiles, mask vectors, bias
+        tile) or "v" (V tiles) for one work item, into the ring's steps
+        `steps_before` on; returns the steps after it."""
         batch, head, row_group, q_start = work
         first_row = row_group * msa_rows
         queries = pl.ds(q_start, block_q)
@@ -337,47 +366,11 @@ def _kernel(
             pl.loop(lb + stages, ub)(lambda key_tile: load(key_tile, True))
         return steps_before + (ub - lb)
 
-    def work_item(linear):
-        """(batch, head, row_group, q_start) of work item `linear` of
-        `grid` = (B * H, query tiles, row groups), the row groups fastest."""
-        batch_heads, query_tiles, row_groups = grid
-        row_group = lax.rem(linear, row_groups)
-        query_tile = lax.rem(lax.div(linear, row_groups), query_tiles)
-        batch_head = lax.div(linear, row_groups * query_tiles)
-        return lax.div(batch_head, heads), lax.rem(batch_head, heads), row_group, query_tile * block_q
-
-    if tiles.persistent:
-        # CTA `cta` takes items cta, cta + ctas, ...: the CTAs at work at the
-        # same time take neighbouring row groups, so they read the same bias
-        # tiles, as with one CTA per item.
-        ctas, cta = lax.axis_size("ctas"), lax.axis_index("ctas")
-        total = math.prod(grid)
-        items_here = total // ctas + (cta < total % ctas).astype(jnp.int32)
-        first_item = work_item(cta)
-    else:
-        batch, head, _ = batch_head_and_warpgroup(heads)
-        items_here = 1
-        first_item = (
-            batch, head, lax.axis_index("row_groups"), lax.axis_index("query_tiles") * block_q,
-        )
+    items = ForwardItems(grid, heads, block_q, tiles.persistent)
+    first_item = items.first()
 
     def for_each_item(work):
-        """`work(item_work, steps_before, next_work, has_next)` for this CTA's
-        items, in order: `steps_before` counts the ring steps of the CTA's
-        earlier items, `work` returns the count after its item. Returns the
-        CTA's steps in all."""
-        if not tiles.persistent:
-            return work(first_item, 0, first_item, False)
-
-        def visit(item, steps_before):
-            linear = item * ctas + cta
-            if static_bounds:
-                # Every item takes `key_tiles` steps.
-                steps_before = item * key_tiles
-            return work(work_item(linear), steps_before, work_item(linear + ctas),
-                        item + 1 < items_here)
-
-        return lax.fori_loop(0, items_here, visit, jnp.int32(0))
+        return items.for_each(work, key_tiles if static_bounds else None)
 
     # The consumers take turns across items too: the one whose epilogue runs
     # leaves the units to the other.
@@ -387,8 +380,7 @@ def _kernel(
     def _consumer():
         consumer_registers(msa_rows)
         load_own("q", first_item)
-        if has_gate:
-            load_own("gate", first_item)
+        load_row_data(first_item)
         turns.start()
         for_each_item(consume_item)
         turns.finish()
@@ -423,11 +415,12 @@ def _kernel(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "tiles", "interpret", "save_stats", "key_bounds")
+    jax.jit,
+    static_argnames=("scale", "tiles", "interpret", "save_stats", "key_bounds", "skip_masked"),
 )
 def attention_forward(
     q, k, v, bias, mask, gate, *, scale: float, tiles: MosaicTiles, interpret: bool,
-    save_stats: bool, key_bounds=None,
+    save_stats: bool, key_bounds=None, skip_masked: bool = True,
 ):
     """Runs the Mosaic GPU forward kernel; the contract of the Triton forward.
 
@@ -443,11 +436,11 @@ def attention_forward(
       tiles: the kernel's configuration.
       interpret: run in the Mosaic GPU interpreter (CPU).
       save_stats: also return what the backward needs.
-      key_bounds: None (every query attends to every key), or, to test the
-        pipeline's runtime bounds, `key_bounds(work, key_tiles) -> (lb, ub)`:
-        the key tiles, lb <= key tile < ub (int32, lb < ub), that work item
-        `work` = (batch, head, MSA-row group, first query) visits; the
-        others are left out of its softmax.
+      key_bounds: to test the pipeline, `key_bounds(work, key_tiles) -> (lb,
+        ub)`: the key tiles lb <= t < ub that work item `work` = (batch,
+        head, row group, first query) visits, leaving the others out.
+      skip_masked: with a mask, visit only the key tiles with kept keys
+        (`kernels.key_tiles`); False visits all (the tests' yardstick).
 
     Returns:
       out `[B, S, N, H, d]` in q's dtype, and, if `save_stats`, the ungated
@@ -464,19 +457,24 @@ def attention_forward(
         q, k, v = (as_head_pairs(x, pair) for x in (q, k, v))
         gate = None if gate is None else as_head_pairs(gate, pair)
 
+    skips_masked = mask is not None and skip_masked and key_bounds is None
     bias = accumulator_bias(bias, scale)
     bias = pad_bias_rows(pad_residues(bias, swizzled=True))
-    if mask is not None:
-        mask = pad_residues(mask, swizzled=False)
     inputs = {"q": q, "k": k, "v": v, "bias": bias, "mask": mask, "gate": gate}
+    if skips_masked:
+        inputs |= {
+            "key_bounds": key_tile_bounds(mask, n_res, tiles.block_k, msa_rows),
+            "row_dead": dead_rows(mask, n_res).astype(jnp.int32),
+            "row_mean": row_means(v),  # [B, S, H / pair, pair * d], v's head pairs
+        }
+    if mask is not None:
+        inputs["mask"] = pad_residues(mask, swizzled=False)
     inputs = {name: x for name, x in inputs.items() if x is not None}
     out_types = {"out": jax.ShapeDtypeStruct(q.shape, q.dtype)}
     query_tiles = pl.cdiv(n_res, tiles.block_q)
     if save_stats:
         # Whole query tiles, so that no statistics window runs past its plane.
-        stats = jax.ShapeDtypeStruct(
-            (batch, rows, heads, query_tiles * tiles.block_q), jnp.float32
-        )
+        stats = jax.ShapeDtypeStruct((batch, rows, heads, query_tiles * tiles.block_q), jnp.float32)
         out_types |= {
             "attention": jax.ShapeDtypeStruct(q.shape, jnp.float32),
             "row_max": stats, "row_log2_sum": stats,
@@ -485,12 +483,13 @@ def attention_forward(
     kernel_plan = forward_plan(
         shape, q.dtype, bias.dtype, tiles, mask_dtype=None if mask is None else mask.dtype,
         gate_dtype=None if gate is None else gate.dtype, save_stats=save_stats,
-        interpret=interpret,
+        interpret=interpret, skips_masked=skips_masked,
     )
     body = functools.partial(
         _kernel, scale=scale, n_res=n_res, tiles=tiles, msa_rows=msa_rows,
         heads=heads // pair, heads_per_tile=pair, grid=kernel_plan.work_items, dtype=q.dtype,
         interpret=interpret, row_views=row_view_names(kernel_plan.smem), key_bounds=key_bounds,
+        skips_masked=skips_masked,
     )
     outs = launch(body, kernel_plan, inputs=inputs, out_types=out_types, interpret=interpret)
     outs = tuple(x.reshape(shapes.get(name, x.shape)) for name, x in zip(out_types, outs))

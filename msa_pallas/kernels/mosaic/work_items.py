@@ -1,0 +1,71 @@
+"""Which work items a forward CTA serves, and in what order.
+
+The forward's work items are (batch, head, MSA-row group, first query),
+counted over `grid` = (B * H, query tiles, row groups) with the row groups
+fastest, so that the CTAs at work at the same time read the same bias tiles.
+With one CTA per item the grid names the item; a persistent CTA (one per SM)
+takes items cta, cta + ctas, ... in turn, and its ring's steps run on from
+item to item.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+from jax import lax
+
+from msa_pallas.kernels.mosaic.pipeline import batch_head_and_warpgroup
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardItems:
+    """This CTA's work items. `grid`: (B * H', query tiles, row groups);
+    `heads`: H' (heads as the kernel sees them); `block_q`: queries per
+    item; `persistent`: one CTA per SM (the "ctas" axis) or one per item
+    (the "row_groups", "query_tiles" and "batch_heads" axes)."""
+
+    grid: tuple
+    heads: int
+    block_q: int
+    persistent: bool
+
+    def item(self, linear):
+        """(batch, head, row_group, q_start) of work item `linear`."""
+        batch_heads, query_tiles, row_groups = self.grid
+        row_group = lax.rem(linear, row_groups)
+        query_tile = lax.rem(lax.div(linear, row_groups), query_tiles)
+        batch_head = lax.div(linear, row_groups * query_tiles)
+        return (lax.div(batch_head, self.heads), lax.rem(batch_head, self.heads), row_group,
+                query_tile * self.block_q)
+
+    def first(self):
+        """This CTA's first item."""
+        if self.persistent:
+            return self.item(lax.axis_index("ctas"))
+        batch, head, _ = batch_head_and_warpgroup(self.heads)
+        return (batch, head, lax.axis_index("row_groups"),
+                lax.axis_index("query_tiles") * self.block_q)
+
+    def for_each(self, work, steps_per_item=None):
+        """`work(item, steps_before, next_item, has_next)` for this CTA's
+        items, in order: `steps_before` counts the ring steps of the CTA's
+        earlier items, `work` returns the count after its item (every item
+        takes `steps_per_item` steps where that is known when tracing).
+        Returns the CTA's steps in all."""
+        if not self.persistent:
+            first = self.first()
+            return work(first, 0, first, False)
+        ctas, cta = lax.axis_size("ctas"), lax.axis_index("ctas")
+        total = math.prod(self.grid)
+        items_here = total // ctas + (cta < total % ctas).astype(jnp.int32)
+
+        def visit(index, steps_before):
+            linear = index * ctas + cta
+            if steps_per_item is not None:
+                steps_before = index * steps_per_item
+            return work(self.item(linear), steps_before, self.item(linear + ctas),
+                        index + 1 < items_here)
+
+        return lax.fori_loop(0, items_here, visit, jnp.int32(0))

@@ -1,0 +1,153 @@
+"""The Mosaic GPU forward on padded masks: it skips the key tiles and the
+MSA rows the mask removes (`msa_pallas.kernels.key_tiles`), with the
+results of visiting every tile.
+
+On the CPU (the Mosaic GPU interpreter) the skipping kernel is held to the
+same kernel with `skip_masked=False` (every key tile visited) within one or
+two float32 roundings: the interpreter compiles the two loop structures
+(bounds read at run time, or known when tracing) into different XLA CPU
+programs, whose float32 contractions may differ in the last bit. On the
+GPU they are compared bitwise. Both are held to float64 NumPy.
+
+The masks: padded residues at the end of every row (whole key tiles go),
+padding in the middle of a row, dead rows (every key masked) alone in a
+row pair, both rows of a pair dead (the pair's CTA visits no key tile),
+a batch element that is all padding, and masks that change between rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import helpers
+import mosaic_lowering
+import numpy_reference
+from msa_pallas.kernels.mosaic import forward as mosaic_forward
+from msa_pallas.kernels.mosaic.tiles import MosaicTiles
+
+OUT_TOLERANCE = 2e-2  # bf16 output against float64
+TILES = MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=2)
+
+
+def padded_mask(batch, rows, n_res, seed, *, end_padding=0.25, middle=None, dead=(),
+                dead_batch=()):
+    """`[B, S, N]` bool: the last `end_padding` of the residues masked in
+    every row, keys `middle` = (start, stop) masked in the odd rows, the rows
+    `dead` (indices into S) and batch elements `dead_batch` all masked, and
+    10% of the other keys masked at random, differently in every row."""
+    rng = np.random.default_rng(seed)
+    keep = rng.random((batch, rows, n_res)) >= 0.1
+    keep[:, :, n_res - int(n_res * end_padding):] = False
+    if middle is not None:
+        keep[:, 1::2, middle[0]:middle[1]] = False
+    for row in dead:
+        keep[:, row] = False
+    for element in dead_batch:
+        keep[element] = False
+    return keep
+
+
+def run(inputs, tiles, skip_masked, interpret):
+    q, k, v, bias, mask, gate, _ = inputs.args
+    return mosaic_forward.attention_forward(
+        q, k, v, bias, jnp.asarray(mask).astype(jnp.int8), gate, scale=q.shape[-1] ** -0.5,
+        tiles=tiles, interpret=interpret, save_stats=True, skip_masked=skip_masked,
+    )
+
+
+def check(inputs, tiles, *, interpret):
+    """Skipping against visiting every tile (every output and residual),
+    and against float64; the dead rows' outputs are their mean of v times
+    the gate."""
+    skipped = run(inputs, tiles, True, interpret)
+    visited = run(inputs, tiles, False, interpret)
+    for name, got, want in zip(("out", "attention", "row_max", "row_log2_sum"), skipped, visited):
+        got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
+        assert np.isfinite(got).all(), name
+        if interpret:
+            # A few roundings of the result's dtype, at the array's scale
+            # (module docstring).
+            eps = float(jnp.finfo(jnp.bfloat16 if name == "out" else jnp.float32).eps)
+            scale = np.abs(want) + np.abs(want).mean() + (name == "row_log2_sum")
+            np.testing.assert_array_less(np.abs(got - want), 4 * eps * scale, err_msg=name)
+        else:
+            np.testing.assert_array_equal(got, want, err_msg=name)
+    out = skipped[0]
+    expected = numpy_reference.forward(*inputs.args[:6], scale=inputs.q.shape[-1] ** -0.5)
+    assert helpers.rel_err(out, expected) <= OUT_TOLERANCE
+    dead = ~np.asarray(inputs.mask).any(axis=-1)
+    v_mean = helpers.to_f64(inputs.v).mean(axis=2, keepdims=True)
+    gated = v_mean / (1 + np.exp(-helpers.to_f64(inputs.gate)))
+    np.testing.assert_allclose(
+        helpers.to_f64(out)[dead], np.broadcast_to(gated, out.shape)[dead], rtol=2e-2, atol=1e-2
+    )
+
+
+CPU_CASES = {
+    # Key tile 3 of 4 is padding everywhere; row 1 dead beside a live row 0;
+    # rows 4 and 5 (one CTA's pair) dead.
+    "end-padding-dead-rows": dict(shape=(1, 6, 256, 2, 32), bias_dtype=jnp.float32,
+                                  mask=dict(dead=(1, 4, 5))),
+    # Two heads per tile (d = 8), N no whole number of key tiles, keys 64-127
+    # masked in the odd rows, the second batch element all padding.
+    "d8-middle-all-padding": dict(shape=(2, 4, 200, 4, 8), bias_dtype=jnp.bfloat16,
+                                  mask=dict(middle=(64, 128), dead_batch=(1,))),
+}
+
+
+@pytest.mark.parametrize("case", list(CPU_CASES))
+def test_skipping_matches_visiting_every_tile(case, seed):
+    spec = CPU_CASES[case]
+    batch, rows, n_res, heads, head_dim = spec["shape"]
+    inputs = helpers.random_inputs(
+        seed, batch, rows, n_res, heads, head_dim, jnp.bfloat16, bias_dtype=spec["bias_dtype"]
+    )
+    inputs = inputs._replace(mask=jnp.asarray(padded_mask(batch, rows, n_res, seed, **spec["mask"])))
+    check(inputs, TILES, interpret=True)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_skipping_kernel_lowers_for_the_gpu_on_a_cpu(persistent):
+    """Its scalar loads of the bounds and the dead rows from GMEM and its
+    row-mean copy lower for CUDA, persistent too."""
+    q = jnp.zeros((1, 4, 200, 8, 32), jnp.bfloat16)
+    mask = jnp.zeros((1, 4, 200), jnp.int8)
+    bias = jnp.zeros((1, 8, 200, 200), jnp.float32)
+    tiles = MosaicTiles(128, 64, 2, 2, persistent=persistent)
+
+    def forward(q, bias, mask):
+        return mosaic_forward.attention_forward(
+            q, q, q, bias, mask, q, scale=0.2, tiles=tiles, interpret=False, save_stats=True,
+        )
+
+    assert "mosaic_gpu" in mosaic_lowering.lowered_for_cuda(forward, q, bias, mask)
+
+
+GPU_CASES = {
+    "train-padded": dict(shape=(1, 16, 256, 8, 32), bias_dtype=jnp.float32,
+                         mask=dict(dead=(12, 13, 14, 15, 3))),
+    "N333-bf16-bias": dict(shape=(1, 8, 333, 8, 32), bias_dtype=jnp.bfloat16,
+                           mask=dict(middle=(100, 230), dead=(5, 6, 7))),
+    "d8-extra": dict(shape=(2, 8, 384, 8, 8), bias_dtype=jnp.float32,
+                     mask=dict(dead=(6, 7), dead_batch=(1,))),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("case", list(GPU_CASES))
+def test_gpu_skipping_equals_visiting_every_tile(case, persistent, seed):
+    spec = GPU_CASES[case]
+    batch, rows, n_res, heads, head_dim = spec["shape"]
+    inputs = helpers.random_inputs(
+        seed, batch, rows, n_res, heads, head_dim, jnp.bfloat16, bias_dtype=spec["bias_dtype"]
+    )
+    inputs = inputs._replace(mask=jnp.asarray(padded_mask(batch, rows, n_res, seed, **spec["mask"])))
+    tiles = mosaic_forward.default_tiles(
+        inputs.q.shape, jnp.bfloat16, spec["bias_dtype"], save_stats=True, has_gate=True
+    )
+    check(inputs, dataclasses.replace(tiles, persistent=persistent), interpret=False)
