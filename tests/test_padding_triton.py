@@ -42,7 +42,8 @@ from msa_pallas import exporting
 from msa_pallas.block_sizes import BlockConfig, KernelTiles, default_block_config
 from msa_pallas.kernels.triton import backward, forward
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import shapes  # noqa: E402
 
 # Small tiles, so that N = 40 has three key tiles, the last one partial.

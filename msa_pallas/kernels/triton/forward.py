@@ -169,7 +169,9 @@ def attention_forward(
       skip_padding: with a mask, visit only the key tiles between the first
         and the last that keep a key in each row, and none in a row that
         keeps no key (`key_tiles`); False visits every tile, as without a
-        mask (the tests' comparison). The results are the same.
+        mask (the tests' comparison). The results are the same bit for
+        bit, but for a row that keeps no key, whose mean of v is summed in
+        another order.
 
     Returns:
       out `[B, S, N, H, d]` in q's dtype, and, if `save_stats`, the ungated
