@@ -341,6 +341,35 @@ def test_compiled_kernels_lower_with_bounds(x64):
     assert text.count(exporting.TRITON_CUSTOM_CALL) == 5, text.count(exporting.TRITON_CUSTOM_CALL)
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "mask"])
+def test_summary_input_only_with_a_mask(masked):
+    """Without a mask the kernels take no summary (the unmasked kernels are
+    the ones from before); with one, each takes one small int32 input."""
+    shape = (1, 4, 96, 2, 32)
+    q = jnp.zeros(shape, jnp.bfloat16)
+    bias = jnp.zeros((1, 2, 96, 96), jnp.float32)
+    mask = jnp.ones(shape[:3], jnp.int8) if masked else None
+    stats = jnp.zeros((1, 4, 2, 96), jnp.float32)
+    config = dataclasses.replace(
+        FUSED_CONFIG, backward_dq_dbias=KernelTiles(block_q=16, block_k=128, num_warps=2)
+    )
+    jaxpr = jax.make_jaxpr(
+        lambda q, bias, mask: run_kernels_traced(q, bias, mask, stats, config)
+    )(q, bias, mask)
+    calls = [eqn for eqn in jaxpr.jaxpr.eqns if eqn.primitive.name == "pallas_call"]
+    calls += [
+        inner for eqn in jaxpr.jaxpr.eqns if "jaxpr" in eqn.params
+        for inner in eqn.params["jaxpr"].jaxpr.eqns if inner.primitive.name == "pallas_call"
+    ]
+    assert len(calls) == 5
+    for call in calls:
+        summaries = [v.aval for v in call.invars if v.aval.dtype == jnp.int32]
+        if masked:
+            assert len(summaries) == 1 and summaries[0].shape[-1] == 2, summaries
+        else:
+            assert not summaries, summaries
+
+
 def run_kernels_traced(q, bias, mask, stats, config):
     """Every kernel of `config`, compiled (not interpreted), on traced inputs."""
     common = dict(scale=0.25, interpret=False)
