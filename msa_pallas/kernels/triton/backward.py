@@ -21,6 +21,14 @@ When (tiles x heads x batch) gives too few programs to fill the GPU, the
 kernels that loop over S split the rows into chunks (`row_chunks`), one
 program each, and their float32 partial bias gradients are added.
 
+With a key mask, every loop runs between bounds read at run time from the
+mask's summary (`key_tiles`, one small int32 input): dq's key loop over the
+tiles that keep a key in its rows; dk/dv's query loop only for a key tile
+that some row keeps a key in; the bias gradient's row loop over the rows
+that keep a key in its key tile. What is skipped would add exactly 0. A row
+that keeps no key gets dq = dk = 0 and dv = the mean of its `do` (uniform
+weights) without a matrix product.
+
 Inputs shared by all: q, k, v `[B, S, N, H, d]`; bias `[B, H, N, N]`;
 mask `[B, S, N]` int8 or None; `do` `[B, S, N, H, d]` (the cotangent of the
 ungated output, in q's dtype); row_max, row_log2_sum and delta
@@ -37,8 +45,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from msa_pallas.block_sizes import padded_head_dim, row_chunks
+from msa_pallas.kernels import key_tiles as mask_summary  # `key_tiles` names a count here
 from msa_pallas.kernels.triton import common
-from msa_pallas.kernels.triton.forward import bias_spec, mask_spec, qkv_spec, stats_spec
+from msa_pallas.kernels.triton.forward import (
+    bias_spec, bounds_spec, mask_spec, qkv_spec, stats_spec,
+)
 
 
 def _query_tile_stats(row_max_ref, row_log2_sum_ref, delta_ref, prefix, q_start, block_q, n_res):
@@ -71,12 +82,29 @@ def _recompute_tile(q, k, v, do, bias, keep, stats, k_start, *, scale, n_res, pr
 
 def _dkdv_kernel(
     q_ref, k_ref, v_ref, bias_ref, mask_ref, do_ref, row_max_ref, row_log2_sum_ref, delta_ref,
-    dk_ref, dv_ref,
+    bounds_ref, dk_ref, dv_ref,
     *, scale: float, n_res: int, head_dim: int, block_q: int, block_k: int, msa_rows: int,
     precision,
 ):
-    k_start = pl.program_id(0) * block_k
+    """`bounds_ref`: the rows' key-tile bounds (`key_tiles.key_tile_bounds`)
+    or None. A row whose bounds leave out this key tile keeps no key in it:
+    its dk and dv are 0; a row that keeps no key at all has dk = 0 and dv =
+    the mean of its `do` over the N queries. The query loop runs only when
+    some row of the program keeps a key in the tile."""
+    key_tile = pl.program_id(0)
+    k_start = key_tile * block_k
     program_rows = common.program_rows_of(msa_rows)
+    num_query_tiles = pl.cdiv(n_res, block_q)
+    if bounds_ref is None:
+        query_tiles_end, dead_rows = num_query_tiles, None
+    else:
+        row_bounds = [common.load_bounds(bounds_ref, row) for row in program_rows]
+        dead_rows = [row_end == 0 for _, row_end in row_bounds]
+        tile_kept = functools.reduce(
+            jnp.logical_or,
+            [(first <= key_tile) & (key_tile < end) for first, end in row_bounds],
+        )
+        query_tiles_end = jnp.where(tile_kept, jnp.int32(num_query_tiles), jnp.int32(0))
     keys = [
         (
             common.load_residues(k_ref, row, k_start, block_k, n_res, head_dim),
@@ -108,21 +136,35 @@ def _dkdv_kernel(
 
     zeros = jnp.zeros(keys[0][0].shape, jnp.float32)
     carry = common.tile_loop(
-        pl.cdiv(n_res, block_q), visit_query_tile, tuple((zeros, zeros) for _ in program_rows)
+        0, query_tiles_end, visit_query_tile, tuple((zeros, zeros) for _ in program_rows)
     )
-    for row, (dk, dv) in zip(program_rows, carry):
+    for position, (row, (dk, dv)) in enumerate(zip(program_rows, carry)):
+        if dead_rows is not None:
+            dead = dead_rows[position]
+            do_mean = common.residue_mean(do_ref, row, dead, block_q, n_res, head_dim)
+            dv = jnp.where(dead, jnp.broadcast_to(do_mean[None, :], dv.shape), dv)
         common.store_residues(dk_ref, row, k_start, dk * scale, n_res, head_dim)
         common.store_residues(dv_ref, row, k_start, dv, n_res, head_dim)
 
 
 def _dq_kernel(
     q_ref, k_ref, v_ref, bias_ref, mask_ref, do_ref, row_max_ref, row_log2_sum_ref, delta_ref,
-    dq_ref,
+    bounds_ref, dq_ref,
     *, scale: float, n_res: int, head_dim: int, block_q: int, block_k: int, msa_rows: int,
     precision,
 ):
+    """`bounds_ref`: the rows' key-tile bounds (`key_tiles.key_tile_bounds`)
+    or None: the key loop spans the tiles that keep a key in some row of the
+    program (a row that keeps none has dq = 0)."""
     q_start = pl.program_id(0) * block_q
     program_rows = common.program_rows_of(msa_rows)
+    num_key_tiles = pl.cdiv(n_res, block_k)
+    if bounds_ref is None:
+        first, end = 0, num_key_tiles
+    else:
+        first, end = common.union_of_bounds(
+            [common.load_bounds(bounds_ref, row) for row in program_rows], num_key_tiles
+        )
     queries = [
         (
             common.load_residues(q_ref, row, q_start, block_q, n_res, head_dim),
@@ -151,22 +193,26 @@ def _dq_kernel(
         return tuple(updated)
 
     zeros = jnp.zeros(queries[0][0].shape, jnp.float32)
-    carry = common.tile_loop(
-        pl.cdiv(n_res, block_k), visit_key_tile, tuple(zeros for _ in program_rows)
-    )
+    carry = common.tile_loop(first, end, visit_key_tile, tuple(zeros for _ in program_rows))
     for row, dq in zip(program_rows, carry):
         common.store_residues(dq_ref, row, q_start, dq * scale, n_res, head_dim)
 
 
 def _bias_gradient_body(
     q_ref, k_ref, v_ref, bias_ref, mask_ref, do_ref, row_max_ref, row_log2_sum_ref, delta_ref,
-    dq_ref, dbias_ref,
+    bounds_ref, dq_ref, dbias_ref,
     *, scale: float, n_res: int, head_dim: int, block_q: int, block_k: int, precision,
 ):
     """One (query tile, key tile) of the bias gradient, summed over this
     program's MSA rows; with `dq_ref`, also each row's dq of the query tile,
     which needs the key tile to span every key (block_k >= N): the `ds` tile
-    then covers whole softmax rows and gives dq in one product."""
+    then covers whole softmax rows and gives dq in one product.
+
+    `bounds_ref`: `[2]` int32, the MSA rows that keep a key in this key tile
+    lie in `[first, end)` (`key_tiles.row_bounds`, over all S rows), or
+    None. The row loop visits those of this program's rows only: the others
+    add exactly 0 to the bias gradient, and their dq (rows that keep no key)
+    is 0."""
     q_start = pl.program_id(0) * block_q
     # With dq there is one key tile: a constant start lets the compiler fold it.
     k_start = common.index(0) if dq_ref is not None else pl.program_id(1) * block_k
@@ -193,14 +239,39 @@ def _bias_gradient_body(
         return dbias + ds
 
     msa_rows_here = q_ref.shape[0]
+    if bounds_ref is None:
+        first, end = 0, msa_rows_here
+    else:
+        # This program's rows are rows [chunk * R, (chunk + 1) * R) of S.
+        row_offset = pl.program_id(2) * msa_rows_here
+        first, end = (
+            jnp.clip(bound - row_offset, 0, msa_rows_here)
+            for bound in common.load_bounds(bounds_ref, ())
+        )
+        end = jnp.maximum(first, end)
+        if dq_ref is not None:
+            _store_zero_dq(dq_ref, 0, first, q_start, block_q, n_res, head_dim)
+            _store_zero_dq(dq_ref, end, msa_rows_here, q_start, block_q, n_res, head_dim)
     dbias = common.tile_loop(
-        msa_rows_here, visit_msa_row, jnp.zeros((block_q, block_k), jnp.float32)
+        first, end, visit_msa_row, jnp.zeros((block_q, block_k), jnp.float32)
     )
     plgpu.store(
         common.bias_view(dbias_ref, q_start, k_start, block_q, block_k),
         dbias.astype(dbias_ref.dtype),
         mask=common.tile_mask(q_start, k_start, block_q, block_k, n_res),
     )
+
+
+def _store_zero_dq(dq_ref, first, end, q_start, block_q, n_res, head_dim):
+    """dq = 0 in the query tile of MSA rows `[first, end)` of the program
+    (rows that keep no key)."""
+    zeros = jnp.zeros((block_q, dq_ref.shape[-1]), jnp.float32)
+
+    def store_row(row, carry):
+        common.store_residues(dq_ref, (row,), q_start, zeros, n_res, head_dim)
+        return carry
+
+    common.tile_loop(first, end, store_row, jnp.int32(0))
 
 
 def _dbias_kernel(*refs, **static):
@@ -224,6 +295,8 @@ def _row_chunk_specs(rows_per_chunk: int, n_res: int, d_pad: int):
         bias=pl.BlockSpec((None, None, n_res, n_res), lambda i, j, c, h, b: (b, h, 0, 0)),
         mask=pl.BlockSpec((None, rows, n_res), lambda i, j, c, h, b: (b, c, 0)),
         stats=pl.BlockSpec((None, rows, None, n_res), lambda i, j, c, h, b: (b, c, h, 0)),
+        # `[B, T, 2]` row bounds per key tile (`key_tiles.row_bounds`).
+        row_bounds=pl.BlockSpec((None, None, 2), lambda i, j, c, h, b: (b, j, 0)),
         partial_bias=pl.BlockSpec(
             (None, None, None, n_res, n_res), lambda i, j, c, h, b: (c, b, h, 0, 0)
         ),
@@ -231,7 +304,8 @@ def _row_chunk_specs(rows_per_chunk: int, n_res: int, d_pad: int):
 
 
 def _call_over_row_chunks(
-    kernel, tiles, operands, *, key_tiles, row_out, dbias_dtype, name, interpret
+    kernel, tiles, operands, *, key_tiles, row_out, dbias_dtype, name, interpret,
+    skip_padding,
 ):
     """Runs a kernel that loops over S on a (q tile, key_tiles, chunk, h, b)
     grid and sums the chunks' partial bias gradients.
@@ -244,6 +318,10 @@ def _call_over_row_chunks(
     query_tiles = pl.cdiv(n_res, tiles.block_q)
     chunks = row_chunks(query_tiles * key_tiles * heads * batch, num_msa_rows)
     specs = _row_chunk_specs(num_msa_rows // chunks, n_res, padded_head_dim(head_dim))
+    bounds = None
+    if mask is not None and skip_padding:
+        # block_k >= N (dq+dbias) gives one key tile: the rows that keep any key.
+        bounds = mask_summary.row_bounds(mask, n_res, tiles.block_k)
     # One chunk writes the gradient in dbias_dtype; several write float32
     # partial sums, added here.
     partial = jax.ShapeDtypeStruct(
@@ -260,21 +338,30 @@ def _call_over_row_chunks(
             specs["qkv"], specs["qkv"], specs["qkv"], specs["bias"],
             None if mask is None else specs["mask"],
             specs["qkv"], specs["stats"], specs["stats"], specs["stats"],
+            None if bounds is None else specs["row_bounds"],
         ],
         out_specs=out_specs, out_shape=out_shape, interpret=interpret, name=name,
-    )(*operands)
+    )(*operands, bounds)
     dbias = results[-1][0] if chunks == 1 else results[-1].sum(axis=0).astype(dbias_dtype)
     return (results[0] if row_out else None), dbias
 
 
-def _operand_specs(n_res: int, d_pad: int, has_mask: bool, msa_rows: int):
-    """In-specs of the per-row kernels (dk/dv and dq), on a (tile, S / msa_rows, h, b) grid."""
+def _per_row_operands(operands, n_res: int, d_pad: int, tiles, msa_rows: int, skip_padding):
+    """Operands and in-specs of the per-row kernels (dk/dv and dq), on a
+    (tile, S / msa_rows, h, b) grid: with a mask to skip by, the rows'
+    key-tile bounds (at the kernel's block_k) are one more operand."""
+    mask = operands[4]
+    bounds = None
+    if mask is not None and skip_padding:
+        bounds = mask_summary.key_tile_bounds(mask, n_res, tiles.block_k)
     row_spec, stat_spec = qkv_spec(n_res, d_pad, msa_rows), stats_spec(n_res, msa_rows)
-    return [
+    specs = [
         row_spec, row_spec, row_spec, bias_spec(n_res),
-        mask_spec(n_res, msa_rows) if has_mask else None,
+        None if mask is None else mask_spec(n_res, msa_rows),
         row_spec, stat_spec, stat_spec, stat_spec,
+        None if bounds is None else bounds_spec(msa_rows),
     ]
+    return (*operands, bounds), specs
 
 
 def _bind(body, scale, n_res, head_dim, tiles, dtype, interpret, **extra):
@@ -288,44 +375,65 @@ def _bind(body, scale, n_res, head_dim, tiles, dtype, interpret, **extra):
     )
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
-def backward_dkdv(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, tiles, interpret):
+# `skip_padding` (every kernel): with a mask, skip the tiles and rows it
+# masks entirely (`key_tiles`); False computes them, as without a mask (the
+# tests' comparison). The gradients are the same bit for bit, but for the dv
+# of a row that keeps no key (the mean of `do`, summed in another order).
+_STATIC = ("scale", "tiles", "interpret", "skip_padding")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def backward_dkdv(
+    q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, tiles, interpret,
+    skip_padding=True,
+):
     """dk, dv `[B, S, N, H, d]` in q's dtype (arguments as in the module docstring)."""
     batch, num_msa_rows, n_res, heads, head_dim = q.shape
     d_pad = padded_head_dim(head_dim)
     msa_rows = tiles.msa_rows_for(num_msa_rows)
+    operands, in_specs = _per_row_operands(
+        (q, k, v, bias, mask, do, row_max, row_log2_sum, delta), n_res, d_pad, tiles,
+        msa_rows, skip_padding,
+    )
     row_grad = jax.ShapeDtypeStruct(q.shape, q.dtype)
     return common.pallas_call(
         _bind(_dkdv_kernel, scale, n_res, head_dim, tiles, q.dtype, interpret,
               msa_rows=msa_rows), tiles,
         grid=(pl.cdiv(n_res, tiles.block_k), num_msa_rows // msa_rows, heads, batch),
-        in_specs=_operand_specs(n_res, d_pad, mask is not None, msa_rows),
+        in_specs=in_specs,
         out_specs=[qkv_spec(n_res, d_pad, msa_rows)] * 2, out_shape=[row_grad, row_grad],
         interpret=interpret, name="msa_row_attention_bwd_dkdv",
-    )(q, k, v, bias, mask, do, row_max, row_log2_sum, delta)
+    )(*operands)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
-def backward_dq(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, tiles, interpret):
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def backward_dq(
+    q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, tiles, interpret,
+    skip_padding=True,
+):
     """dq `[B, S, N, H, d]` in q's dtype (arguments as in the module docstring)."""
     batch, num_msa_rows, n_res, heads, head_dim = q.shape
     d_pad = padded_head_dim(head_dim)
     msa_rows = tiles.msa_rows_for(num_msa_rows)
+    operands, in_specs = _per_row_operands(
+        (q, k, v, bias, mask, do, row_max, row_log2_sum, delta), n_res, d_pad, tiles,
+        msa_rows, skip_padding,
+    )
     return common.pallas_call(
         _bind(_dq_kernel, scale, n_res, head_dim, tiles, q.dtype, interpret,
               msa_rows=msa_rows), tiles,
         grid=(pl.cdiv(n_res, tiles.block_q), num_msa_rows // msa_rows, heads, batch),
-        in_specs=_operand_specs(n_res, d_pad, mask is not None, msa_rows),
+        in_specs=in_specs,
         out_specs=qkv_spec(n_res, d_pad, msa_rows),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         interpret=interpret, name="msa_row_attention_bwd_dq",
-    )(q, k, v, bias, mask, do, row_max, row_log2_sum, delta)
+    )(*operands)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret", "dbias_dtype"))
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "dbias_dtype"))
 def backward_dbias(
     q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, tiles, interpret,
-    dbias_dtype=None,
+    dbias_dtype=None, skip_padding=True,
 ):
     """dbias `[B, H, N, N]` summed over the S MSA rows, in `dbias_dtype`
     (default: the bias dtype)."""
@@ -335,15 +443,15 @@ def backward_dbias(
         (q, k, v, bias, mask, do, row_max, row_log2_sum, delta),
         key_tiles=pl.cdiv(n_res, tiles.block_k), row_out=False,
         dbias_dtype=jnp.dtype(dbias_dtype or bias.dtype),
-        name="msa_row_attention_bwd_dbias", interpret=interpret,
+        name="msa_row_attention_bwd_dbias", interpret=interpret, skip_padding=skip_padding,
     )
     return dbias
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret", "dbias_dtype"))
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "dbias_dtype"))
 def backward_dq_dbias(
     q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, tiles, interpret,
-    dbias_dtype=None,
+    dbias_dtype=None, skip_padding=True,
 ):
     """dq `[B, S, N, H, d]` in q's dtype and dbias `[B, H, N, N]` in
     `dbias_dtype` (default: the bias dtype) from one kernel. `tiles.block_k`
@@ -357,5 +465,5 @@ def backward_dq_dbias(
         _bind(_dq_dbias_kernel, scale, n_res, head_dim, tiles, q.dtype, interpret), tiles,
         (q, k, v, bias, mask, do, row_max, row_log2_sum, delta),
         key_tiles=1, row_out=True, dbias_dtype=jnp.dtype(dbias_dtype or bias.dtype),
-        name="msa_row_attention_bwd_dq_dbias", interpret=interpret,
+        name="msa_row_attention_bwd_dq_dbias", interpret=interpret, skip_padding=skip_padding,
     )

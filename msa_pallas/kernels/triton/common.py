@@ -79,10 +79,54 @@ def full_columns(ref):
     return pl.ds(index(0), ref.shape[-1]) if _int32_indices.get() else slice(None)
 
 
-def tile_loop(num_tiles: int, visit, init):
-    """`lax.fori_loop(0, num_tiles, visit, init)`, its counter int32 in an
-    interpreted body whatever `jax_enable_x64` says (`index`)."""
-    return jax.lax.fori_loop(index(0), index(num_tiles), visit, init)
+def tile_loop(first, end, visit, init):
+    """`lax.fori_loop(first, end, visit, init)`.
+
+    Static bounds (Python ints: a loop of known trip count) keep their
+    counter int32 in an interpreted body whatever `jax_enable_x64` says
+    (`index`); bounds read at run time (int32 scalars, `load_bounds`) make
+    both int32 in either mode. `first >= end` runs no iteration.
+    """
+    if isinstance(first, int) and isinstance(end, int):
+        return jax.lax.fori_loop(index(first), index(end), visit, init)
+    return jax.lax.fori_loop(jnp.int32(first), jnp.int32(end), visit, init)
+
+
+def load_bounds(bounds_ref, prefix: tuple):
+    """`(first, end)` int32 scalars of one MSA row from a `[*prefix, 2]`
+    ref of tile bounds (`key_tiles.key_tile_bounds` / `row_bounds`)."""
+    return bounds_ref[(*prefix, index(0))], bounds_ref[(*prefix, index(1))]
+
+
+def union_of_bounds(bounds: list, num_tiles: int):
+    """`(first, end)` spanning the tiles of every row of `bounds` (a list of
+    `(first, end)`, `(0, 0)` for a row that keeps no key): the key tiles
+    a program serving those rows must visit; `first >= end` when none."""
+    first, end = bounds[0]
+    for row_first, row_end in bounds[1:]:
+        # A row that keeps nothing has (0, 0): it must not pull `first` down.
+        first = jnp.minimum(
+            jnp.where(end > 0, first, num_tiles), jnp.where(row_end > 0, row_first, num_tiles)
+        )
+        end = jnp.maximum(end, row_end)
+    return first, end
+
+
+def residue_mean(ref, prefix: tuple, dead, block: int, n_res: int, head_dim: int):
+    """`[d_pad]` float32: the mean over the N residues of a `[*prefix, N, d_pad]`
+    ref where `dead` (a bool scalar), read tile by tile with no matrix
+    product; where not dead, nothing is read (the result is then unused).
+
+    A dead row's (all keys masked) uniform weights make its ungated output
+    the mean of v and its dv the mean of its output gradient."""
+    def add_tile(tile, total):
+        x = load_residues(ref, prefix, tile * block, block, n_res, head_dim)
+        return total + jnp.sum(x.astype(jnp.float32), axis=0)
+
+    num_tiles = -(-n_res // block)
+    end = jnp.where(dead, jnp.int32(num_tiles), jnp.int32(0))
+    total = tile_loop(0, end, add_tile, jnp.zeros((ref.shape[-1],), jnp.float32))
+    return total / jnp.float32(n_res)
 
 
 def residue_ids(start, block: int):

@@ -7,6 +7,11 @@ the key mask as a `[block_k]` vector and the pair bias as a
 `[block_q, block_k]` tile, applies the sigmoid gate in the epilogue and, for
 the backward, saves the row max and log2 row sum. No `[S, H, N, N]` array
 exists anywhere.
+
+With a key mask, the key loop runs between bounds read at run time: the
+first and last key tiles that keep a key in the program's rows
+(`key_tiles`); the tiles outside them would add exactly 0. A row that keeps
+no key gets its uniform-weight results without a matrix product.
 """
 
 from __future__ import annotations
@@ -19,17 +24,28 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from msa_pallas.block_sizes import KernelTiles, padded_head_dim
+from msa_pallas.kernels import key_tiles
 from msa_pallas.kernels.triton import common
 
 
 def _forward_kernel(
-    q_ref, k_ref, v_ref, bias_ref, mask_ref, gate_ref,  # inputs
+    q_ref, k_ref, v_ref, bias_ref, mask_ref, gate_ref, bounds_ref,  # inputs
     out_ref, attention_ref, row_max_ref, row_log2_sum_ref,  # outputs
     *, qk_scale_log2: float, n_res: int, head_dim: int, block_q: int, block_k: int,
     msa_rows: int, precision,
 ):
+    """`bounds_ref`: `[msa_rows, 2]` (or `[2]` for one row) int32 key-tile
+    bounds of this program's rows (`key_tiles.key_tile_bounds`), or None:
+    visit every key tile."""
     q_start = pl.program_id(0) * block_q
     program_rows = common.program_rows_of(msa_rows)
+    num_key_tiles = pl.cdiv(n_res, block_k)
+    if bounds_ref is None:
+        first, end, dead_rows = 0, num_key_tiles, None
+    else:
+        row_bounds = [common.load_bounds(bounds_ref, row) for row in program_rows]
+        first, end = common.union_of_bounds(row_bounds, num_key_tiles)
+        dead_rows = [row_end == 0 for _, row_end in row_bounds]
     qs = [
         common.load_residues(q_ref, row, q_start, block_q, n_res, head_dim)
         for row in program_rows
@@ -65,9 +81,15 @@ def _forward_kernel(
         )
         for _ in program_rows
     )
-    carry = common.tile_loop(pl.cdiv(n_res, block_k), visit_key_tile, init)
-    for row, (acc, row_max, row_sum) in zip(program_rows, carry):
-        out = acc / row_sum[:, None]
+    carry = common.tile_loop(first, end, visit_key_tile, init)
+    for position, (row, (acc, row_max, row_sum)) in enumerate(zip(program_rows, carry)):
+        if dead_rows is None:
+            out = acc / row_sum[:, None]
+        else:
+            out, row_max, row_sum = _dead_row_results(
+                v_ref, row, dead_rows[position], acc, row_max, row_sum,
+                n_res=n_res, head_dim=head_dim, block_k=block_k,
+            )
         if attention_ref is not None:
             common.store_residues(attention_ref, row, q_start, out, n_res, head_dim)
         if gate_ref is not None:
@@ -77,6 +99,21 @@ def _forward_kernel(
         if row_max_ref is not None:
             common.store_vector(row_max_ref, row, q_start, row_max, n_res)
             common.store_vector(row_log2_sum_ref, row, q_start, jnp.log2(row_sum), n_res)
+
+
+def _dead_row_results(v_ref, row, dead, acc, row_max, row_sum, *, n_res, head_dim, block_k):
+    """(ungated output `[block_q, d_pad]`, row max, row sum) of one row: a
+    dead row's (all keys masked, visited by no key tile) are what visiting
+    every tile gives, uniform weights: the mean of v, the masked logit as
+    the max and N as the sum; a live row's are its loop's."""
+    block_q, d_pad = acc.shape
+    row_sum = jnp.where(dead, jnp.float32(n_res), row_sum)
+    row_max = jnp.where(dead, jnp.float32(common.MASKED_LOGIT_LOG2), row_max)
+    v_mean = common.residue_mean(v_ref, row, dead, block_k, n_res, head_dim)
+    out = jnp.where(
+        dead, jnp.broadcast_to(v_mean[None, :], (block_q, d_pad)), acc / row_sum[:, None]
+    )
+    return out, row_max, row_sum
 
 
 def _rows_block(msa_rows: int):
@@ -99,6 +136,11 @@ def mask_spec(n_res: int, msa_rows: int = 1) -> pl.BlockSpec:
     return pl.BlockSpec((None, _rows_block(msa_rows), n_res), lambda t, s, h, b: (b, s, 0))
 
 
+def bounds_spec(msa_rows: int = 1) -> pl.BlockSpec:
+    """`[B, S, 2]` int32 tile bounds per MSA row (`key_tiles.key_tile_bounds`)."""
+    return pl.BlockSpec((None, _rows_block(msa_rows), 2), lambda t, s, h, b: (b, s, 0))
+
+
 def stats_spec(n_res: int, msa_rows: int = 1) -> pl.BlockSpec:
     """`[B, S, H, N]` float32 row statistics."""
     return pl.BlockSpec(
@@ -107,11 +149,11 @@ def stats_spec(n_res: int, msa_rows: int = 1) -> pl.BlockSpec:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "tiles", "interpret", "save_stats")
+    jax.jit, static_argnames=("scale", "tiles", "interpret", "save_stats", "skip_padding")
 )
 def attention_forward(
     q, k, v, bias, mask, gate, *, scale: float, tiles: KernelTiles, interpret: bool,
-    save_stats: bool,
+    save_stats: bool, skip_padding: bool = True,
 ):
     """Runs the forward kernel.
 
@@ -124,6 +166,12 @@ def attention_forward(
       tiles: forward tiles (block_q, block_k, num_warps, num_stages).
       interpret: run in Pallas interpret mode (CPU).
       save_stats: also return what the backward needs.
+      skip_padding: with a mask, visit only the key tiles between the first
+        and the last that keep a key in each row, and none in a row that
+        keeps no key (`key_tiles`); False visits every tile, as without a
+        mask (the tests' comparison). The results are the same bit for
+        bit, but for a row that keeps no key, whose mean of v is summed in
+        another order.
 
     Returns:
       out `[B, S, N, H, d]` in q's dtype, and, if `save_stats`, the ungated
@@ -142,10 +190,15 @@ def attention_forward(
         precision=common.dot_precision(q.dtype, interpret, d_pad, tiles.float32_products),
     )
     qkv_block = qkv_spec(n_res, d_pad, msa_rows)
+    # The mask's summary: an int32 input only where there is a mask to skip by.
+    bounds = None
+    if mask is not None and skip_padding:
+        bounds = key_tiles.key_tile_bounds(mask, n_res, tiles.block_k)
     in_specs = [
         qkv_block, qkv_block, qkv_block, bias_spec(n_res),
         None if mask is None else mask_spec(n_res, msa_rows),
         None if gate is None else qkv_block,
+        None if bounds is None else bounds_spec(msa_rows),
     ]
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     out_specs = [qkv_block]
@@ -158,7 +211,7 @@ def attention_forward(
     results = common.pallas_call(
         kernel, tiles, grid=grid, in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=interpret, name="msa_row_attention_fwd",
-    )(q, k, v, bias, mask, gate)
+    )(q, k, v, bias, mask, gate, bounds)
     return tuple(results) if save_stats else results[0]
 
 
