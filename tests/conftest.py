@@ -1,7 +1,8 @@
 """Test configuration.
 
 The `gpu` and `slow` markers are registered in pyproject.toml. Tests marked
-`gpu` are skipped unless JAX's default backend is a GPU. The `seed` fixture
+`gpu` are skipped unless JAX's default backend is a GPU. The `implementation`
+fixture runs a test once per backend of the op. The `seed` fixture
 gives every test its own PRNG seed, derived from the test's id, so no two
 tests draw the same inputs while every run of one test draws the same ones.
 
@@ -98,6 +99,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# The op's backends: its `implementation` values.
+IMPLEMENTATIONS = ("triton", "mosaic", "xla")
+
+
+@pytest.fixture(params=IMPLEMENTATIONS)
+def implementation(request) -> str:
+    """Each backend of the op in turn, for the behaviour cases written once for
+    all of them: "triton" and "mosaic" (on a CPU in Pallas interpret mode and in
+    the Mosaic GPU interpreter), "xla" (the plain-jnp path). A test that runs on
+    some backends only parametrises `implementation` itself."""
+    return request.param
 
 
 @pytest.fixture
