@@ -36,12 +36,15 @@ always did.
 Parallel runs (scripts/test.sh: `-n auto --dist loadfile`) keep each test
 module in one worker, so a module's tests share its compiles and its
 module-scoped fixtures (test_sharding.py's subprocesses run once per run).
+The longest modules are collected first (`LONGEST_FIRST`), so that the two
+workers finish together.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import pathlib
 import shutil
 import tempfile
 import zlib
@@ -92,7 +95,34 @@ def pytest_unconfigure(config):
         shutil.rmtree(path, ignore_errors=True)
 
 
+# The modules that take longest on a CPU, longest first (measured on
+# 2026-12-03: 60-130 s each alone on one core; the benchmarks' scripts about
+# 100 s in a parallel run): run first. pytest-xdist's `--dist loadfile` hands a
+# worker the next module in collection order when it finishes one, so a long
+# module collected last would run alone while the other worker idles.
+LONGEST_FIRST = (
+    "kernels/mosaic/test_backward.py",
+    "test_attention.py",
+    "test_jax_modes.py",
+    "test_benchmarks.py",
+    "kernels/mosaic/test_forward.py",
+    "test_sharding.py",  # most of it one subprocess
+    "kernels/mosaic/test_backward_plan.py",
+    "layers/test_alphafold2_patch.py",
+)
+TESTS = pathlib.Path(__file__).resolve().parent
+
+
+def _schedule_rank(item) -> int:
+    try:
+        module = item.path.resolve().relative_to(TESTS).as_posix()
+    except ValueError:
+        return len(LONGEST_FIRST)
+    return LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_schedule_rank)  # stable: the rest keep their order
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason=f"needs a GPU (JAX backend is {jax.default_backend()!r})")

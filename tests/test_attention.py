@@ -46,7 +46,7 @@ CASES = {
     "no-batch-dims": ((), 2, 21, 2, 16, jnp.float32, {}),
     "two-batch-dims": ((2, 2), 2, 12, 2, 8, jnp.float32, {}),
     "no-mask-no-gate": ((1,), 2, 18, 2, 8, jnp.float32, dict(mask_rate=None, gate=False)),
-    "fully-masked-row": ((2,), 3, 20, 2, 16, jnp.float32, dict(fully_masked_row=(1, 2))),
+    "fully-masked-row": ((2,), 3, 20, 1, 16, jnp.float32, dict(fully_masked_row=(1, 2))),
     "bf16-N37": ((1,), 3, 37, 2, 32, jnp.bfloat16, {}),
     "fp16": ((1,), 3, 40, 2, 32, jnp.float16, {}),
     "bf16-bias": ((1,), 2, 24, 2, 16, jnp.float32, dict(bias_dtype=jnp.bfloat16)),
