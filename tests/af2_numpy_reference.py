@@ -1,8 +1,8 @@
 """AlphaFold2's MSA row attention (Algorithm 7 of the AF2 supplement) in NumPy float64.
 
 Independent of msa_pallas: written from AlphaFold2's `modules.py`
-(`MSARowAttentionWithPairBias` and `Attention`), used by `test_convert.py`
-(the Flax layer fed AF2 / OpenFold weights) and `test_haiku.py` (the Haiku
+(`MSARowAttentionWithPairBias` and `Attention`), used by `tests/layers/test_convert.py`
+(the Flax layer fed AF2 / OpenFold weights) and `tests/layers/test_haiku.py` (the Haiku
 module). Parameters use AF2's names without the module prefix
 (`"query_norm/scale"`, `"attention/query_w"`, ...).
 

@@ -1,7 +1,8 @@
 """Test configuration.
 
 The `gpu` and `slow` markers are registered in pyproject.toml. Tests marked
-`gpu` are skipped unless JAX's default backend is a GPU. The `seed` fixture
+`gpu` are skipped unless JAX's default backend is a GPU. The `implementation`
+fixture runs a test once per backend of the op. The `seed` fixture
 gives every test its own PRNG seed, derived from the test's id, so no two
 tests draw the same inputs while every run of one test draws the same ones.
 
@@ -35,12 +36,15 @@ always did.
 Parallel runs (scripts/test.sh: `-n auto --dist loadfile`) keep each test
 module in one worker, so a module's tests share its compiles and its
 module-scoped fixtures (test_sharding.py's subprocesses run once per run).
+The longest modules are collected first (`LONGEST_FIRST`), so that the two
+workers finish together.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import pathlib
 import shutil
 import tempfile
 import zlib
@@ -91,13 +95,53 @@ def pytest_unconfigure(config):
         shutil.rmtree(path, ignore_errors=True)
 
 
+# The modules that take longest on a CPU, longest first (measured on
+# 2026-12-03: 60-130 s each alone on one core; the benchmarks' scripts about
+# 100 s in a parallel run): run first. pytest-xdist's `--dist loadfile` hands a
+# worker the next module in collection order when it finishes one, so a long
+# module collected last would run alone while the other worker idles.
+LONGEST_FIRST = (
+    "kernels/mosaic/test_backward.py",
+    "test_attention.py",
+    "test_jax_modes.py",
+    "test_benchmarks.py",
+    "kernels/mosaic/test_forward.py",
+    "test_sharding.py",  # most of it one subprocess
+    "kernels/mosaic/test_backward_plan.py",
+    "layers/test_alphafold2_patch.py",
+)
+TESTS = pathlib.Path(__file__).resolve().parent
+
+
+def _schedule_rank(item) -> int:
+    try:
+        module = item.path.resolve().relative_to(TESTS).as_posix()
+    except ValueError:
+        return len(LONGEST_FIRST)
+    return LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_schedule_rank)  # stable: the rest keep their order
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason=f"needs a GPU (JAX backend is {jax.default_backend()!r})")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# The op's backends: its `implementation` values.
+IMPLEMENTATIONS = ("triton", "mosaic", "xla")
+
+
+@pytest.fixture(params=IMPLEMENTATIONS)
+def implementation(request) -> str:
+    """Each backend of the op in turn, for the behaviour cases written once for
+    all of them: "triton" and "mosaic" (on a CPU in Pallas interpret mode and in
+    the Mosaic GPU interpreter), "xla" (the plain-jnp path). A test that runs on
+    some backends only parametrises `implementation` itself."""
+    return request.param
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """Numerical edge cases (masked rows, non-finite inputs, large logits),
 written once and run on CPU (Pallas interpret mode and the plain-jnp path,
-test_edge_cases.py) and on a GPU (the compiled kernels, test_gpu_reliability.py).
+test_edge_cases.py) and on a GPU (the compiled kernels, kernels/triton/test_gpu_reliability.py).
 
 Each check takes `run`, a jitted `(q, k, v, bias, mask, gate, dout) ->
 (out, (dq, dk, dv, dbias, dgate))` (helpers.fwd_bwd), and, where it compares

@@ -1,4 +1,4 @@
-"""Shared pieces of the Haiku tests (test_haiku.py, test_haiku_params.py).
+"""Shared pieces of the Haiku tests (tests/layers/test_haiku.py, test_haiku_params.py).
 
 Imported only after `pytest.importorskip("haiku")`: it imports Haiku.
 """

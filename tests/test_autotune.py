@@ -147,13 +147,13 @@ def test_tunes_the_mosaic_tiles_in_the_interpreter(cache_dir):
     same config back."""
     small = {name: (KernelTiles(16, 16, 4, 1),) for name in autotune.DEFAULT_CANDIDATES}
     small["backward_dq_dbias"] = (KernelTiles(16, 32, 4, 1),)
+    # Two candidates per kernel (each one an interpreter compile of 1-3 s).
     mosaic = {
-        name: (MosaicTiles(64, 64, 2, msa_rows=1), MosaicTiles(64, 64, 2, msa_rows=2),
-               MosaicTiles(64, 128, 3, msa_rows=2))
+        name: (MosaicTiles(64, 64, 2, msa_rows=1), MosaicTiles(64, 128, 3, msa_rows=2))
         for name in autotune.MOSAIC_KERNELS
     }
-    # A different candidate is fastest for each kernel.
-    times = {name: dict(zip(mosaic[name], np.roll([1.0, 2.0, 3.0], shift)))
+    # The fastest candidate alternates from kernel to kernel.
+    times = {name: dict(zip(mosaic[name], np.roll([1.0, 2.0], shift)))
              for shift, name in enumerate(autotune.MOSAIC_KERNELS)}
     ran = []
 

@@ -9,7 +9,7 @@ mode and the plain-jnp path, forward and every gradient.
 - a bias of +-1e4 in bfloat16 and float16: no overflow, float64 accuracy;
 - N = 1, S = 1, H = 1 (d = 8).
 
-The same checks run on a GPU in test_gpu_reliability.py (edge_checks.py holds
+The same checks run on a GPU in kernels/triton/test_gpu_reliability.py (edge_checks.py holds
 them). Shapes reuse test_attention.py's where they can: interpret-mode
 compiles are the expensive part of the CPU suite.
 """

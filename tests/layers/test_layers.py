@@ -1,7 +1,7 @@
 """The Flax layers: structure, initialisation, linen/NNX parity, dropout, dtypes, errors.
 
 The layers against the float64 NumPy maths of the reference layer, the
-projections' precision and `attention_fn` are in test_layer_numerics.py;
+projections' precision and `attention_fn` are in test_numerics.py;
 parity with PyTorch, AlphaFold2 and OpenFold through the converters in
 test_convert.py. Most tests use implementation="xla" (fast on CPU); the
 Pallas path is covered there.

@@ -5,7 +5,7 @@ On CPU the kernels run in interpret mode, which always computes at full
 precision: a kernel that fell back to TF32 would pass every numeric CPU test.
 So this test reads the precision of every product inside the kernels from the
 program traced for a GPU (`msa_pallas.exporting.gpu_target`; tracing compiles
-nothing, so it runs on any host). The layers' projections: test_layer_numerics.py.
+nothing, so it runs on any host). The layers' projections: tests/layers/test_numerics.py.
 """
 
 from __future__ import annotations

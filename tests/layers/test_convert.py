@@ -31,7 +31,7 @@ from af2_numpy_reference import (
 from msa_pallas import convert
 from msa_pallas.layers import MSARowAttentionWithPairBias
 
-FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures"
+FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures"
 TOL = 1e-5
 
 

@@ -4,7 +4,7 @@ the CPU, in the Mosaic GPU interpreter.
 Each kernel is fed the residuals of the Triton forward and checked against
 the float64 NumPy gradients; the op's gradients through
 `implementation="mosaic"` (Mosaic forward and backward) are checked in
-tests/test_mosaic_forward.py. The interpreter's wgmma takes operands from
+tests/kernels/mosaic/test_forward.py. The interpreter's wgmma takes operands from
 shared memory only, so the products with an operand in registers are
 float32-accumulated `jnp.dot`s of the same 16-bit operands there
 (`matmul.accumulate_products`).
@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import helpers
-import mosaic_lowering
 import pipeline_bounds
 import numpy_reference
 from msa_pallas.block_sizes import default_block_config, row_chunks
@@ -35,9 +33,6 @@ from msa_pallas.kernels.mosaic import backward as mosaic_backward
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
 from msa_pallas.kernels.constants import FLOAT32_PIECES
 from msa_pallas.kernels.mosaic.matmul import split_float32
-from msa_pallas.kernels.mosaic.plan import dbias_plan, dkdv_plan, dq_plan
-from msa_pallas.kernels.mosaic.smem import MAX_SHARED_MEMORY
-from msa_pallas.kernels.mosaic.support import HEAD_DIMS
 from msa_pallas.kernels.mosaic.tiles import MosaicBackwardTiles, MosaicTiles
 from msa_pallas.kernels.triton import forward as triton_forward
 
@@ -82,7 +77,7 @@ def run_backward(operands, scale, tiles: MosaicBackwardTiles):
 # float32 inputs split into bf16 pieces, with MSA-row pairs and with the
 # float32 default tiles at an odd S.
 # Turns on and off: test_ping_pong_changes_nothing; other head dims' tiles:
-# test_lowers_for_the_gpu_on_a_cpu.
+# test_backward_plan.py.
 CASES = {
     "pairs-bf16-ping-pong": (4, 128, 32, jnp.bfloat16, jnp.float32, SMALL_TILES),
     "odd-S-fp16": (3, 128, 16, jnp.float16, jnp.float16, ONE_DBIAS_CONSUMER),
@@ -148,7 +143,7 @@ def test_several_heads_and_batch_elements(batch, heads, head_dim, bias_dtype, se
     consumers and a 16-bit bias), then four heads of d = 8, two pairs per
     tile; N past the last whole tile, a fully masked row."""
     inputs = helpers.random_inputs(
-        seed, batch, 3, 72, heads, head_dim, jnp.bfloat16, bias_dtype=bias_dtype, gate=False,
+        seed, batch, 2, 72, heads, head_dim, jnp.bfloat16, bias_dtype=bias_dtype, gate=False,
         fully_masked_row=(batch - 1, 1),
     )
     operands, scale = residuals(inputs)
@@ -251,7 +246,7 @@ def test_paired_heads_equal_the_padded_head_dim(bias_dtype, dbias_consumers, see
         )
     # The paired dbias kernel takes q and do from registers, which the
     # interpreter multiplies with `jnp.dot`, not its wgmma: float32 rounding
-    # apart here (bitwise on the GPU, tests/test_mosaic_gpu.py).
+    # apart here (bitwise on the GPU, tests/kernels/mosaic/test_gpu.py).
     error = helpers.rel_err(paired[3], padded[3])
     assert error <= 1e-6, error
 
@@ -304,119 +299,6 @@ def test_ping_pong_changes_nothing(seed):
     )
     for a, b in zip(in_turns, apart):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def test_lowers_for_the_gpu_on_a_cpu():
-    """The three kernels lower for CUDA on a machine without one, with the
-    default tiles of every head dim (d = 8 two heads per tile) and both bias
-    widths, at N = 200 (no whole number of tiles; bias rows padded to whole
-    TMA rows) with and without a mask, and at N = 333, 101 and 203 (no
-    multiple of 8, `smem.unaligned_row_tile`; d = 64 at 333; float32
-    pieces at 333 and 101, d = 64 with the float32 gradients' tiles as
-    column pieces): a shape error, an
-    unsupported layout or a misaligned GMEM row fails here, not first on the
-    GPU."""
-    bf16, f32 = jnp.bfloat16, jnp.float32
-    cases = [(head_dim, 256, True, bf16) for head_dim in HEAD_DIMS]
-    # d = 8: two heads per tile.
-    cases += [(32, 200, True, bf16), (32, 200, False, bf16), (8, 384, True, bf16)]
-    # N no multiple of 8: the row tiles' copies through untiled views.
-    cases += [(32, 333, True, bf16), (16, 101, False, bf16), (8, 203, True, bf16)]
-    cases += [(64, 333, True, bf16), (32, 333, True, f32), (64, 101, False, f32)]
-    for head_dim, n_res, has_mask, dtype in cases:
-        for bias_dtype in (jnp.float32, jnp.bfloat16):
-            shape = (1, 4, n_res, 8, head_dim)
-            q = jax.ShapeDtypeStruct(shape, dtype)
-            bias = jax.ShapeDtypeStruct((1, 8, n_res, n_res), bias_dtype)
-            mask = jax.ShapeDtypeStruct((1, 4, n_res), jnp.int8) if has_mask else None
-            stats = jax.ShapeDtypeStruct((1, 4, 8, 3, n_res), jnp.float32)
-            tiles = mosaic_backward.default_tiles(shape, dtype, bias_dtype)
-            for kernel in ("dkdv", "dq", "dbias"):
-                function = getattr(mosaic_backward, f"backward_{kernel}")
-                lowered = jax.jit(
-                    lambda q, k, v, bias, mask, do, stats: function(  # noqa: B023
-                        q, k, v, bias, mask, do, stats,
-                        scale=0.2, tiles=getattr(tiles, kernel), interpret=False,  # noqa: B023
-                    )
-                ).trace(q, q, q, bias, mask, q, stats).lower(lowering_platforms=("cuda",))
-                label = (head_dim, n_res, has_mask, dtype, bias_dtype, kernel)
-                assert "mosaic_gpu" in lowered.as_text(), label
-
-
-KERNELS = {"dkdv": dkdv_plan, "dq": dq_plan, "dbias": dbias_plan}
-
-
-def lowered_and_planned_bytes(kernel, shape, dtype, bias_dtype, tiles, has_mask=True):
-    """The shared memory the lowered `kernel` ("dkdv", "dq" or "dbias") asks
-    for at q of `shape` with `tiles`, and its plan's."""
-    operands = mosaic_lowering.backward_operands(shape, dtype, bias_dtype, has_mask)
-    function = getattr(mosaic_backward, f"backward_{kernel}")
-    used = mosaic_lowering.lowered_shared_memory(
-        lambda *args: function(*args, scale=0.2, tiles=tiles, interpret=False), *operands
-    )
-    plan = KERNELS[kernel](
-        shape, dtype, bias_dtype, tiles, mask_dtype=jnp.int8 if has_mask else None,
-        interpret=False,
-    )
-    return used, plan.shared_memory_bytes
-
-
-@pytest.mark.parametrize("kernel", list(KERNELS))
-@pytest.mark.parametrize(
-    "shape, dtype, bias_dtype, tiles, has_mask",
-    [
-        ((1, 4, 256, 8, 32), jnp.bfloat16, jnp.float32, SMALL, True),
-        ((1, 3, 200, 4, 8), jnp.bfloat16, jnp.bfloat16, MosaicTiles(64, 128, 3, 2), False),
-        ((1, 4, 333, 8, 64), jnp.float32, jnp.float32, MosaicTiles(64, 64, 2, 1), True),
-        ((1, 2, 101, 8, 32), jnp.float32, jnp.bfloat16, SMALL, False),
-    ],
-    ids=["d32", "d8-pairs-odd-S", "float32-N333-d64", "float32-N101-bias-bf16"],
-)
-def test_plan_bytes_are_what_the_lowered_kernel_allocates(
-    kernel, shape, dtype, bias_dtype, tiles, has_mask
-):
-    """Each backward kernel's plan gives the shared memory its lowered
-    kernel asks for: two heads per tile's held copies, float32 operands'
-    bf16 pieces and float32 gradient tiles (column pieces at d = 64 with
-    N no multiple of 8), the dbias result through the bias tile (float32
-    q and bias) or a tile of its own, and every barrier."""
-    used, planned = lowered_and_planned_bytes(kernel, shape, dtype, bias_dtype, tiles, has_mask)
-    assert used == planned, (used, planned)
-
-
-def test_barrier_arrivals_count_the_copies():
-    """A step's barrier awaits one arrival per copy, three per float32
-    operand (its bf16 pieces)."""
-    shape = (1, 4, 128, 2, 32)
-    for dtype, pieces in ((jnp.bfloat16, 1), (jnp.float32, 3)):
-        plans = {
-            name: plan(shape, dtype, jnp.float32, SMALL, mask_dtype=jnp.int8, interpret=True)
-            for name, plan in KERNELS.items()
-        }
-        # Per consumer (2): q, do, stats; one bias tile.
-        assert plans["dkdv"].arrivals("step") == 2 * (2 * pieces + 1) + 1
-        assert plans["dkdv"].arrivals("kv") == 2 * pieces + 1
-        # Per consumer: K, V, mask; one bias tile.
-        assert plans["dq"].arrivals("step") == 2 * (2 * pieces + 1) + 1
-        assert plans["dq"].arrivals("q") == 2 * pieces + 1
-        # Per consumer: q, do, stats; the row's K, V and mask.
-        assert plans["dbias"].arrivals("step") == 2 * (2 * pieces + 1) + 2 * pieces + 1
-
-
-@pytest.mark.parametrize("head_dim", (8, *HEAD_DIMS))
-@pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16])
-def test_default_tiles_fit_shared_memory(head_dim, bias_dtype):
-    """The default tiles' kernels, lowered, ask for no more shared memory
-    than a CTA has, as their plans say."""
-    shape = (1, 4, 256, 8, head_dim)
-    tiles = mosaic_backward.default_tiles(shape, jnp.bfloat16, bias_dtype)
-    for kernel in KERNELS:
-        used, planned = lowered_and_planned_bytes(
-            kernel, shape, jnp.bfloat16, bias_dtype, getattr(tiles, kernel)
-        )
-        assert used == planned <= MAX_SHARED_MEMORY, (kernel, used, planned)
-    # Turns pay with a 16-bit bias only (benchmarks/RESULTS.md).
-    assert tiles.ping_pong == (jnp.dtype(bias_dtype).itemsize == 2)
 
 
 def test_keys_past_n_pass_no_gradient(seed):
@@ -473,34 +355,3 @@ def test_split_float32_sums_to_float32():
     np.testing.assert_array_equal(np.asarray(total), np.asarray(x))
     # Two pieces fall 8 bits short.
     assert helpers.rel_err(pieces[0].astype(jnp.float32) + pieces[1], x) > 1e-7
-
-
-@pytest.mark.parametrize("head_dim", [16, 32, 64])
-def test_float32_kernels_lower_for_the_gpu_on_a_cpu(head_dim):
-    """The three kernels with float32 inputs (three bf16 pieces per operand,
-    float32 output tiles) lower for CUDA with their default tiles, which
-    fit in shared memory (Mosaic GPU checks it at lowering)."""
-    shape = (1, 4, 384, 8, head_dim)
-    q = jax.ShapeDtypeStruct(shape, jnp.float32)
-    bias = jax.ShapeDtypeStruct((1, 8, 384, 384), jnp.float32)
-    mask = jax.ShapeDtypeStruct((1, 4, 384), jnp.int8)
-    stats = jax.ShapeDtypeStruct((1, 4, 8, 3, 384), jnp.float32)
-    tiles = mosaic_backward.default_tiles(shape, jnp.float32, jnp.float32)
-    for kernel in KERNELS:
-        kernel_tiles = getattr(tiles, kernel)
-        used, planned = lowered_and_planned_bytes(
-            kernel, shape, jnp.float32, jnp.float32, kernel_tiles
-        )
-        assert used == planned <= MAX_SHARED_MEMORY, (kernel, used, planned)
-        function = getattr(mosaic_backward, f"backward_{kernel}")
-        lowered = jax.jit(
-            lambda *args: function(  # noqa: B023
-                *args, scale=0.2, tiles=kernel_tiles, interpret=False  # noqa: B023
-            )
-        ).trace(q, q, q, bias, mask, q, stats).lower(lowering_platforms=("cuda",))
-        assert "mosaic_gpu" in lowered.as_text(), kernel
-
-
-def test_float32_head_dims_above_64_raise():
-    with pytest.raises(ValueError, match="d <= 64"):
-        mosaic_backward.default_tiles((1, 4, 384, 8, 128), jnp.float32, jnp.float32)

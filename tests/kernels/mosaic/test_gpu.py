@@ -3,7 +3,7 @@ elsewhere, and on GPUs other than sm90).
 
 `implementation="mosaic"`: the Mosaic forward and the Mosaic backward
 kernels that follow it through the shared residuals, against the float64
-reference of test_gpu.py (chunked over MSA rows), at the shapes that matter
+reference of tests/kernels/triton/test_gpu.py (chunked over MSA rows), at the shapes that matter
 and at the edges: head dims 16-128, an odd S, several batch elements and
 heads, N that is no whole number of tiles or no multiple of 8, fully masked
 rows, NaN locality, bitwise-repeatable gradients.
@@ -25,6 +25,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import helpers
 import msa_pallas
 import pipeline_bounds
+from gpu_inputs import SHAPES, chunk_rows, device_inputs
 from helpers import compare, fwd_bwd
 from msa_pallas.attention import on_hopper
 from msa_pallas.block_sizes import default_block_config
@@ -33,7 +34,6 @@ from msa_pallas.kernels.mosaic import backward as mosaic_backward
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
 from msa_pallas.kernels.mosaic.smem import unaligned_row_tile
 from msa_pallas.kernels.triton import forward as triton_forward
-from test_gpu import SHAPES, chunk_rows, device_inputs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -261,7 +261,7 @@ def test_repeatable_bitwise(seed):
 
 
 def test_default_picks_on_hopper():
-    """On this GPU, the rule of `resolve_implementation` (test_mosaic_forward.py
+    """On this GPU, the rule of `resolve_implementation` (test_forward.py
     checks it with the platform patched)."""
 
     def picks(n_res, head_dim, dtype=jnp.bfloat16):

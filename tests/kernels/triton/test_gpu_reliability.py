@@ -12,7 +12,7 @@ interpret mode), so the test code itself is exercised by the CPU suite.
 - `jax.export` for CUDA on the GPU host, deserialised and called;
 - with two or more GPUs: sharded over S, the kernels move no q, k, v.
 
-Run with `pytest -s -m gpu tests/test_gpu_reliability.py` for the `[err]` lines.
+Run with `pytest -s -m gpu tests/kernels/triton/test_gpu_reliability.py` for the `[err]` lines.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import pytest
 import edge_checks
 import helpers
 import msa_pallas
+from gpu_inputs import chunk_rows, device_inputs
 from helpers import fwd_bwd, tolerance
 from msa_pallas import exporting
-from test_gpu import chunk_rows, device_inputs
 
 gpu = pytest.mark.gpu
 # Lowering the kernels for CUDA (the export tests) warns that Pallas's Triton

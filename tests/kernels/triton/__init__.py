@@ -1,0 +1,1 @@
+"""Tests of msa_pallas.kernels.triton: options, and the compiled kernels on a GPU."""
