@@ -229,8 +229,9 @@ def dkdv_plan(
 
     Shared memory: each consumer's K and V tiles (and one copy per head of
     each for two heads per tile), its float32 dK and dV tiles (float32
-    inputs), its mask vector; the ring's q, do, statistics and transposed
-    bias tiles. Each consumer loads its own K, V and mask ("kv"); the
+    inputs), its mask vector and dead row's dv; the ring's q, do,
+    statistics and transposed bias tiles. Each consumer loads its own K, V
+    and mask ("kv") and dead row's dv ("dead_dv"); the
     producer's step copies each consumer's q and do tiles and statistics
     and the bias tile of each head.
     """

@@ -72,6 +72,10 @@ def _dkdv_kernel(
     if tile_bounds is not None:
         lb, ub = tile_bounds((batch, head, row_group, keys.start), query_tiles)
     elif "visited" in gmem:
+        # An int32 lower bound, not a Python 0: the producer's first steps'
+        # query tiles then stay unknown at trace time, where a tile past N
+        # would fail the slice's bounds check.
+        lb = jnp.int32(0)
         ub = gmem["visited"][batch, row_group, lax.axis_index("key_tiles")] * query_tiles
 
     @pl.when(wg < msa_rows)
