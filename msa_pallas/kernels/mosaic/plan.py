@@ -219,15 +219,22 @@ def _backward_operand_tiles(q_shape, q_dtype, interpret: bool):
 DKDV_BLOCK_K = (64, 128, 256)
 
 
-def dkdv_plan(q_shape, q_dtype, bias_dtype, tiles: MosaicTiles, *, mask_dtype, interpret: bool):
+def dkdv_plan(
+    q_shape, q_dtype, bias_dtype, tiles: MosaicTiles, *, mask_dtype, interpret: bool,
+    dead_rows: bool = True,
+):
     """The dk/dv kernel's plan for q of `q_shape` `[B, S, N, H, d]` (d = 8
     with an even H and 16 bits: two heads per tile, `heads.tile_heads`;
     float32: bf16 pieces) and a mask of `mask_dtype` (None: none).
+    `dead_rows` (with a mask): whether each consumer also loads the dv its
+    row takes where the kernel skips the tile of a dead row ("dead_dv",
+    a barrier of its own: it is read after the loop).
 
     Shared memory: each consumer's K and V tiles (and one copy per head of
     each for two heads per tile), its float32 dK and dV tiles (float32
-    inputs), its mask vector; the ring's q, do, statistics and transposed
-    bias tiles. Each consumer loads its own K, V and mask ("kv"); the
+    inputs), its mask vector and dead row's dv; the ring's q, do,
+    statistics and transposed bias tiles. Each consumer loads its own K, V
+    and mask ("kv") and dead row's dv ("dead_dv"); the
     producer's step copies each consumer's q and do tiles and statistics
     and the bias tile of each head.
     """
@@ -264,9 +271,14 @@ def dkdv_plan(q_shape, q_dtype, bias_dtype, tiles: MosaicTiles, *, mask_dtype, i
         "kv": ("k", "v", "mask") if mask_dtype is not None else ("k", "v"),
         "step": ("q", "do", "stats") * msa_rows + ("bias",) * pair,
     }
+    produced = {"kv": msa_rows, "step": stages}
+    if mask_dtype is not None and dead_rows:
+        smem["dead_dv"] = smem_vectors((msa_rows, 1, tile_dim), jnp.float32)
+        copies["dead_dv"] = ("dead_dv",)
+        produced["dead_dv"] = msa_rows
     return KernelPlan(
         name="msa_mosaic_dkdv", smem=smem, copies=copies,
-        produced_barriers={"kv": msa_rows, "step": stages},
+        produced_barriers=produced,
         consumed_barriers={"step": stages}, consumers=msa_rows,
         grid=(rows // msa_rows, pl.cdiv(n_res, block_k), batch * heads // pair),
         grid_names=("row_groups", "key_tiles", "batch_heads"),

@@ -64,10 +64,19 @@ bias's rows are padded to a multiple of 8 (`support.pad_bias_rows`), the
 statistics to whole 16-byte rows, and the bias gradient's rows are
 allocated to a multiple of 8 and sliced.
 
-The dk/dv and dq kernels' loops run between bounds that may be known only
-at run time (`lb`, `ub` in each kernel; today every tile), the ring's slots
-counted from the loop's first step (`pipeline.produce`, `pipeline.ring_slot`):
-skipping tiles that the key mask removes entirely changes those bounds alone.
+Padding (`kernels.key_tiles`): every kernel's loop runs between bounds
+read at run time (`lb`, `ub` in dq and dk/dv, the row range in dbias),
+the ring's slots counted from the loop's first step (`pipeline.produce`,
+`pipeline.ring_slot`). With a mask the wrappers compute them from it
+(int32 inputs, a pass over the mask in XLA): dq visits the key tiles that
+hold its row group's kept keys; dk/dv runs its query loop only where a row
+of the group keeps a key of its key tile, and a dead row there takes the
+mean of its `do` as dv (one more XLA pass, over `do`); dbias sums the rows
+between the first and the last that keep a key of its key tile. What is
+left out adds exactly 0, so the results are bitwise those of every tile,
+but for the dead rows' dv (the mean against the uniform weights' sum,
+equal to rounding). `skip_masked=False` visits every tile (the tests'
+unskipped kernels); without a mask nothing of this is traced.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from msa_pallas.kernels import key_tiles
 from msa_pallas.kernels.mosaic.backward.operands import (
     kernel_operands, load_stats, recompute, split_operands,
 )
@@ -51,7 +52,9 @@ def _dbias_kernel(
     """`heads`, `heads_per_tile` and `row_views` as in `dkdv._dkdv_kernel`: with
     two heads per tile the CTA sums one head's gradient over the chunk's
     rows, then the other's, each head's bias tile loaded into the same
-    shared memory."""
+    shared memory. With a mask, `gmem` may hold "row_bounds" (`[B, key
+    tiles, 2]` int32, `key_tiles.row_bounds`): the rows outside them keep
+    no key of the CTA's key tile and are not visited."""
     smem_tma, smem = split_row_views(smem, row_views)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair = heads_per_tile
@@ -59,8 +62,20 @@ def _dbias_kernel(
     chunk, batch, head = _chunk_batch_and_head(batch_heads, heads)
     wg = lax.axis_index("wg")
     cta_queries = lax.axis_index("query_tiles") * block_q * consumers
-    keys = pl.ds(lax.axis_index("key_tiles") * block_k, block_k)
-    first_row = chunk * rows_per_chunk
+    key_tile = lax.axis_index("key_tiles")
+    keys = pl.ds(key_tile * block_k, block_k)
+    chunk_start = chunk * rows_per_chunk
+    # The chunk's rows the loop visits, first_row <= row < first_row + visited_rows;
+    # the consumers and the producer both read them here, so they agree on
+    # the ring's steps (`visited_rows` per head). With a mask: those between the
+    # first and the last row that keep a key of the tile; a row that keeps
+    # none adds exactly 0.
+    first_row, visited_rows = chunk_start, rows_per_chunk
+    if "row_bounds" in gmem:
+        first, end = (gmem["row_bounds"][batch, key_tile, i] - chunk_start for i in range(2))
+        first = lax.max(first, 0)
+        visited_rows = lax.max(lax.min(end, rows_per_chunk) - first, 0)
+        first_row = chunk_start + first
 
     @pl.when(wg < consumers)
     def _consumer():
@@ -102,7 +117,7 @@ def _dbias_kernel(
             plgpu.barrier_wait(produced["bias"].at[wg])
 
             def visit_msa_row(row, dbias, h=h):
-                slot = lax.rem(h * rows_per_chunk + row, stages)
+                slot = lax.rem(h * visited_rows + row, stages)
                 plgpu.barrier_wait(produced["step"].at[slot])
                 s, dp = logit_products(h, slot)
                 stats = load_stats(smem["stats"].at[slot, wg], WGMMA_ROW)
@@ -115,7 +130,7 @@ def _dbias_kernel(
                 _, ds = recompute(s, dp, keep, stats, scale=scale, query_axis=0, with_p=False)
                 return dbias + ds
 
-            dbias = lax.fori_loop(0, rows_per_chunk, visit_msa_row, zeros((block_q, block_k)))
+            dbias = lax.fori_loop(0, visited_rows, visit_msa_row, zeros((block_q, block_k)))
             # Without a tile of its own, the result leaves through the float32
             # bias tile, which this consumer alone has read.
             if "dbias" in smem:
@@ -136,10 +151,10 @@ def _dbias_kernel(
         producer_registers()
 
         def issue_copies(step, slot):
-            # Step h * rows_per_chunk + r: row r of the chunk for head h.
+            # Step h * visited_rows + r: the r-th visited row for head h.
             h, row = 0, first_row + step
             if pair > 1:
-                h, row = lax.div(step, rows_per_chunk), first_row + lax.rem(step, rows_per_chunk)
+                h, row = lax.div(step, visited_rows), first_row + lax.rem(step, visited_rows)
             barrier = produced["step"].at[slot]
             for w in range(consumers):
                 queries = pl.ds(cta_queries + w * block_q, block_q)
@@ -157,15 +172,22 @@ def _dbias_kernel(
                     smem["mask"].at[slot, :, pl.ds(0, block_k)], barrier,
                 )
 
-        produce(0, pair * rows_per_chunk, stages, issue_copies, consumed["step"])
+        produce(0, pair * visited_rows, stages, issue_copies, consumed["step"])
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret", "skip_masked"))
 def backward_dbias(
-    q, k, v, bias, mask, do, stats, *, scale: float, tiles: MosaicTiles, interpret: bool
+    q, k, v, bias, mask, do, stats, *, scale: float, tiles: MosaicTiles, interpret: bool,
+    skip_masked: bool = True,
 ):
     """dbias `[B, H, N, N]` float32, summed over the S MSA rows (arguments as
     in `kernels.mosaic.backward`'s docstring; q, k, v and do may also be float32).
+
+    With a mask, each CTA's loop over rows runs from the first to the last
+    row that keeps a key of its key tile (`key_tiles.row_bounds`, an int32
+    input): the rows left out (padding rows, dead or not, at the ends of
+    the alignment) would add exactly 0. `skip_masked` False visits every
+    row (the tests' unskipped kernel).
 
     When (tiles x heads x batch) gives too few CTAs to fill the GPU, the rows
     are split into chunks (`block_sizes.row_chunks`), one CTA each, and the
@@ -190,6 +212,8 @@ def backward_dbias(
         q=q, k=k, v=v, bias=accumulator_bias(bias, scale), mask=mask, do=do,
         stats=stats,
     )
+    if mask is not None and skip_masked:
+        inputs["row_bounds"] = key_tiles.row_bounds(mask, n_res, tiles.block_k)
     # Rows of whole 8-row tiles and columns of a whole TMA stride, sliced
     # back to N below.
     dbias_shape = (

@@ -18,6 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from msa_pallas.kernels import key_tiles
 from msa_pallas.kernels.mosaic.backward.operands import (
     kernel_operands, load_stats, recompute, split_operands,
 )
@@ -50,21 +51,32 @@ def _dkdv_kernel(
     `heads_per_tile` heads of the bias and statistics (2 for d = 8).
     `row_views`: the names of `smem` that are pairs of views (N % 8 != 0,
     `smem.split_row_views`): copies go through `smem_tma`. `tile_bounds`:
-    as in `backward_dkdv`."""
+    as in `backward_dkdv`. With a mask, `gmem` may hold "visited" (`[B,
+    S / msa_rows, key tiles]` int32: 1 where the loop runs) and "dead_dv"
+    (`[B, S, heads, tile width]` float32: a dead row's dv per key, 0 for
+    the other rows), as `backward_dkdv` makes them."""
     smem_tma, smem = split_row_views(smem, row_views)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair = heads_per_tile
     query_tiles = pl.cdiv(n_res, block_q)
+    tile_dim = gmem["dk"].shape[-1]
     has_mask = "mask" in gmem
     batch, head, wg = batch_head_and_warpgroup(heads)
     row_group = lax.axis_index("row_groups")
     keys = pl.ds(lax.axis_index("key_tiles") * block_k, block_k)
     # The query tiles the loop visits, lb <= query tile < ub; the consumers
     # and the producer both read them here, so they agree on the ring's
-    # steps.
+    # steps. With a mask: every query tile where a row of the group keeps a
+    # key of the tile, else none.
     lb, ub = 0, query_tiles
     if tile_bounds is not None:
         lb, ub = tile_bounds((batch, head, row_group, keys.start), query_tiles)
+    elif "visited" in gmem:
+        # An int32 lower bound, not a Python 0: the producer's first steps'
+        # query tiles then stay unknown at trace time, where a tile past N
+        # would fail the slice's bounds check.
+        lb = jnp.int32(0)
+        ub = gmem["visited"][batch, row_group, lax.axis_index("key_tiles")] * query_tiles
 
     @pl.when(wg < msa_rows)
     def _consumer():
@@ -79,6 +91,11 @@ def _dkdv_kernel(
             plgpu.copy_gmem_to_smem(
                 gmem["mask"].at[batch, pl.ds(row, 1), keys],
                 smem["mask"].at[wg, :, pl.ds(0, block_k)], produced["kv"].at[wg],
+            )
+        if "dead_dv" in gmem:
+            plgpu.copy_gmem_to_smem(
+                gmem["dead_dv"].at[batch, pl.ds(row, 1), head],
+                smem["dead_dv"].at[wg, :, pl.ds(0, tile_dim)], produced["dead_dv"].at[wg],
             )
         plgpu.barrier_wait(produced["kv"].at[wg])
         if has_mask:
@@ -123,11 +140,19 @@ def _dkdv_kernel(
             plgpu.barrier_arrive(consumed["step"].at[slot])
             return tuple(dks), tuple(dvs)
 
-        tile_dim = gmem["dk"].shape[-1]
         start = (zeros((block_k, tile_dim)),) * pair
         dks, dvs = lax.fori_loop(lb, ub, visit_query_tile, (start, start))
         turns.finish()
         dk, dv = combine_head_columns(dks), combine_head_columns(dvs)
+        if "dead_dv" in gmem:
+            # A skipped tile (no loop: dk = dv = 0 so far) of a dead row: the
+            # uniform weights give each key the mean of the row's `do`
+            # (`dead_dv` is 0 for the other rows). Where the loop ran, this
+            # adds 0 to what it computed.
+            skipped = (ub == lb).astype(jnp.float32)
+            plgpu.barrier_wait(produced["dead_dv"].at[wg])
+            dead_dv = plgpu.load(smem["dead_dv"].at[wg, 0, pl.ds(0, tile_dim)], layout=WGMMA_COL)
+            dv = dv + lax.broadcast_in_dim(dead_dv * skipped, dv.shape, [1])
         # 16-bit: K's and V's tiles are free again and hold the gradients on their way out.
         dk_name, dv_name = ("dk", "dv") if "dk" in smem else ("k", "v")
         store_row_tile(row_tile_at(smem[dk_name], wg), (dk * scale).astype(dtype))
@@ -166,37 +191,58 @@ def _dkdv_kernel(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "tiles", "interpret", "ping_pong", "tile_bounds")
+    jax.jit,
+    static_argnames=("scale", "tiles", "interpret", "ping_pong", "tile_bounds", "skip_masked"),
 )
 def backward_dkdv(
     q, k, v, bias, mask, do, stats, *, scale: float, tiles: MosaicTiles, interpret: bool,
-    ping_pong: bool = True, tile_bounds=None,
+    ping_pong: bool = True, tile_bounds=None, skip_masked: bool = True,
 ):
     """dk, dv `[B, S, N, H, d]` in q's dtype (arguments as in
     `kernels.mosaic.backward`'s docstring; float32 q, k, v and do as in
     `backward_dbias`).
 
+    With a mask, a CTA whose rows keep no key of its key tile runs no
+    query loop (`key_tiles.kept_key_tiles`, an int32 input): it writes
+    dk = 0, and dv = 0 but for a dead row, whose uniform weights give every
+    key the mean of its `do` over the N queries (`key_tiles.row_means`, one
+    XLA pass over `do`). Rows that keep a key there, and dead rows beside
+    them, are computed as without the mask's help.
+
     Args:
-      tile_bounds: None (every tile), or, to test the pipeline's runtime
-        bounds, `tile_bounds(work, tiles) -> (lb, ub)`: the tiles of the
-        loop, lb <= tile < ub (int32, lb < ub), that the CTA of work item
-        `work` = (batch, head, MSA-row group, first key) visits, of
-        `tiles`; the others are left out of its gradients.
+      tile_bounds: None, or, to test the pipeline's runtime bounds,
+        `tile_bounds(work, tiles) -> (lb, ub)`: the tiles of the loop,
+        lb <= tile < ub (int32), that the CTA of work item `work` =
+        (batch, head, MSA-row group, first key) visits, of `tiles`; the
+        others are left out of its gradients. In place of the mask's.
+      skip_masked: False runs every query loop whatever the mask (the
+        tests' unskipped kernel).
     """
     check_kernel_inputs(q, bias, float32=True, paired_heads=q.dtype != jnp.float32)
-    rows, n_res, heads = q.shape[1], q.shape[2], q.shape[3]
+    batch, rows, n_res, heads = q.shape[:4]
     msa_rows = tiles.msa_rows_for(rows)
     pair = tile_heads(q.shape, q.dtype)
+    skips = mask is not None and skip_masked and tile_bounds is None
+    dead_dv = None
+    if skips:
+        dead = key_tiles.dead_rows(mask, n_res)[:, :, None, None]
+        dead_dv = jnp.where(dead, key_tiles.row_means(do, n_res), 0.0)
+        # Heads 2h and 2h + 1 side by side, as their tile holds them.
+        dead_dv = dead_dv.reshape(batch, rows, heads // pair, -1)
     pieces, (q_in, k, v, do) = split_operands(*tiles_of_head_pairs(pair, q, k, v, do))
     inputs = kernel_operands(
         q=q_in, k=k, v=v, bias_t=jnp.swapaxes(accumulator_bias(bias, scale), -1, -2),
         mask=mask, do=do, stats=stats,
     )
+    if skips:
+        kept = key_tiles.kept_key_tiles(mask, n_res, tiles.block_k)
+        kept = jnp.any(kept.reshape(batch, rows // msa_rows, msa_rows, -1), axis=2)
+        inputs |= {"visited": kept.astype(jnp.int32), "dead_dv": dead_dv}
     out_types = {"dk": jax.ShapeDtypeStruct(k.shape[pieces > 1:], q.dtype),
                  "dv": jax.ShapeDtypeStruct(k.shape[pieces > 1:], q.dtype)}
     kernel_plan = dkdv_plan(
         q.shape, q.dtype, bias.dtype, tiles,
-        mask_dtype=None if mask is None else mask.dtype, interpret=interpret,
+        mask_dtype=None if mask is None else mask.dtype, interpret=interpret, dead_rows=skips,
     )
     body = functools.partial(
         _dkdv_kernel, scale=scale, n_res=n_res, tiles=tiles,

@@ -13,6 +13,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from msa_pallas.kernels import key_tiles
 from msa_pallas.kernels.mosaic.backward.operands import (
     kernel_operands, load_stats, recompute, split_operands,
 )
@@ -85,18 +86,20 @@ def _dq_kernel(
     smem_tma, smem = split_row_views(smem, row_views)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair = heads_per_tile
-    key_tiles = pl.cdiv(n_res, block_k)
+    key_tile_count = pl.cdiv(n_res, block_k)
     has_mask = "mask" in gmem
     batch, head, wg = batch_head_and_warpgroup(heads)
     row_group = lax.axis_index("row_groups")
     queries = pl.ds(lax.axis_index("query_tiles") * block_q, block_q)
     # The key tiles the loop visits, lb <= key tile < ub; the consumers and
-    # the producer both read them here, so they agree on the ring's steps:
-    # the place where key tiles that the mask removes entirely will be
-    # skipped.
-    lb, ub = 0, key_tiles
+    # the producer both read them here, so they agree on the ring's steps.
+    # With a mask: the tiles that hold every key the group's rows keep
+    # (none for a group of dead rows, whose dq is 0).
+    lb, ub = 0, key_tile_count
     if tile_bounds is not None:
-        lb, ub = tile_bounds((batch, head, row_group, queries.start), key_tiles)
+        lb, ub = tile_bounds((batch, head, row_group, queries.start), key_tile_count)
+    elif "key_tile_bounds" in gmem:
+        lb, ub = (gmem["key_tile_bounds"][batch, row_group, i] for i in range(2))
 
     @pl.when(wg < msa_rows)
     def _consumer():
@@ -176,22 +179,29 @@ def _dq_kernel(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "tiles", "interpret", "ping_pong", "tile_bounds")
+    jax.jit,
+    static_argnames=("scale", "tiles", "interpret", "ping_pong", "tile_bounds", "skip_masked"),
 )
 def backward_dq(
     q, k, v, bias, mask, do, stats, *, scale: float, tiles: MosaicTiles, interpret: bool,
-    ping_pong: bool = True, tile_bounds=None,
+    ping_pong: bool = True, tile_bounds=None, skip_masked: bool = True,
 ):
     """dq `[B, S, N, H, d]` in q's dtype (arguments as in
     `kernels.mosaic.backward`'s docstring; float32 q, k, v and do as in
     `backward_dbias`).
 
+    With a mask, each CTA's key loop runs over the key tiles that hold its
+    rows' kept keys alone (`key_tiles.key_tile_bounds`, an int32 input):
+    the tiles it leaves out would add exactly 0.
+
     Args:
-      tile_bounds: None (every tile), or, to test the pipeline's runtime
-        bounds, `tile_bounds(work, tiles) -> (lb, ub)`: the tiles of the
-        loop, lb <= tile < ub (int32, lb < ub), that the CTA of work item
-        `work` = (batch, head, MSA-row group, first query) visits, of
-        `tiles`; the others are left out of its gradients.
+      tile_bounds: None, or, to test the pipeline's runtime bounds,
+        `tile_bounds(work, tiles) -> (lb, ub)`: the tiles of the loop,
+        lb <= tile < ub (int32), that the CTA of work item `work` =
+        (batch, head, MSA-row group, first query) visits, of `tiles`; the
+        others are left out of its gradients. In place of the mask's.
+      skip_masked: False visits every key tile whatever the mask (the
+        tests' unskipped kernel).
     """
     check_kernel_inputs(q, bias, float32=True, paired_heads=q.dtype != jnp.float32)
     rows, n_res, heads = q.shape[1], q.shape[2], q.shape[3]
@@ -202,6 +212,10 @@ def backward_dq(
         q=q_in, k=k, v=v, bias=accumulator_bias(bias, scale), mask=mask, do=do,
         stats=stats,
     )
+    if mask is not None and skip_masked and tile_bounds is None:
+        inputs["key_tile_bounds"] = key_tiles.key_tile_bounds(
+            mask, n_res, tiles.block_k, msa_rows
+        )
     out_types = {"dq": jax.ShapeDtypeStruct(k.shape[pieces > 1:], q.dtype)}
     kernel_plan = dq_plan(
         q.shape, q.dtype, bias.dtype, tiles,

@@ -1,0 +1,351 @@
+"""The Mosaic GPU backward kernels on padded masks (issue 36): what they skip
+changes no result.
+
+With a mask the dq kernel loops over the key tiles that hold its rows' kept
+keys, the dk/dv kernel runs no query loop for a key tile its rows keep
+nothing of (a dead row there takes the mean of its `do` as dv), and the
+bias-gradient kernel loops over the MSA rows that keep a key of its key
+tile. Each case runs the kernels with skipping and without
+(`skip_masked=False`) on the same residuals and checks:
+
+- every element finite: the interpreter fills outputs with NaN, so an
+  element a skipping kernel leaves unwritten fails here (on the GPU, the
+  bitwise comparison with the unskipped kernels, which write everything);
+- dq, dk, the bias gradient and the dv of every row that keeps a key
+  bitwise equal to the unskipped kernels' (a skipped tile adds exactly 0);
+  the dv of dead rows equal to the float64 mean of their `do` over the N
+  queries, element by element, and dq, dk of dead rows exactly 0;
+- all four against the float64 NumPy gradients by relative error.
+
+Masks: padded residues at the end and in the middle (a whole key tile),
+padded rows at the end and in the middle, a batch element that is all
+padding, masks that differ from row to row (some starting past the first
+key tile), N no whole number of tiles (and no multiple of 8).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import helpers
+import mosaic_lowering
+import numpy_reference
+from msa_pallas.block_sizes import default_block_config, row_chunks
+from msa_pallas.kernels.mosaic import backward as mosaic_backward
+from msa_pallas.kernels.mosaic import forward as mosaic_forward
+from msa_pallas.kernels.mosaic.tiles import MosaicBackwardTiles, MosaicTiles
+from msa_pallas.kernels.triton import forward as triton_forward
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import shapes  # noqa: E402
+
+# MSA-row pairs (two consumers) and one row per CTA, 64 x 64 tiles.
+PAIRS = MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=2)
+ONE_ROW = MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=1)
+# The GPU tests' shapes (train-like, 16 MSA rows).
+GPU_SHAPES = {"N256": (1, 16, 256, 8, 32), "N333": (1, 16, 333, 8, 32), "d8": (1, 16, 256, 8, 8)}
+KERNEL_OUTPUTS = {"dq": ("dq",), "dkdv": ("dk", "dv"), "dbias": ("dbias",)}
+
+
+def padded_keep(kind: str, batch: int, rows: int, n_res: int, rng) -> np.ndarray:
+    """`[B, S, N]` bool (True keeps a key), a few random holes among the
+    kept keys, and batch element 1 (where B > 1) all padding.
+
+    kind: "end" (the last quarter of the residues masked in every row; the
+    last row and row 1 dead), "middle" (keys 64-127, a whole 64-key tile,
+    masked in every row; row 1 dead) or "rows" (each row keeps a range of
+    its own: row 0 from key 70, row 1 keys 64-89, row 2 the first 30, row
+    3 none, the others every key).
+    """
+    keep = rng.random((batch, rows, n_res)) >= 0.1
+    if kind == "end":
+        keep[:, :, n_res - n_res // 4:] = False
+        keep[:, [1, rows - 1]] = False
+    elif kind == "middle":
+        keep[:, :, 64:128] = False
+        keep[:, 1] = False
+    elif kind == "rows":
+        for row, (start, end) in enumerate([(70, n_res), (64, 90), (0, 30)]):
+            keep[:, row, :start] = False
+            keep[:, row, end:] = False
+        keep[:, 3] = False
+    else:
+        raise ValueError(kind)
+    if batch > 1:
+        keep[1] = False
+    return keep
+
+
+def inputs_with_keep(seed, keep, heads, head_dim, dtype, bias_dtype, gate=False):
+    batch, rows, n_res = keep.shape
+    inputs = helpers.random_inputs(
+        seed, batch, rows, n_res, heads, head_dim, dtype, bias_dtype=bias_dtype, gate=gate,
+        mask_rate=None,
+    )
+    return inputs._replace(mask=jnp.asarray(keep))
+
+
+def residuals(inputs):
+    """The kernels' operands from the Triton forward (interpreted): its row
+    statistics follow the contract the kernels rely on for dead rows (row
+    max -1e9·log2(e), log2 row sum log2(N))."""
+    q, k, v, bias, mask, _, dout = inputs.args
+    mask = mask.astype(jnp.int8)
+    scale = q.shape[-1] ** -0.5
+    tiles = default_block_config(q.shape[2], q.shape[-1], q.dtype, bias.dtype).forward
+    _, attention, row_max, row_log2_sum = triton_forward.attention_forward(
+        q, k, v, bias, mask, None, scale=scale, tiles=tiles, interpret=True, save_stats=True
+    )
+    delta = jnp.swapaxes(jnp.sum(dout.astype(jnp.float32) * attention, -1), 2, 3)
+    stats = jnp.stack([row_max, row_log2_sum, delta], axis=3)
+    return (q, k, v, bias, mask, dout, stats), scale
+
+
+def run_kernels(operands, scale, tiles: MosaicBackwardTiles, kernels, *, skip: bool,
+                interpret: bool = True) -> dict:
+    """The gradients by name of `kernels` (names of KERNEL_OUTPUTS)."""
+    grads = {}
+    for kernel in kernels:
+        function = getattr(mosaic_backward, f"backward_{kernel}")
+        extra = {} if kernel == "dbias" else {"ping_pong": tiles.ping_pong}
+        outs = function(
+            *operands, scale=scale, tiles=getattr(tiles, kernel), interpret=interpret,
+            skip_masked=skip, **extra,
+        )
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        grads.update(zip(KERNEL_OUTPUTS[kernel], outs))
+    return grads
+
+
+def check_padded(inputs, operands, scale, tiles, kernels=tuple(KERNEL_OUTPUTS), *,
+                 interpret: bool = True, label: str = "") -> dict:
+    """Skipped against unskipped and against float64 (the module docstring);
+    returns the relative errors."""
+    skipped = run_kernels(operands, scale, tiles, kernels, skip=True, interpret=interpret)
+    unskipped = run_kernels(operands, scale, tiles, kernels, skip=False, interpret=interpret)
+    q, k, v, bias, mask, _, dout = inputs.args
+    keep = np.asarray(mask) != 0
+    dead = ~keep.any(axis=-1)
+    assert dead.any() and not dead.all(), "a case needs dead rows and live ones"
+    expected = dict(zip(
+        ("dq", "dk", "dv", "dbias"),
+        numpy_reference.vjp(q, k, v, bias, mask, None, scale, dout)[:4],
+    ))
+    tolerance = helpers.tolerance(q.dtype)
+    errors = {}
+    for name, got in skipped.items():
+        helpers.assert_finite(got, name)
+        assert got.shape == expected[name].shape, (name, got.shape)
+        got64, unskipped64 = helpers.to_f64(got), helpers.to_f64(unskipped[name])
+        if name == "dv":
+            live = ~dead
+            np.testing.assert_array_equal(got64[live], unskipped64[live], err_msg=name)
+            dead_mean = helpers.to_f64(dout)[dead].mean(axis=1, keepdims=True)
+            np.testing.assert_allclose(
+                got64[dead], np.broadcast_to(dead_mean, got64[dead].shape),
+                rtol=tolerance, atol=tolerance * np.abs(dead_mean).max(), err_msg="dead dv",
+            )
+        else:
+            np.testing.assert_array_equal(got64, unskipped64, err_msg=name)
+        if name in ("dq", "dk"):
+            assert not got64[dead].any(), f"{name} of dead rows"
+        errors[name] = helpers.rel_err(got, expected[name])
+    print(f"[rel err] {label}: {errors}")
+    assert all(e <= tolerance for e in errors.values()), errors
+    return errors
+
+
+# (mask kind, B, S, N, H, d, q dtype, bias dtype, tiles).
+CASES = {
+    # Row pairs: dead row 1 beside live row 0 (computed where row 0 keeps
+    # the tile, the mean of do elsewhere), row group (2, 3) likewise, batch
+    # element 1 all padding (every loop empty).
+    "end-pairs-N136": ("end", 2, 4, 136, 1, 32, jnp.bfloat16, jnp.float32, PAIRS),
+    # A masked key tile in the middle of every row, a dead row in the
+    # middle; one row per CTA (odd S), bias in the input dtype.
+    "middle-odd-S-bias-fp16": ("middle", 1, 3, 200, 1, 16, jnp.float16, jnp.float16, ONE_ROW),
+    # Rows of their own: dq's loop from key tile 1 for rows 0-1, the bias
+    # gradient's from row 2 for key tile 0; N no multiple of 8.
+    "rows-N101": ("rows", 1, 4, 101, 1, 32, jnp.bfloat16, jnp.bfloat16, PAIRS),
+    # d = 8 with two heads per tile: the dead rows' dv per head.
+    "end-d8-paired-heads": ("end", 1, 4, 72, 2, 8, jnp.bfloat16, jnp.float32, PAIRS),
+    # float32 inputs (bf16 pieces, float32 gradient tiles).
+    "rows-float32": ("rows", 2, 4, 72, 1, 16, jnp.float32, jnp.float32, PAIRS),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_skipping_changes_nothing(case, seed):
+    kind, batch, rows, n_res, heads, head_dim, dtype, bias_dtype, tiles = CASES[case]
+    keep = padded_keep(kind, batch, rows, n_res, np.random.default_rng(seed))
+    inputs = inputs_with_keep(seed, keep, heads, head_dim, dtype, bias_dtype)
+    operands, scale = residuals(inputs)
+    backward_tiles = MosaicBackwardTiles(dkdv=tiles, dq=tiles, dbias=tiles, ping_pong=True)
+    check_padded(inputs, operands, scale, backward_tiles, label=f"padded {case}")
+
+
+def test_bias_gradient_over_row_chunks(seed):
+    """S = 34 on two tiles: two chunks of 17 rows, each CTA's loop between
+    the bounds of its key tile clipped to its chunk. Rows 0-4 keep no key
+    of the first key tile (that tile's loop starts at row 5 of chunk 0),
+    rows 25-33 are dead (chunk 1's loop ends at row 24), row 20 is dead in
+    the middle of chunk 1."""
+    rows, n_res = 34, 128
+    tiles = MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=1)
+    assert row_chunks(2 * 2, rows) == 2
+    keep = np.random.default_rng(seed).random((1, rows, n_res)) >= 0.1
+    keep[:, :5, :64] = False
+    keep[:, 25:] = False
+    keep[:, 20] = False
+    inputs = inputs_with_keep(seed, keep, 1, 16, jnp.bfloat16, jnp.float32)
+    operands, scale = residuals(inputs)
+    backward_tiles = MosaicBackwardTiles(dkdv=tiles, dq=tiles, dbias=tiles)
+    check_padded(inputs, operands, scale, backward_tiles, ("dbias",), label="dbias chunks")
+
+
+def test_op_gradients_with_gate(seed):
+    """`implementation="mosaic"`, forward and backward, with a gate, on a
+    padded batch (the second batch element all padding): output and every
+    gradient match float64."""
+    keep = padded_keep("end", 2, 4, 72, np.random.default_rng(seed))
+    inputs = inputs_with_keep(seed, keep, 2, 16, jnp.bfloat16, jnp.float32, gate=True)
+    result = helpers.fwd_bwd("mosaic")(*inputs.args)
+    helpers.assert_shapes_dtypes_finite(result, inputs)
+    helpers.compare(
+        result, helpers.numpy_results(inputs), helpers.tolerance(jnp.bfloat16),
+        "mosaic padded with gate",
+    )
+
+
+class _Launched(Exception):
+    """Raised by the spied launch: the inputs are all a test wants."""
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "mask", "mask-unskipped"])
+def test_inputs_of_each_kernel(mask_kind, monkeypatch):
+    """What each kernel is launched with: without a mask the inputs and
+    shared memory of the unmasked kernels as they were (no bounds, no
+    dead-row vector); with one, the mask and its bounds (and, for dk/dv,
+    the dead rows' dv); with skipping off, the mask alone."""
+    launched = {}
+
+    def spy(kernel):
+        def launch(body, plan, *, inputs, out_types, interpret):
+            launched[kernel] = (set(inputs), set(plan.smem))
+            raise _Launched
+
+        return launch
+
+    for kernel in KERNEL_OUTPUTS:
+        module = importlib.import_module(f"msa_pallas.kernels.mosaic.backward.{kernel}")
+        monkeypatch.setattr(module, "launch", spy(kernel))
+    shape = (1, 4, 96, 2, 32)
+    q = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((1, 2, 96, 96), jnp.float32)
+    stats = jax.ShapeDtypeStruct((1, 4, 2, 3, 96), jnp.float32)
+    mask = None if mask_kind == "none" else jax.ShapeDtypeStruct((1, 4, 96), jnp.int8)
+    for kernel in KERNEL_OUTPUTS:
+        function = getattr(mosaic_backward, f"backward_{kernel}")
+        with pytest.raises(_Launched):
+            jax.eval_shape(
+                lambda q, bias, mask, stats: function(  # noqa: B023
+                    q, q, q, bias, mask, q, stats, scale=0.2, tiles=PAIRS, interpret=False,
+                    skip_masked=mask_kind != "mask-unskipped",
+                ),
+                q, bias, mask, stats,
+            )
+    unmasked = {"q", "k", "v", "do", "stats"}
+    added = {
+        "none": {"dq": set(), "dkdv": set(), "dbias": set()},
+        "mask": {"dq": {"mask", "key_tile_bounds"}, "dkdv": {"mask", "visited", "dead_dv"},
+                 "dbias": {"mask", "row_bounds"}},
+        "mask-unskipped": {"dq": {"mask"}, "dkdv": {"mask"}, "dbias": {"mask"}},
+    }[mask_kind]
+    for kernel, (inputs, smem) in launched.items():
+        bias_name = "bias_t" if kernel == "dkdv" else "bias"
+        assert inputs == unmasked | {bias_name} | added[kernel], (kernel, inputs)
+        assert ("dead_dv" in smem) == ("dead_dv" in added[kernel]), (kernel, smem)
+
+
+@pytest.mark.parametrize("shape", ["N256", "N333", "d8"])
+def test_gpu_shapes_lower_with_skipping(shape):
+    """The three kernels with a mask (bounds, dead-row vector) lower for
+    CUDA at the GPU tests' shapes with their default tiles, both bias
+    widths."""
+    dims = GPU_SHAPES[shape]
+    for bias_dtype in (jnp.float32, jnp.bfloat16):
+        operands = mosaic_lowering.backward_operands(dims, jnp.bfloat16, bias_dtype)
+        tiles = mosaic_backward.default_tiles(dims, jnp.bfloat16, bias_dtype)
+        for kernel in KERNEL_OUTPUTS:
+            function = getattr(mosaic_backward, f"backward_{kernel}")
+            text = mosaic_lowering.lowered_for_cuda(
+                lambda *args: function(  # noqa: B023
+                    *args, scale=0.2, tiles=getattr(tiles, kernel), interpret=False  # noqa: B023
+                ),
+                *operands,
+            )
+            assert "mosaic_gpu" in text, (shape, bias_dtype, kernel)
+
+
+# --- On the GPU: train-like sizes, the padded mask of the benchmarks. ---
+
+def gpu_residuals(inputs):
+    """The operands from the Mosaic forward (compiled)."""
+    q, k, v, bias, mask, _, dout = inputs.args
+    mask, scale = mask.astype(jnp.int8), q.shape[-1] ** -0.5
+    forward_tiles = mosaic_forward.default_tiles(q.shape, q.dtype, bias.dtype, save_stats=True)
+    _, attention, row_max, row_log2_sum = mosaic_forward.attention_forward(
+        q, k, v, bias, mask, None, scale=scale, tiles=forward_tiles, interpret=False,
+        save_stats=True,
+    )
+    delta = jnp.swapaxes(jnp.sum(dout.astype(jnp.float32) * attention, -1), 2, 3)
+    return (q, k, v, bias, mask, dout, jnp.stack([row_max, row_log2_sum, delta], axis=3)), scale
+
+
+def benchmark_padded_keep(dims) -> np.ndarray:
+    """benchmarks/shapes.py's padded mask (the last quarter of residues and
+    of MSA rows padding) with a dead row in the middle too."""
+    shape = shapes.Shape("padded", tuple(dims), mask="padded")
+    keep = np.array(shapes.make_mask(shape, jax.random.key(0)))
+    keep[:, dims[1] // 3] = False
+    return keep
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16], ids=["bias-f32", "bias-bf16"])
+@pytest.mark.parametrize("shape", list(GPU_SHAPES))
+def test_gpu_skipping_changes_nothing(shape, bias_dtype, seed):
+    """The compiled kernels with their default tiles on the padded mask:
+    skipped equal to unskipped bitwise (dead rows' dv: their mean of do),
+    and against float64."""
+    dims = GPU_SHAPES[shape]
+    keep = benchmark_padded_keep(dims)
+    inputs = inputs_with_keep(seed, keep, *dims[3:], jnp.bfloat16, bias_dtype)
+    operands, scale = gpu_residuals(inputs)
+    tiles = mosaic_backward.default_tiles(inputs.q.shape, jnp.bfloat16, bias_dtype)
+    check_padded(inputs, operands, scale, tiles, interpret=False, label=f"gpu padded {shape}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gate", [True, False], ids=["gate", "no-gate"])
+def test_gpu_op_on_a_padded_batch(gate, seed):
+    """`implementation="mosaic"` forward and gradients on the padded train
+    crop's mask (16 rows), against float64."""
+    dims = GPU_SHAPES["N256"]
+    inputs = inputs_with_keep(
+        seed, benchmark_padded_keep(dims), *dims[3:], jnp.bfloat16, jnp.float32, gate=gate
+    )
+    result = jax.block_until_ready(helpers.fwd_bwd("mosaic")(*inputs.args))
+    helpers.assert_shapes_dtypes_finite(result, inputs)
+    helpers.compare(
+        result, helpers.numpy_results(inputs), helpers.tolerance(jnp.bfloat16),
+        f"gpu mosaic padded gate={gate}",
+    )
