@@ -104,8 +104,11 @@ LONGEST_FIRST = (
     "kernels/mosaic/test_backward.py",
     "test_attention.py",
     "test_jax_modes.py",
-    "test_benchmarks.py",
+    "kernels/mosaic/test_padding_backward.py",
+    "test_padding.py",
+    "benchmarks/test_op.py",
     "kernels/mosaic/test_forward.py",
+    "kernels/triton/test_padding.py",
     "test_sharding.py",  # most of it one subprocess
     "kernels/mosaic/test_backward_plan.py",
     "layers/test_alphafold2_patch.py",

@@ -343,3 +343,21 @@ def expected_kernel_calls(n_res: int, head_dim: int, dtype) -> int:
     config fuses them, else two)."""
     config = msa_pallas.block_sizes.default_block_config(n_res, head_dim, dtype)
     return 3 if config.fuses_dq_dbias(n_res) else 4
+
+
+def padded_mask(batch, rows, n_res, seed, *, end_padding=0.25, middle=None, dead=(),
+                dead_batch=()):
+    """`[B, S, N]` bool: the last `end_padding` of the residues masked in
+    every row, keys `middle` = (start, stop) masked in the odd rows, the rows
+    `dead` (indices into S) and batch elements `dead_batch` all masked, and
+    10% of the other keys masked at random, differently in every row."""
+    rng = np.random.default_rng(seed)
+    keep = rng.random((batch, rows, n_res)) >= 0.1
+    keep[:, :, n_res - int(n_res * end_padding):] = False
+    if middle is not None:
+        keep[:, 1::2, middle[0]:middle[1]] = False
+    for row in dead:
+        keep[:, row] = False
+    for element in dead_batch:
+        keep[element] = False
+    return keep

@@ -11,12 +11,12 @@ padding, masks that change between rows.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import helpers
-from test_padding_mosaic_forward import padded_mask
 
 # float32 for the float32 path; bf16 inputs against float64 as the suite's
 # other f+b checks hold them.
@@ -34,7 +34,7 @@ CASES = {
 def _inputs(case, seed):
     (batch, rows, n_res, heads, head_dim), dtype, mask = CASES[case]
     inputs = helpers.random_inputs(seed, batch, rows, n_res, heads, head_dim, dtype)
-    return inputs._replace(mask=jnp.asarray(padded_mask(batch, rows, n_res, seed, **mask)))
+    return inputs._replace(mask=jnp.asarray(helpers.padded_mask(batch, rows, n_res, seed, **mask)))
 
 
 @pytest.mark.parametrize("implementation", ["mosaic", "triton", "xla"])
@@ -44,6 +44,10 @@ def test_padded_batches_against_float64(case, implementation, seed):
     dtype = jnp.dtype(inputs.q.dtype)
     if implementation == "mosaic" and dtype == jnp.float32:
         pytest.skip("the Mosaic forward takes 16-bit inputs (float32 runs the Triton forward)")
+    if implementation == "mosaic" and case != "end-dead-rows" and jax.default_backend() == "cpu":
+        # 40 s in the interpreter; d = 8 pairs, padding in the middle and an
+        # all-padding element are held there by the kernels' own padding tests.
+        pytest.skip("one Mosaic case in the interpreter (tests/kernels/mosaic/test_padding_*)")
     result = helpers.fwd_bwd(implementation)(*inputs.args)
     for x in (result[0], *result[1]):
         helpers.assert_finite(x)

@@ -26,8 +26,6 @@ key tile), N no whole number of tiles (and no multiple of 8).
 from __future__ import annotations
 
 import importlib
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -43,9 +41,7 @@ from msa_pallas.kernels.mosaic import forward as mosaic_forward
 from msa_pallas.kernels.mosaic.tiles import MosaicBackwardTiles, MosaicTiles
 from msa_pallas.kernels.triton import forward as triton_forward
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import shapes  # noqa: E402
+from benchmarks import shapes
 
 # MSA-row pairs (two consumers) and one row per CTA, 64 x 64 tiles.
 PAIRS = MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=2)

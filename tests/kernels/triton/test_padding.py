@@ -26,8 +26,6 @@ at train-like sizes with the benchmark's padded mask.
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -42,9 +40,7 @@ from msa_pallas import exporting
 from msa_pallas.block_sizes import BlockConfig, KernelTiles, default_block_config
 from msa_pallas.kernels.triton import backward, forward
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-import shapes  # noqa: E402
+from benchmarks import shapes
 
 # Small tiles, so that N = 40 has three key tiles, the last one partial.
 SMALL = dict(block_q=16, block_k=16, num_warps=4, num_stages=2)

@@ -33,24 +33,6 @@ OUT_TOLERANCE = 2e-2  # bf16 output against float64
 TILES = MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=2)
 
 
-def padded_mask(batch, rows, n_res, seed, *, end_padding=0.25, middle=None, dead=(),
-                dead_batch=()):
-    """`[B, S, N]` bool: the last `end_padding` of the residues masked in
-    every row, keys `middle` = (start, stop) masked in the odd rows, the rows
-    `dead` (indices into S) and batch elements `dead_batch` all masked, and
-    10% of the other keys masked at random, differently in every row."""
-    rng = np.random.default_rng(seed)
-    keep = rng.random((batch, rows, n_res)) >= 0.1
-    keep[:, :, n_res - int(n_res * end_padding):] = False
-    if middle is not None:
-        keep[:, 1::2, middle[0]:middle[1]] = False
-    for row in dead:
-        keep[:, row] = False
-    for element in dead_batch:
-        keep[element] = False
-    return keep
-
-
 def run(inputs, tiles, skip_masked, interpret):
     q, k, v, bias, mask, gate, _ = inputs.args
     return mosaic_forward.attention_forward(
@@ -106,7 +88,7 @@ def test_skipping_matches_visiting_every_tile(case, seed):
     inputs = helpers.random_inputs(
         seed, batch, rows, n_res, heads, head_dim, jnp.bfloat16, bias_dtype=spec["bias_dtype"]
     )
-    inputs = inputs._replace(mask=jnp.asarray(padded_mask(batch, rows, n_res, seed, **spec["mask"])))
+    inputs = inputs._replace(mask=jnp.asarray(helpers.padded_mask(batch, rows, n_res, seed, **spec["mask"])))
     check(inputs, TILES, interpret=True)
 
 
@@ -146,7 +128,7 @@ def test_gpu_skipping_equals_visiting_every_tile(case, persistent, seed):
     inputs = helpers.random_inputs(
         seed, batch, rows, n_res, heads, head_dim, jnp.bfloat16, bias_dtype=spec["bias_dtype"]
     )
-    inputs = inputs._replace(mask=jnp.asarray(padded_mask(batch, rows, n_res, seed, **spec["mask"])))
+    inputs = inputs._replace(mask=jnp.asarray(helpers.padded_mask(batch, rows, n_res, seed, **spec["mask"])))
     tiles = mosaic_forward.default_tiles(
         inputs.q.shape, jnp.bfloat16, spec["bias_dtype"], save_stats=True, has_gate=True
     )
