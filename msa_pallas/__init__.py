@@ -34,11 +34,13 @@ from msa_pallas.triangle import TriangleAttention, TriangleAttentionNNX
 from msa_pallas.dot_product_attention import dot_product_attention
 from msa_pallas import autotune, convert, dispatch
 from msa_pallas.dispatch import CallPlan
+from msa_pallas.kernels.key_tiles import skipping_padding
 
 __all__ = [
     "msa_row_attention",
     "explain",
     "CallPlan",
+    "skipping_padding",
     "resolve_implementation",
     "BlockConfig",
     "KernelTiles",

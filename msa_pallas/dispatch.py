@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from msa_pallas.block_sizes import BlockConfig, default_block_config
+from msa_pallas.kernels.key_tiles import skips_padding
 from msa_pallas.kernels.mosaic import backward as mosaic_backward
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
 from msa_pallas.kernels.mosaic.heads import pairs_heads
@@ -160,6 +161,8 @@ class CallPlan:
         `head_dim` where q, k, v (and `do`, the gate) are zero-padded first.
       bias_dtype: the dtype name the kernels read the bias in, None for its own.
       interpret: the kernels run in their interpreters (off a GPU).
+      skips_padding: the kernels skip the key tiles and MSA rows the mask
+        removes (`kernels.key_tiles.skipping_padding`; a mask given).
       target: the device traced for.
       reason: why these kernels, in one line.
     """
@@ -179,6 +182,7 @@ class CallPlan:
     ping_pong: bool = False
     bias_dtype: str | None = None
     interpret: bool = False
+    skips_padding: bool = False
 
     def tiles_of(self, kernel: str):
         """The tiles of backward kernel `kernel`, or None where it does not run."""
@@ -194,6 +198,8 @@ class CallPlan:
             turns = ", consumers ping-pong" if self.backward == "mosaic" and self.ping_pong else ""
             lines.append(f"  backward: {self.backward}{turns}")
             lines += [f"    {kernel}: {tiles}" for kernel, tiles in self.backward_tiles]
+            if self.skips_padding:
+                lines.append("  padding: key tiles and MSA rows the mask removes are skipped")
             for name, width in (("forward", self.forward_head_dim),
                                 ("backward", self.backward_head_dim)):
                 if width != self.head_dim:
@@ -352,4 +358,5 @@ def plan_call(
     return CallPlan(
         implementation, forward, backward, reason, target, head_dim, forward_head_dim,
         backward_head_dim, forward_tiles, backward_tiles, ping_pong, bias_dtype, interpret,
+        skips_padding=mask is not None and skips_padding(),
     )

@@ -155,9 +155,10 @@ def numpy_results(inputs: Inputs, scale=None):
 
 
 @functools.lru_cache(maxsize=None)
-def fwd_bwd(implementation, scale=None, block_config=None):
+def fwd_bwd(implementation, scale=None, block_config=None, skip_padding=False):
     """A jitted `(q, k, v, bias, mask, gate, dout) -> (out, (dq, dk, dv, dbias, dgate))`
     for `msa_pallas.msa_row_attention`; mask and gate may be None (dgate is then None).
+    `skip_padding`: traced inside `msa_pallas.skipping_padding()`.
 
     Cached per (implementation, scale, block_config) so that tests sharing a
     shape share the compiled function.
@@ -170,8 +171,9 @@ def fwd_bwd(implementation, scale=None, block_config=None):
                 scale=scale, implementation=implementation, block_config=block_config,
             )
 
-        out, pullback = jax.vjp(f, q, k, v, bias, gate)
-        return out, pullback(dout)
+        with msa_pallas.skipping_padding(skip_padding):
+            out, pullback = jax.vjp(f, q, k, v, bias, gate)
+            return out, pullback(dout)
 
     return jax.jit(run)
 

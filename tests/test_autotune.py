@@ -138,6 +138,9 @@ def test_mosaic_candidates_are_the_defaults_and_their_neighbours():
             assert len(changed) == 1, (default, tiles)
     assert not any(tiles.persistent for tiles in found["mosaic_forward"])
     assert "mosaic_forward" not in autotune.mosaic_candidates(shape, jnp.float32)
+    # The dk/dv kernel at block_k = 192 launches with a misaligned address on
+    # the H200, which poisons the process: no candidate of any kernel has it.
+    assert all(tiles.block_k != 192 for candidates in found.values() for tiles in candidates)
 
 
 def test_tunes_the_mosaic_tiles_in_the_interpreter(cache_dir):

@@ -20,12 +20,44 @@ row are inside the bounds and computed (exactly, as zeros): real padding is
 at the end of a crop and of an alignment.
 
 Arrays are int32 whatever `jax_enable_x64` says (the kernels' index type).
+
+Skipping is off by default (`skipping_padding`): measured on the H200, the
+bounds and the dead rows' means cost 2-18% on masked shapes with nothing to
+skip, more than the 8-27% it saves on padded ones (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
+
+
+_SKIPPING = contextvars.ContextVar("msa_pallas_skipping_padding", default=False)
+
+
+def skips_padding() -> bool:
+    """Whether calls traced now skip what the key mask removes."""
+    return _SKIPPING.get()
+
+
+@contextlib.contextmanager
+def skipping_padding(enabled: bool = True):
+    """Calls of the op traced inside skip (or, `enabled=False`, visit) the
+    key tiles and MSA rows their key mask removes; results are the same up
+    to float32 rounding. A function jitted outside keeps what it was traced
+    with.
+
+        with msa_pallas.skipping_padding():
+            grads = jax.jit(jax.grad(loss))(params, batch)
+    """
+    token = _SKIPPING.set(enabled)
+    try:
+        yield
+    finally:
+        _SKIPPING.reset(token)
 
 
 def kept_key_tiles(mask, n_res: int, block_k: int):

@@ -76,9 +76,10 @@ def _mosaic_call(kernel, args, in_layouts, out_layouts, *, interpret: bool) -> t
 def _forward(q, k, v, bias, mask, gate, *, scale, plan, save_stats):
     mosaic = plan.forward == "mosaic"
     forward = mosaic_forward.attention_forward if mosaic else triton_forward.attention_forward
+    skip = {"skip_masked" if mosaic else "skip_padding": plan.skips_padding}
     kernel = functools.partial(
         forward, scale=scale, tiles=plan.forward_tiles, interpret=plan.interpret,
-        save_stats=save_stats,
+        save_stats=save_stats, **skip,
     )
     outs = (QUERY_ROWS, QUERY_ROWS, STATS, STATS) if save_stats else (QUERY_ROWS,)
     args = (q, k, v, bias, mask, gate)
@@ -105,7 +106,8 @@ def _backward(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, p
         kernel, out_layouts = _TRITON_BACKWARD[name]
         extra = {"dbias_dtype": jnp.float32} if "dbias" in name else {}
         bound = functools.partial(
-            kernel(), scale=scale, tiles=tiles, interpret=plan.interpret, **extra
+            kernel(), scale=scale, tiles=tiles, interpret=plan.interpret,
+            skip_padding=plan.skips_padding, **extra,
         )
         outs = partitioned_call(bound, operands, _BACKWARD_IN, out_layouts)
         grads.update(zip(_OUTPUTS[name], outs))
@@ -133,7 +135,8 @@ def _mosaic_backward(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, s
     for name, tiles in plan.backward_tiles:
         kernel, out_layouts, extra = kernels[name]
         bound = functools.partial(
-            kernel, scale=scale, tiles=tiles, interpret=plan.interpret, **extra
+            kernel, scale=scale, tiles=tiles, interpret=plan.interpret,
+            skip_masked=plan.skips_padding, **extra,
         )
         outs = _mosaic_call(
             bound, operands, _MOSAIC_BACKWARD_IN, out_layouts, interpret=plan.interpret

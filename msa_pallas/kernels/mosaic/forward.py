@@ -367,7 +367,7 @@ def _kernel(
         return steps_before + (ub - lb)
 
     items = ForwardItems(grid, heads, block_q, tiles.persistent)
-    first_item = items.first()
+    first_item = items.first
 
     def for_each_item(work):
         return items.for_each(work, key_tiles if static_bounds else None)
@@ -420,7 +420,7 @@ def _kernel(
 )
 def attention_forward(
     q, k, v, bias, mask, gate, *, scale: float, tiles: MosaicTiles, interpret: bool,
-    save_stats: bool, key_bounds=None, skip_masked: bool = True,
+    save_stats: bool, key_bounds=None, skip_masked: bool = False,
 ):
     """Runs the Mosaic GPU forward kernel; the contract of the Triton forward.
 

@@ -10,7 +10,6 @@ item to item.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax.numpy as jnp
@@ -19,17 +18,28 @@ from jax import lax
 from msa_pallas.kernels.mosaic.pipeline import batch_head_and_warpgroup
 
 
-@dataclasses.dataclass(frozen=True)
 class ForwardItems:
     """This CTA's work items. `grid`: (B * H', query tiles, row groups);
     `heads`: H' (heads as the kernel sees them); `block_q`: queries per
     item; `persistent`: one CTA per SM (the "ctas" axis) or one per item
-    (the "row_groups", "query_tiles" and "batch_heads" axes)."""
+    (the "row_groups", "query_tiles" and "batch_heads" axes). Made once, at
+    the kernel's start: the CTA's share and first item are computed there."""
 
-    grid: tuple
-    heads: int
-    block_q: int
-    persistent: bool
+    def __init__(self, grid, heads: int, block_q: int, persistent: bool):
+        self.grid, self.heads, self.block_q, self.persistent = grid, heads, block_q, persistent
+        if persistent:
+            # CTA `cta` takes items cta, cta + ctas, ...: the CTAs at work at
+            # the same time take neighbouring row groups, so they read the
+            # same bias tiles, as with one CTA per item.
+            self.ctas, self.cta = lax.axis_size("ctas"), lax.axis_index("ctas")
+            total = math.prod(grid)
+            self.items_here = total // self.ctas + (self.cta < total % self.ctas).astype(jnp.int32)
+            self.first = self.item(self.cta)
+        else:
+            batch, head, _ = batch_head_and_warpgroup(heads)
+            self.items_here = 1
+            self.first = (batch, head, lax.axis_index("row_groups"),
+                          lax.axis_index("query_tiles") * block_q)
 
     def item(self, linear):
         """(batch, head, row_group, q_start) of work item `linear`."""
@@ -40,14 +50,6 @@ class ForwardItems:
         return (lax.div(batch_head, self.heads), lax.rem(batch_head, self.heads), row_group,
                 query_tile * self.block_q)
 
-    def first(self):
-        """This CTA's first item."""
-        if self.persistent:
-            return self.item(lax.axis_index("ctas"))
-        batch, head, _ = batch_head_and_warpgroup(self.heads)
-        return (batch, head, lax.axis_index("row_groups"),
-                lax.axis_index("query_tiles") * self.block_q)
-
     def for_each(self, work, steps_per_item=None):
         """`work(item, steps_before, next_item, has_next)` for this CTA's
         items, in order: `steps_before` counts the ring steps of the CTA's
@@ -55,17 +57,13 @@ class ForwardItems:
         takes `steps_per_item` steps where that is known when tracing).
         Returns the CTA's steps in all."""
         if not self.persistent:
-            first = self.first()
-            return work(first, 0, first, False)
-        ctas, cta = lax.axis_size("ctas"), lax.axis_index("ctas")
-        total = math.prod(self.grid)
-        items_here = total // ctas + (cta < total % ctas).astype(jnp.int32)
+            return work(self.first, 0, self.first, False)
 
         def visit(index, steps_before):
-            linear = index * ctas + cta
+            linear = index * self.ctas + self.cta
             if steps_per_item is not None:
                 steps_before = index * steps_per_item
-            return work(self.item(linear), steps_before, self.item(linear + ctas),
-                        index + 1 < items_here)
+            return work(self.item(linear), steps_before, self.item(linear + self.ctas),
+                        index + 1 < self.items_here)
 
-        return lax.fori_loop(0, items_here, visit, jnp.int32(0))
+        return lax.fori_loop(0, self.items_here, visit, jnp.int32(0))

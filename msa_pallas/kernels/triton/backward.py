@@ -385,7 +385,7 @@ _STATIC = ("scale", "tiles", "interpret", "skip_padding")
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def backward_dkdv(
     q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, tiles, interpret,
-    skip_padding=True,
+    skip_padding=False,
 ):
     """dk, dv `[B, S, N, H, d]` in q's dtype (arguments as in the module docstring)."""
     batch, num_msa_rows, n_res, heads, head_dim = q.shape
@@ -409,7 +409,7 @@ def backward_dkdv(
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def backward_dq(
     q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, tiles, interpret,
-    skip_padding=True,
+    skip_padding=False,
 ):
     """dq `[B, S, N, H, d]` in q's dtype (arguments as in the module docstring)."""
     batch, num_msa_rows, n_res, heads, head_dim = q.shape
@@ -433,7 +433,7 @@ def backward_dq(
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "dbias_dtype"))
 def backward_dbias(
     q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, tiles, interpret,
-    dbias_dtype=None, skip_padding=True,
+    dbias_dtype=None, skip_padding=False,
 ):
     """dbias `[B, H, N, N]` summed over the S MSA rows, in `dbias_dtype`
     (default: the bias dtype)."""
@@ -451,7 +451,7 @@ def backward_dbias(
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "dbias_dtype"))
 def backward_dq_dbias(
     q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, tiles, interpret,
-    dbias_dtype=None, skip_padding=True,
+    dbias_dtype=None, skip_padding=False,
 ):
     """dq `[B, S, N, H, d]` in q's dtype and dbias `[B, H, N, N]` in
     `dbias_dtype` (default: the bias dtype) from one kernel. `tiles.block_k`

@@ -153,7 +153,7 @@ def stats_spec(n_res: int, msa_rows: int = 1) -> pl.BlockSpec:
 )
 def attention_forward(
     q, k, v, bias, mask, gate, *, scale: float, tiles: KernelTiles, interpret: bool,
-    save_stats: bool, skip_padding: bool = True,
+    save_stats: bool, skip_padding: bool = False,
 ):
     """Runs the forward kernel.
 

@@ -172,3 +172,12 @@ def test_float32_kernels_lower_for_the_gpu_on_a_cpu(head_dim):
 def test_float32_head_dims_above_64_raise():
     with pytest.raises(ValueError, match="d <= 64"):
         mosaic_backward.default_tiles((1, 4, 384, 8, 128), jnp.float32, jnp.float32)
+
+
+def test_dkdv_refuses_block_k_192():
+    """block_k = 192 compiles, then the dk/dv kernel's launch fails with a
+    misaligned address on the H200 (jax 0.11.2): the plan refuses it first."""
+    with pytest.raises(ValueError, match="block_k=192"):
+        dkdv_plan((1, 4, 256, 8, 32), jnp.bfloat16, jnp.float32, MosaicTiles(64, 192, 2, 2),
+                  mask_dtype=jnp.int8, interpret=False)
+

@@ -2,12 +2,15 @@
 MSA rows the mask removes (`msa_pallas.kernels.key_tiles`), with the
 results of visiting every tile.
 
-On the CPU (the Mosaic GPU interpreter) the skipping kernel is held to the
-same kernel with `skip_masked=False` (every key tile visited) within one or
-two float32 roundings: the interpreter compiles the two loop structures
-(bounds read at run time, or known when tracing) into different XLA CPU
-programs, whose float32 contractions may differ in the last bit. On the
-GPU they are compared bitwise. Both are held to float64 NumPy.
+The skipping kernel is held to the same kernel with `skip_masked=False`
+(every key tile visited) within a few float32 roundings, on the CPU (the
+Mosaic GPU interpreter) and on the GPU alike, and both to float64 NumPy.
+Not bitwise: where the visiting kernel passes a fully masked tile, its
+online softmax rescales by exp2(m·c - round(m·c)) (the row max m in base 2,
+the subtraction contracted into an FMA), 1 within an ulp of m·c rather than
+exactly 1; with |m·c| up to 16, that is up to 16 float32 roundings. Measured
+on the H200: at most 2.4e-7 in the float32 residuals and one bf16 rounding
+in 2 of 1,048,576 outputs.
 
 The masks: padded residues at the end of every row (whole key tiles go),
 padding in the middle of a row, dead rows (every key masked) alone in a
@@ -50,14 +53,12 @@ def check(inputs, tiles, *, interpret):
     for name, got, want in zip(("out", "attention", "row_max", "row_log2_sum"), skipped, visited):
         got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32))
         assert np.isfinite(got).all(), name
-        if interpret:
-            # A few roundings of the result's dtype, at the array's scale
-            # (module docstring).
-            eps = float(jnp.finfo(jnp.bfloat16 if name == "out" else jnp.float32).eps)
-            scale = np.abs(want) + np.abs(want).mean() + (name == "row_log2_sum")
-            np.testing.assert_array_less(np.abs(got - want), 4 * eps * scale, err_msg=name)
-        else:
-            np.testing.assert_array_equal(got, want, err_msg=name)
+        # The visiting kernel's rescaling by a masked tile (module docstring).
+        # In the bf16 output that is one rounding at most.
+        roundings = 2 * float(jnp.finfo(jnp.bfloat16).eps) if name == "out" else (
+            32 * float(jnp.finfo(jnp.float32).eps))
+        scale = np.abs(want) + np.abs(want).mean() + (name == "row_log2_sum")
+        np.testing.assert_array_less(np.abs(got - want), roundings * scale, err_msg=name)
     out = skipped[0]
     expected = numpy_reference.forward(*inputs.args[:6], scale=inputs.q.shape[-1] ** -0.5)
     assert helpers.rel_err(out, expected) <= OUT_TOLERANCE

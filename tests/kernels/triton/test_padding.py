@@ -300,7 +300,7 @@ def test_op_on_padded_masks_against_float64(case, seed):
     shape = (2, 4, 40, 2, head_dim)
     q, k, v, dout, bias, gate = random_operands(seed, shape, dtype, bias_dtype, gate)
     rng = np.random.default_rng(seed + 1)
-    run = helpers.fwd_bwd("triton", None, config)
+    run = helpers.fwd_bwd("triton", None, config, skip_padding=True)
     for kind in MASK_KINDS:
         keep = padded_mask(*shape[:3], kind, rng)
         inputs = helpers.Inputs(q, k, v, bias, jnp.asarray(keep), gate, dout)
@@ -368,7 +368,7 @@ def test_summary_input_only_with_a_mask(masked):
 
 def run_kernels_traced(q, bias, mask, stats, config):
     """Every kernel of `config`, compiled (not interpreted), on traced inputs."""
-    common = dict(scale=0.25, interpret=False)
+    common = dict(scale=0.25, interpret=False, skip_padding=True)
     outs = forward.attention_forward(q, q, q, bias, mask, q, tiles=config.forward,
                                      save_stats=True, **common)
     operands = (q, q, q, bias, mask, q, stats, stats, stats)
@@ -420,7 +420,7 @@ def test_gpu_kernels_skip_exactly(shape_id, dtype_id, seed):
     assert_against_float64(skipped, q, k, v, do, bias, mask, gate, label)
 
     inputs = helpers.Inputs(q, k, v, bias, jnp.asarray(keep), gate, do)
-    result = helpers.fwd_bwd("triton")(*inputs.args)
+    result = helpers.fwd_bwd("triton", skip_padding=True)(*inputs.args)
     helpers.assert_shapes_dtypes_finite(result, inputs)
     loose = {"dbias": 2e-2} if bias_dtype == jnp.bfloat16 else {}
     helpers.compare(result, helpers.jnp_reference_fwd_bwd(inputs), tolerance(dtype),

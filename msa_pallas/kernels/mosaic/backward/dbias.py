@@ -178,7 +178,7 @@ def _dbias_kernel(
 @functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret", "skip_masked"))
 def backward_dbias(
     q, k, v, bias, mask, do, stats, *, scale: float, tiles: MosaicTiles, interpret: bool,
-    skip_masked: bool = True,
+    skip_masked: bool = False,
 ):
     """dbias `[B, H, N, N]` float32, summed over the S MSA rows (arguments as
     in `kernels.mosaic.backward`'s docstring; q, k, v and do may also be float32).

@@ -184,7 +184,7 @@ def _dq_kernel(
 )
 def backward_dq(
     q, k, v, bias, mask, do, stats, *, scale: float, tiles: MosaicTiles, interpret: bool,
-    ping_pong: bool = True, tile_bounds=None, skip_masked: bool = True,
+    ping_pong: bool = True, tile_bounds=None, skip_masked: bool = False,
 ):
     """dq `[B, S, N, H, d]` in q's dtype (arguments as in
     `kernels.mosaic.backward`'s docstring; float32 q, k, v and do as in
