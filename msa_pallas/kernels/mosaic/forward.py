@@ -35,8 +35,8 @@ residuals are the Triton forward's: either backward follows.
 
 Each item's key loop runs between bounds known at run time (`key_tiles_of`),
 the ring's slots and barrier phases following a running count of the CTA's
-steps: with a mask, the tiles holding its rows' kept keys (`kernels.key_tiles`);
-a row with none takes its mean of v.
+steps; with `skip_masked` and a mask, only the tiles holding its rows' kept
+keys (`kernels.key_tiles`), a row with none taking its mean of v.
 """
 
 from __future__ import annotations
@@ -440,7 +440,7 @@ def attention_forward(
         ub)`: the key tiles lb <= t < ub that work item `work` = (batch,
         head, row group, first query) visits, leaving the others out.
       skip_masked: with a mask, visit only the key tiles with kept keys
-        (`kernels.key_tiles`); False visits all (the tests' yardstick).
+        (`kernels.key_tiles`; the op: `skipping_padding`); False, all.
 
     Returns:
       out `[B, S, N, H, d]` in q's dtype, and, if `save_stats`, the ungated

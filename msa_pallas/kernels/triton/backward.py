@@ -376,8 +376,8 @@ def _bind(body, scale, n_res, head_dim, tiles, dtype, interpret, **extra):
 
 
 # `skip_padding` (every kernel): with a mask, skip the tiles and rows it
-# masks entirely (`key_tiles`); False computes them, as without a mask (the
-# tests' comparison). The gradients are the same bit for bit, but for the dv
+# masks entirely (`key_tiles`); False (the default; the op skips inside
+# `skipping_padding`) computes them, as without a mask. The gradients are the same bit for bit, but for the dv
 # of a row that keeps no key (the mean of `do`, summed in another order).
 _STATIC = ("scale", "tiles", "interpret", "skip_padding")
 

@@ -168,8 +168,8 @@ def attention_forward(
       save_stats: also return what the backward needs.
       skip_padding: with a mask, visit only the key tiles between the first
         and the last that keep a key in each row, and none in a row that
-        keeps no key (`key_tiles`); False visits every tile, as without a
-        mask (the tests' comparison). The results are the same bit for
+        keeps no key (`key_tiles`); False (the default; the op skips
+        inside `skipping_padding`) visits every tile, as without a mask. The results are the same bit for
         bit, but for a row that keeps no key, whose mean of v is summed in
         another order.
 

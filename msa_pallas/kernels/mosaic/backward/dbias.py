@@ -186,8 +186,8 @@ def backward_dbias(
     With a mask, each CTA's loop over rows runs from the first to the last
     row that keeps a key of its key tile (`key_tiles.row_bounds`, an int32
     input): the rows left out (padding rows, dead or not, at the ends of
-    the alignment) would add exactly 0. `skip_masked` False visits every
-    row (the tests' unskipped kernel).
+    the alignment) would add exactly 0. `skip_masked` False (the default;
+    the op skips inside `skipping_padding`) visits every row.
 
     When (tiles x heads x batch) gives too few CTAs to fill the GPU, the rows
     are split into chunks (`block_sizes.row_chunks`), one CTA each, and the

@@ -216,7 +216,7 @@ def backward_dkdv(
         (batch, head, MSA-row group, first key) visits, of `tiles`; the
         others are left out of its gradients. In place of the mask's.
       skip_masked: False runs every query loop whatever the mask (the
-        tests' unskipped kernel).
+        default; the op skips inside `skipping_padding`).
     """
     check_kernel_inputs(q, bias, float32=True, paired_heads=q.dtype != jnp.float32)
     batch, rows, n_res, heads = q.shape[:4]

@@ -201,7 +201,7 @@ def backward_dq(
         (batch, head, MSA-row group, first query) visits, of `tiles`; the
         others are left out of its gradients. In place of the mask's.
       skip_masked: False visits every key tile whatever the mask (the
-        tests' unskipped kernel).
+        default; the op skips inside `skipping_padding`).
     """
     check_kernel_inputs(q, bias, float32=True, paired_heads=q.dtype != jnp.float32)
     rows, n_res, heads = q.shape[1], q.shape[2], q.shape[3]
