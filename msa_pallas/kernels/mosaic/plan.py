@@ -221,7 +221,7 @@ DKDV_BLOCK_K = (64, 128, 256)
 
 def dkdv_plan(
     q_shape, q_dtype, bias_dtype, tiles: MosaicTiles, *, mask_dtype, interpret: bool,
-    dead_rows: bool = True,
+    dead_rows: bool = False,
 ):
     """The dk/dv kernel's plan for q of `q_shape` `[B, S, N, H, d]` (d = 8
     with an even H and 16 bits: two heads per tile, `heads.tile_heads`;

@@ -54,7 +54,6 @@ def compiled_forward(
     plan = forward_plan(
         shape, jnp.bfloat16, bias_dtype, tiles, mask_dtype=jnp.int8 if has_mask else None,
         gate_dtype=jnp.bfloat16 if has_gate else None, save_stats=save_stats, interpret=False,
-        skips_masked=has_mask,
     )
     return forward, (q, q, q, bias, mask, gate), plan
 
