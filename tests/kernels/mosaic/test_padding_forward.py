@@ -77,7 +77,7 @@ CPU_CASES = {
                                   mask=dict(dead=(1, 4, 5))),
     # Two heads per tile (d = 8), N no whole number of key tiles, keys 64-127
     # masked in the odd rows, the second batch element all padding.
-    "d8-middle-all-padding": dict(shape=(2, 4, 200, 4, 8), bias_dtype=jnp.bfloat16,
+    "d8-middle-all-padding": dict(shape=(2, 4, 136, 4, 8), bias_dtype=jnp.bfloat16,
                                   mask=dict(middle=(64, 128), dead_batch=(1,))),
 }
 
