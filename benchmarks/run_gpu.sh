@@ -36,7 +36,7 @@
 # is in OUT_DIR/compare.log and in the summary.
 #
 # Environment: PYTHON (default python3), TEST_ARGS (extra pytest arguments,
-# split on spaces, e.g. "-x tests/test_gpu.py"; TESTS=0 skips the tests), BENCH (0 skips
+# split on spaces, e.g. "-x tests/kernels/triton/test_gpu.py"; TESTS=0 skips the tests), BENCH (0 skips
 # the op benchmark and the comparison, e.g. to run the tests and the layer benchmark
 # in a call of their own), LAYER_BENCH (0 skips the
 # layer benchmark), BENCH_ARGS (extra arguments of

@@ -51,7 +51,7 @@ if [[ ${TESTS:-1} != 0 ]]; then
     section "multi-GPU tests"
     "$PYTHON" -m pytest -q -m gpu -k on_gpus -p no:cacheprovider -rs --durations=10 \
         tests/test_sharding.py tests/benchmarks/test_multi_gpu.py tests/test_train_example.py \
-        tests/test_gpu_reliability.py 2>&1 | tee "$OUT_DIR/tests.log"
+        tests/kernels/triton/test_gpu_reliability.py 2>&1 | tee "$OUT_DIR/tests.log"
     [[ ${PIPESTATUS[0]} -eq 0 ]] || status=1
 fi
 

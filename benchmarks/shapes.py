@@ -76,7 +76,7 @@ def first_rows(dims: tuple[int, int, int, int, int], rows: int) -> tuple[int, in
     return (b, rows, n, h, d)
 
 
-# The GPU tests' shapes (tests/test_gpu.py): the table's, long and longer cut to their
+# The GPU tests' shapes (tests/gpu_inputs.py): the table's, long and longer cut to their
 # first 16 MSA rows, where a float64 reference of every row would take minutes.
 GPU_TEST_DIMS: dict[str, tuple[int, int, int, int, int]] = {
     "seed": DIMS["seed"],

@@ -23,7 +23,7 @@ Arrays are int32 whatever `jax_enable_x64` says (the kernels' index type).
 
 Skipping is off by default (`skipping_padding`): measured on the H200, the
 bounds and the dead rows' means cost 2-18% on masked shapes with nothing to
-skip, more than the 8-27% it saves on padded ones (benchmarks/RESULTS.md).
+skip, against the 9-28% it saves on padded ones (benchmarks/log).
 """
 
 from __future__ import annotations
