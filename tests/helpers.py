@@ -15,6 +15,8 @@ import numpy as np
 
 import msa_pallas
 import numpy_reference
+from msa_pallas.block_sizes import default_block_config
+from msa_pallas.kernels.triton import forward as triton_forward
 
 # Relative error (Frobenius norm) against a float64 reference.
 TOLERANCE = {
@@ -363,3 +365,22 @@ def padded_mask(batch, rows, n_res, seed, *, end_padding=0.25, middle=None, dead
     for element in dead_batch:
         keep[element] = False
     return keep
+
+
+def mosaic_backward_operands(inputs: Inputs):
+    """The Mosaic backward kernels' operands `(q, k, v, bias, mask, do, stats)`
+    and the scale, from the Triton forward (interpreted) on `inputs`, the
+    cotangent `dout` taken as the ungated output's cotangent `do`. The row
+    statistics follow the contract the kernels rely on for a row whose keys
+    are all masked (row max -1e9·log2(e), log2 row sum log2(N))."""
+    q, k, v, bias, mask, _, dout = inputs.args
+    mask = None if mask is None else mask.astype(jnp.int8)
+    scale = q.shape[-1] ** -0.5
+    tiles = default_block_config(q.shape[2], q.shape[-1], q.dtype, bias.dtype).forward
+    _, attention, row_max, row_log2_sum = triton_forward.attention_forward(
+        q, k, v, bias, mask, None, scale=scale, tiles=tiles, interpret=True, save_stats=True
+    )
+    delta = jnp.swapaxes(jnp.sum(dout.astype(jnp.float32) * attention, -1), 2, 3)
+    stats = jnp.stack([row_max, row_log2_sum, delta], axis=3)
+    return (q, k, v, bias, mask, dout, stats), scale
+

@@ -44,21 +44,6 @@ ONE_DBIAS_CONSUMER = MosaicBackwardTiles(
 )
 
 
-def residuals(inputs):
-    """The kernels' operands from the Triton forward (interpreted), with the
-    cotangent `dout` as the ungated output's cotangent `do`."""
-    q, k, v, bias, mask, _, dout = inputs.args
-    mask = None if mask is None else mask.astype(jnp.int8)
-    scale = q.shape[-1] ** -0.5
-    tiles = default_block_config(q.shape[2], q.shape[-1], q.dtype, bias.dtype).forward
-    _, attention, row_max, row_log2_sum = triton_forward.attention_forward(
-        q, k, v, bias, mask, None, scale=scale, tiles=tiles, interpret=True, save_stats=True
-    )
-    delta = jnp.swapaxes(jnp.sum(dout.astype(jnp.float32) * attention, -1), 2, 3)
-    stats = jnp.stack([row_max, row_log2_sum, delta], axis=3)
-    return (q, k, v, bias, mask, dout, stats), scale
-
-
 def run_backward(operands, scale, tiles: MosaicBackwardTiles):
     bound = dict(scale=scale, interpret=True)
     dk, dv = mosaic_backward.backward_dkdv(
@@ -116,7 +101,7 @@ def test_kernels_against_float64(case, seed):
         seed, 1, rows, n_res, 1, head_dim, dtype, bias_dtype=bias_dtype, gate=False,
         fully_masked_row=(0, rows - 1),
     )
-    operands, scale = residuals(inputs)
+    operands, scale = helpers.mosaic_backward_operands(inputs)
     if tiles is None:
         tiles = mosaic_backward.default_tiles(inputs.q.shape, dtype, bias_dtype)
     dq, dk, dv, dbias = run_backward(operands, scale, tiles)
@@ -146,7 +131,7 @@ def test_several_heads_and_batch_elements(batch, heads, head_dim, bias_dtype, se
         seed, batch, 2, 72, heads, head_dim, jnp.bfloat16, bias_dtype=bias_dtype, gate=False,
         fully_masked_row=(batch - 1, 1),
     )
-    operands, scale = residuals(inputs)
+    operands, scale = helpers.mosaic_backward_operands(inputs)
     gradients = run_backward(operands, scale, SMALL_TILES)
     check_gradients(gradients, inputs, scale, f"mosaic backward B={batch} H={heads} d={head_dim}")
 
@@ -160,7 +145,7 @@ def test_bias_gradient_over_row_chunks(seed):
     inputs = helpers.random_inputs(
         seed, 1, rows, 128, 1, 16, jnp.bfloat16, gate=False, fully_masked_row=(0, 5)
     )
-    operands, scale = residuals(inputs)
+    operands, scale = helpers.mosaic_backward_operands(inputs)
     dbias = mosaic_backward.backward_dbias(*operands, scale=scale, tiles=tiles, interpret=True)
     q, k, v, bias, mask, _, dout = inputs.args
     expected = numpy_reference.vjp(q, k, v, bias, mask, None, scale, dout)[3]
@@ -210,7 +195,7 @@ def test_op_takes_head_dim_8(heads, seed, monkeypatch):
     assert seen == [("attention_forward", tile_width), ("backward_dkdv", tile_width),
                     ("backward_dq", tile_width), ("backward_dbias", tile_width)], seen
     if heads % 2:
-        operands, scale = residuals(inputs._replace(gate=None))
+        operands, scale = helpers.mosaic_backward_operands(inputs._replace(gate=None))
         with pytest.raises(ValueError, match="pad it to 16"):
             mosaic_backward.backward_dq(*operands, scale=scale, tiles=SMALL, interpret=True)
 
@@ -230,7 +215,7 @@ def test_paired_heads_equal_the_padded_head_dim(bias_dtype, dbias_consumers, see
         seed, 1, 3, 72, 2, 8, jnp.bfloat16, bias_dtype=bias_dtype, gate=False,
         fully_masked_row=(0, 1),
     )
-    operands, scale = residuals(inputs)
+    operands, scale = helpers.mosaic_backward_operands(inputs)
     assert mosaic_backward.tile_heads(inputs.q.shape, inputs.q.dtype) == 2
     tiles = MosaicBackwardTiles(
         dkdv=SMALL, dq=SMALL, dbias=dataclasses.replace(SMALL, msa_rows=dbias_consumers)
@@ -276,7 +261,7 @@ def test_loops_between_runtime_bounds(seed):
         seed, 1, 2, 136, 1, 32, jnp.bfloat16, bias_dtype=jnp.float32, gate=False,
         mask_rate=0.1,
     )
-    operands, scale = residuals(inputs)
+    operands, scale = helpers.mosaic_backward_operands(inputs)
     bound = dict(
         scale=scale, tiles=SMALL, interpret=True, tile_bounds=pipeline_bounds.strict_tile_bounds
     )
@@ -292,7 +277,7 @@ def test_loops_between_runtime_bounds(seed):
 def test_ping_pong_changes_nothing(seed):
     """Taking turns reorders the consumers' work, never their arithmetic."""
     inputs = helpers.random_inputs(seed, 1, 2, 128, 1, 32, jnp.bfloat16, gate=False)
-    operands, scale = residuals(inputs)
+    operands, scale = helpers.mosaic_backward_operands(inputs)
     in_turns = run_backward(operands, scale, SMALL_TILES)
     apart = run_backward(
         operands, scale, MosaicBackwardTiles(dkdv=SMALL, dq=SMALL, dbias=SMALL, ping_pong=False)
@@ -336,7 +321,7 @@ def test_float32_bias_gradient_in_bf16_pieces(consumers, n_res, seed):
     inputs = helpers.random_inputs(
         seed, 1, 3, n_res, 1, 32, jnp.float32, gate=False, fully_masked_row=(0, 1)
     )
-    operands, scale = residuals(inputs)
+    operands, scale = helpers.mosaic_backward_operands(inputs)
     tiles = MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=consumers)
     dbias = mosaic_backward.backward_dbias(*operands, scale=scale, tiles=tiles, interpret=True)
     q, k, v, bias, mask, _, dout = inputs.args

@@ -35,11 +35,10 @@ import pytest
 import helpers
 import mosaic_lowering
 import numpy_reference
-from msa_pallas.block_sizes import default_block_config, row_chunks
+from msa_pallas.block_sizes import row_chunks
 from msa_pallas.kernels.mosaic import backward as mosaic_backward
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
 from msa_pallas.kernels.mosaic.tiles import MosaicBackwardTiles, MosaicTiles
-from msa_pallas.kernels.triton import forward as triton_forward
 
 from benchmarks import shapes
 
@@ -87,22 +86,6 @@ def inputs_with_keep(seed, keep, heads, head_dim, dtype, bias_dtype, gate=False)
         mask_rate=None,
     )
     return inputs._replace(mask=jnp.asarray(keep))
-
-
-def residuals(inputs):
-    """The kernels' operands from the Triton forward (interpreted): its row
-    statistics follow the contract the kernels rely on for dead rows (row
-    max -1e9·log2(e), log2 row sum log2(N))."""
-    q, k, v, bias, mask, _, dout = inputs.args
-    mask = mask.astype(jnp.int8)
-    scale = q.shape[-1] ** -0.5
-    tiles = default_block_config(q.shape[2], q.shape[-1], q.dtype, bias.dtype).forward
-    _, attention, row_max, row_log2_sum = triton_forward.attention_forward(
-        q, k, v, bias, mask, None, scale=scale, tiles=tiles, interpret=True, save_stats=True
-    )
-    delta = jnp.swapaxes(jnp.sum(dout.astype(jnp.float32) * attention, -1), 2, 3)
-    stats = jnp.stack([row_max, row_log2_sum, delta], axis=3)
-    return (q, k, v, bias, mask, dout, stats), scale
 
 
 def run_kernels(operands, scale, tiles: MosaicBackwardTiles, kernels, *, skip: bool,
@@ -183,7 +166,7 @@ def test_skipping_changes_nothing(case, seed):
     kind, batch, rows, n_res, heads, head_dim, dtype, bias_dtype, tiles = CASES[case]
     keep = padded_keep(kind, batch, rows, n_res, np.random.default_rng(seed))
     inputs = inputs_with_keep(seed, keep, heads, head_dim, dtype, bias_dtype)
-    operands, scale = residuals(inputs)
+    operands, scale = helpers.mosaic_backward_operands(inputs)
     backward_tiles = MosaicBackwardTiles(dkdv=tiles, dq=tiles, dbias=tiles, ping_pong=True)
     check_padded(inputs, operands, scale, backward_tiles, label=f"padded {case}")
 
@@ -202,7 +185,7 @@ def test_bias_gradient_over_row_chunks(seed):
     keep[:, 25:] = False
     keep[:, 20] = False
     inputs = inputs_with_keep(seed, keep, 1, 16, jnp.bfloat16, jnp.float32)
-    operands, scale = residuals(inputs)
+    operands, scale = helpers.mosaic_backward_operands(inputs)
     backward_tiles = MosaicBackwardTiles(dkdv=tiles, dq=tiles, dbias=tiles)
     check_padded(inputs, operands, scale, backward_tiles, ("dbias",), label="dbias chunks")
 
