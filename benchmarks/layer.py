@@ -12,6 +12,14 @@ parameters, same inputs). Only its attention core changes between rows:
   apply the gate themselves). Reported as skipped where the layer has no `attention_fn`
   field, without a GPU, or without the package.
 
+`--preset reference` times the reference layer instead
+(`MSARowAttentionWithPairBias(...)`, the PyTorch layer's twin: q/k/v without
+LayerNorm options of AF2, attention dropout). A core named `CORE+dropout` is
+CORE with the layer's dropout at `--dropout` (default 0.1) and
+`deterministic=False` in both the forward and the step (a fresh `"dropout"`
+key per call): attention dropout in the reference preset, AF2's shared-row
+output dropout in the alphafold2 one.
+
 For each core: the forward, and a training step, `jax.value_and_grad` of a scalar loss
 w.r.t. the parameters AND both inputs (msa_repr, pair_repr), all under `jax.jit`; the
 median milliseconds, the ratio of each core's time to `pallas`' (> 1: the Pallas layer
@@ -59,6 +67,8 @@ from benchmarks.shapes import DIMS, LAYER_CHANNELS
 # the Mosaic GPU kernels on Hopper where they run), "pallas" the Triton kernels.
 OWN_CORES = ("default", "pallas", "mosaic", "xla")
 CORES = OWN_CORES + tuple(LAYER_CORES)
+DROPOUT = "+dropout"  # a core's suffix: the same core with the layer's dropout on
+PRESETS = ("alphafold2", "reference")
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 
 
@@ -76,7 +86,9 @@ def supports_attention_fn(layer_cls=MSARowAttentionWithPairBias) -> bool:
 
 
 def core_options(core: str, layer_cls=MSARowAttentionWithPairBias) -> dict:
-    """The layer's fields that select `core`; raises `Unavailable` where it cannot run."""
+    """The layer's fields that select `core` (a `+dropout` suffix ignored);
+    raises `Unavailable` where it cannot run."""
+    core = core.removesuffix(DROPOUT)
     if core == "mosaic" and jax.default_backend() != "gpu":
         raise Unavailable("the Mosaic GPU kernels are timed on a GPU only")
     if core in OWN_CORES:
@@ -118,12 +130,31 @@ def relative_error(out, reference) -> float:
     return float(jnp.linalg.norm(out - reference) / jnp.linalg.norm(reference))
 
 
+def make_layer(shape: dict, preset: str, dropout: float, dtype, options: dict):
+    """The layer timed: AF2's preset (output projection not zero-initialised,
+    so that cores can be compared) or the reference one."""
+    dims = dict(msa_dim=shape["msa_dim"], pair_dim=shape["pair_dim"], num_heads=shape["heads"])
+    if preset == "reference":
+        return MSARowAttentionWithPairBias(**dims, dropout=dropout, dtype=dtype, **options)
+    return MSARowAttentionWithPairBias.alphafold2(
+        **dims, dropout=dropout, zero_init_output=False, dtype=dtype, **options)
+
+
+def meta_layer(preset: str) -> str:
+    if preset == "reference":
+        return "MSARowAttentionWithPairBias(...)"
+    return "MSARowAttentionWithPairBias.alphafold2(zero_init_output=False)"
+
+
 def bench_one(shape_name: str, core: str, dtype, input_dtype, warmup: int, iters: int,
-              reps: int, reference=None) -> tuple[dict, object]:
-    """One row: the layer at `shape_name` with `core`, forward and training step.
+              reps: int, reference=None, preset: str = "alphafold2",
+              dropout: float = 0.1) -> tuple[dict, object]:
+    """One row: the layer at `shape_name` with `core`, forward and training step
+    (`dropout` applies to a `+dropout` core only).
 
     Returns (row, forward output or None); `reference`, an earlier core's output,
-    gives the row's `rel_err` (its core's name is `reference_core`)."""
+    gives the row's `rel_err` (its core's name is `reference_core`; not for
+    cores with dropout, whose outputs differ by design)."""
     shape = layer_shape(shape_name)
     row = dict(shape=shape_name, core=core, implementation=core, **shape,
                dtype=jnp.dtype(dtype).name, input_dtype=jnp.dtype(input_dtype).name)
@@ -132,16 +163,20 @@ def bench_one(shape_name: str, core: str, dtype, input_dtype, warmup: int, iters
     except Unavailable as why:
         row.update(status=f"skipped: {why}")
         return row, None
-    layer = MSARowAttentionWithPairBias.alphafold2(
-        msa_dim=shape["msa_dim"], pair_dim=shape["pair_dim"], num_heads=shape["heads"],
-        dropout=0.0, zero_init_output=False, dtype=dtype, **options)
+    rate = dropout if core.endswith(DROPOUT) else 0.0
+    row["dropout"] = rate
+    layer = make_layer(shape, preset, rate, dtype, options)
     m, z, mask, cot = make_inputs(shape, input_dtype)
+    dropout_key = jax.random.key(2)
 
-    def forward(params, m, z, mask):
-        return layer.apply({"params": params}, m, z, mask, deterministic=True)
+    def forward(params, m, z, mask, key=dropout_key):
+        if not rate:
+            return layer.apply({"params": params}, m, z, mask, deterministic=True)
+        return layer.apply({"params": params}, m, z, mask, deterministic=False,
+                           rngs={"dropout": key})
 
-    def loss(params, m, z, mask, cot):
-        return jnp.sum(forward(params, m, z, mask).astype(jnp.float32) * cot)
+    def loss(params, m, z, mask, cot, key=dropout_key):
+        return jnp.sum(forward(params, m, z, mask, key).astype(jnp.float32) * cot)
 
     out = None
     try:
@@ -149,15 +184,16 @@ def bench_one(shape_name: str, core: str, dtype, input_dtype, warmup: int, iters
         # initialise them in a small program, whatever the shape.
         params = jax.jit(layer.init)(
             jax.random.key(1, impl="rbg"), m[:, :1, :1], z[:, :1, :1], mask[:, :1, :1])["params"]
-        fwd_c = jax.jit(forward).lower(params, m, z, mask).compile()
+        key = dropout_key
+        fwd_c = jax.jit(forward).lower(params, m, z, mask, key).compile()
         step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-        step_c = step.lower(params, m, z, mask, cot).compile()
+        step_c = step.lower(params, m, z, mask, cot, key).compile()
         row["temp_bytes"] = temp_bytes(step_c)
-        row["fwd_ms"] = time_fn(fwd_c, (params, m, z, mask), warmup, iters, reps)
-        row["fwd_bwd_ms"] = time_fn(step_c, (params, m, z, mask, cot), warmup, iters, reps)
-        out = fwd_c(params, m, z, mask)
+        row["fwd_ms"] = time_fn(fwd_c, (params, m, z, mask, key), warmup, iters, reps)
+        row["fwd_bwd_ms"] = time_fn(step_c, (params, m, z, mask, cot, key), warmup, iters, reps)
+        out = fwd_c(params, m, z, mask, key)
         row["finite"] = bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
-        if reference is not None:
+        if reference is not None and not rate:
             row["rel_err"] = relative_error(out, reference)
         row["status"] = "ok"
     except Exception as err:  # e.g. out of memory: record it and go on
@@ -216,7 +252,7 @@ def markdown(rows: list[dict], cores: list[str]) -> str:
 
 # Metadata a results file must share with this run for the run to continue it.
 SAME_RUN_KEYS = ("device", "backend", "jax", "commit", "warmup", "iters", "reps", "dtype",
-                 "input_dtype")
+                 "input_dtype", "preset", "dropout")
 
 
 def main(argv=None, prog: str | None = None) -> list[dict]:
@@ -228,6 +264,10 @@ def main(argv=None, prog: str | None = None) -> list[dict]:
                         "elsewhere)" % ",".join(LAYER_CHANNELS))
     p.add_argument("--cores", "--impls", dest="cores", default=",".join(CORES),
                    help="attention cores, comma-separated from %(default)s (default: all)")
+    p.add_argument("--preset", default="alphafold2", choices=PRESETS,
+                   help="the layer: AF2's preset (default) or the reference layer's")
+    p.add_argument("--dropout", type=float, default=0.1,
+                   help="the layer's dropout for the CORE+dropout cores (default 0.1)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="compute dtype")
     p.add_argument("--input-dtype", default=None, choices=sorted(DTYPES),
                    help="dtype of msa_repr/pair_repr (default: the compute dtype)")
@@ -253,8 +293,9 @@ def main(argv=None, prog: str | None = None) -> list[dict]:
             p.error(f"unknown shape {s!r}; choose from {', '.join(LAYER_CHANNELS)}")
     cores = [c for c in args.cores.split(",") if c]
     for core in cores:
-        if core not in CORES:
-            p.error(f"unknown core {core!r}; choose from {', '.join(CORES)}")
+        if core.removesuffix(DROPOUT) not in CORES:
+            p.error(f"unknown core {core!r}; choose from {', '.join(CORES)} (each with an "
+                    f"optional {DROPOUT} suffix)")
     warmup = args.warmup if args.warmup is not None else (5 if on_gpu else 1)
     iters = args.iters if args.iters is not None else (10 if on_gpu else 3)
     reps = args.reps if args.reps is not None else (10 if on_gpu else 1)
@@ -262,7 +303,7 @@ def main(argv=None, prog: str | None = None) -> list[dict]:
     input_dtype = DTYPES[args.input_dtype or args.dtype]
 
     device = jax.devices()[0]
-    print(f"# MSARowAttentionWithPairBias.alphafold2 layer, {jnp.dtype(dtype).name} compute, "
+    print(f"# {meta_layer(args.preset)} layer, {jnp.dtype(dtype).name} compute, "
           f"{jnp.dtype(input_dtype).name} inputs, float32 params; device: {device.device_kind} "
           f"({jax.default_backend()}); jax {jax.__version__}; median of {iters} samples of "
           f"{reps} calls after {warmup} warm-up; attention_fn "
@@ -275,8 +316,8 @@ def main(argv=None, prog: str | None = None) -> list[dict]:
                 date_utc=runs.utc_now(),
                 warmup=warmup, iters=iters, reps=reps,
                 dtype=jnp.dtype(dtype).name, input_dtype=jnp.dtype(input_dtype).name,
-                layer="MSARowAttentionWithPairBias.alphafold2(dropout=0.0, "
-                      "zero_init_output=False)",
+                preset=args.preset, dropout=args.dropout,
+                layer=meta_layer(args.preset),
                 attention_fn_supported=supports_attention_fn(),
                 xla_flags=os.environ.get("XLA_FLAGS", ""))
     out_dir = Path(args.out) if args.out else None
@@ -309,7 +350,8 @@ def main(argv=None, prog: str | None = None) -> list[dict]:
         start = time.perf_counter()
         reference, reference_core = references.get(shape, (None, None))
         progress.describe(f"{shape} {core}")
-        row, out = bench_one(shape, core, dtype, input_dtype, warmup, iters, reps, reference)
+        row, out = bench_one(shape, core, dtype, input_dtype, warmup, iters, reps, reference,
+                             preset=args.preset, dropout=args.dropout)
         if reference is None and out is not None:
             references[shape] = (out, core)
         elif "rel_err" in row:

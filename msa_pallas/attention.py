@@ -12,6 +12,7 @@ from msa_pallas.block_sizes import BlockConfig
 from msa_pallas.dispatch import (  # noqa: F401  (kernel_bias_dtype: public before dispatch.py)
     CallPlan, choose_implementation, current_target, kernel_bias_dtype, plan_call,
 )
+from msa_pallas.dropout import row_seeds
 from msa_pallas.kernels.mosaic.support import pad_head_dim
 from msa_pallas.kernels.vjp import fused_attention
 from msa_pallas.reference import key_keep, msa_row_attention_xla
@@ -86,9 +87,13 @@ def msa_row_attention(
       block_config: tiles for the Pallas kernels; default chosen by
         `msa_pallas.block_sizes.default_block_config(N, d, dtype, bias_dtype)`.
       dropout_rate: dropout on the attention weights (the reference layer's
-        convention), with `dropout_rng` a PRNG key. Not in the kernels yet:
-        with a rate > 0, `implementation=None` runs the `"xla"` path and
-        `"triton"` / `"mosaic"` raise.
+        convention: torch.nn.Dropout on the softmax output, the kept weights
+        scaled by 1 / (1 - rate)), inside the kernels on every backend.
+      dropout_rng: a PRNG key, required with a rate > 0. The mask is a
+        function of the key and of (b, s, h, i, j) alone
+        (`msa_pallas.dropout`): every backend, tile size and number of
+        devices draws the same mask from the same key, and the backward
+        regenerates it without storing it.
       round_bias: opt-in speed for 16-bit q with a wider bias (float32, as
         AlphaFold's pair projections give): the kernels then read the bias
         rounded once to q's dtype (float16: saturated to its range), half
@@ -113,6 +118,20 @@ def msa_row_attention(
         block_config=block_config, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
         round_bias=round_bias,
     )
+    *batch_shape, rows, n_res, heads, _ = q.shape
+    seeds = None
+    if plan.dropout_rate:
+        seeds = row_seeds(dropout_rng, math.prod(batch_shape), rows, heads)
+    return run_plan(plan, q, k, v, bias, mask, gate, scale=scale, dropout_seeds=seeds)
+
+
+def run_plan(plan: CallPlan, q, k, v, bias, mask=None, gate=None, *, scale=None,
+             dropout_seeds=None) -> jax.Array:
+    """`msa_row_attention` on the kernels of `plan` (from `plan_call` with the
+    same arguments). `dropout_seeds`: `[prod(batch), S, H]` uint32 from
+    `dropout.row_seeds`, given where `plan.dropout_rate > 0`: drawn by the
+    caller on the call's global shape, so that a `shard_map` over the rows
+    (`msa_pallas.sharding`) hands each device its slice of the same draw."""
     *batch_shape, rows, n_res, heads, head_dim = q.shape
     batch = math.prod(batch_shape)
     if scale is None:
@@ -130,7 +149,7 @@ def msa_row_attention(
     if plan.implementation == "xla":
         out = msa_row_attention_xla(
             q, k, v, bias, mask, gate,
-            scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+            scale=scale, dropout_rate=plan.dropout_rate, dropout_seeds=dropout_seeds,
         )
     else:
         if plan.forward_head_dim > head_dim:
@@ -141,7 +160,7 @@ def msa_row_attention(
         out = fused_attention(
             q, k, v, bias,
             None if mask is None else mask.astype(jnp.int8),
-            gate, scale, plan,
+            gate, dropout_seeds, scale, plan,
         )[..., :head_dim]
     return out.reshape(*batch_shape, rows, n_res, heads, head_dim)
 

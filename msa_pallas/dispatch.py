@@ -14,8 +14,8 @@ The rule (this is its one description):
   ValueError that says why; float32 inputs there run the Triton forward (three
   TF32 products) and the Mosaic backward (three bf16 pieces per operand).
   Off a GPU the kernels run in their interpreters (slow; for tests).
-- `implementation=None`: `"xla"` with attention dropout, for dtypes or head
-  dims the kernels do not take (float64, d > 128), or off a GPU. On a Hopper
+- `implementation=None`: `"xla"` for dtypes or head dims the kernels do not
+  take (float64, d > 128), or off a GPU. On a Hopper
   GPU (sm90: H100, H200) `"mosaic"` where it was measured faster and takes
   the inputs: 16-bit inputs with N >= `MOSAIC_MIN_RESIDUES`; float32 inputs
   with a float32 bias and N >= `MOSAIC_FLOAT32_MIN_RESIDUES` a multiple of
@@ -26,6 +26,9 @@ The rule (this is its one description):
 - The target is the GPU the call is traced for: JAX's default device, or the
   abstract device of the current abstract mesh (`exporting.gpu_target`), so
   an export for "NVIDIA H200" holds the kernels an H200 would run.
+- Attention dropout runs in every backend (`msa_pallas.dropout`: the same
+  mask everywhere); with dropout the kernels do not skip padding (a fully
+  masked row's uniform weights are dropped too).
 - Tiles: `block_config` where given (its `mosaic_*` fields for the Mosaic
   kernels), else `block_sizes.default_block_config` and the Mosaic kernels'
   own `default_tiles`.
@@ -162,7 +165,9 @@ class CallPlan:
       bias_dtype: the dtype name the kernels read the bias in, None for its own.
       interpret: the kernels run in their interpreters (off a GPU).
       skips_padding: the kernels skip the key tiles and MSA rows the mask
-        removes (`kernels.key_tiles.skipping_padding`; a mask given).
+        removes (`kernels.key_tiles.skipping_padding`; a mask given, no
+        dropout).
+      dropout_rate: attention dropout's rate (`msa_pallas.dropout`); 0 for none.
       target: the device traced for.
       reason: why these kernels, in one line.
     """
@@ -183,6 +188,7 @@ class CallPlan:
     bias_dtype: str | None = None
     interpret: bool = False
     skips_padding: bool = False
+    dropout_rate: float = 0.0
 
     def tiles_of(self, kernel: str):
         """The tiles of backward kernel `kernel`, or None where it does not run."""
@@ -200,6 +206,8 @@ class CallPlan:
             lines += [f"    {kernel}: {tiles}" for kernel, tiles in self.backward_tiles]
             if self.skips_padding:
                 lines.append("  padding: key tiles and MSA rows the mask removes are skipped")
+            if self.dropout_rate:
+                lines.append(f"  attention dropout: rate {self.dropout_rate} in the kernels")
             for name, width in (("forward", self.forward_head_dim),
                                 ("backward", self.backward_head_dim)):
                 if width != self.head_dim:
@@ -225,8 +233,6 @@ def choose_implementation(
     shape = tuple(getattr(q, "shape", ()))
     dtype = getattr(q, "dtype", None)
     bias_dtype = getattr(bias, "dtype", None)
-    if dropout_rate != 0.0:
-        return "xla", "attention dropout is not in the kernels"
     if len(shape) < 4:
         return "xla", f"q of rank {len(shape)}: the kernels take [*batch, S, N, H, d]"
     if dtype is None or jnp.dtype(dtype) not in KERNEL_DTYPES:
@@ -301,14 +307,14 @@ def plan_call(
     # 1. The backend, by the rule (before validation: see choose_implementation).
     implementation, reason = choose_implementation(implementation, q, bias, dropout_rate, target)
     validate_arguments(q, k, v, bias, mask, gate, scale, implementation)
-    validate_dropout(dropout_rate, dropout_rng, implementation)
+    validate_dropout(dropout_rate, dropout_rng)
     validate_block_config(block_config)
     *batch, rows, n_res, heads, head_dim = q.shape
     interpret = not target.gpu
     if implementation == "xla":
         return CallPlan(
             "xla", "xla", "xla", reason, target, head_dim, head_dim, head_dim,
-            interpret=interpret,
+            interpret=interpret, dropout_rate=float(dropout_rate),
         )
 
     # 2. The bias as the kernels read it, and the Triton tiles (the Triton
@@ -358,5 +364,6 @@ def plan_call(
     return CallPlan(
         implementation, forward, backward, reason, target, head_dim, forward_head_dim,
         backward_head_dim, forward_tiles, backward_tiles, ping_pong, bias_dtype, interpret,
-        skips_padding=mask is not None and skips_padding(),
+        skips_padding=mask is not None and skips_padding() and not dropout_rate,
+        dropout_rate=float(dropout_rate),
     )

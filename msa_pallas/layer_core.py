@@ -33,7 +33,7 @@ __all__ = [
     "gate_initializers", "output_initializers",
     "resolve_head_dim", "check_config", "check_inputs", "resolve_precision",
     "split_heads", "merge_heads", "pair_bias_heads", "gated_row_attention",
-    "needs_dropout_rng", "attention_dropout_rate", "op_implementation", "output_dropout",
+    "needs_dropout_rng", "attention_dropout_rate", "output_dropout",
     "alphafold2_options",
 ]
 
@@ -230,20 +230,6 @@ def attention_dropout_rate(dropout: float, dropout_mode: str, deterministic: boo
     if dropout_mode == "attention" and needs_dropout_rng(dropout, deterministic):
         return float(dropout)
     return 0.0
-
-
-def op_implementation(implementation: str | None, attention_dropout: bool) -> str | None:
-    """The `implementation` handed to the op.
-
-    The Pallas kernels do not do attention dropout yet (the op raises for
-    `"triton"` / `"pallas"` / `"mosaic"` with a rate > 0), so while attention
-    dropout is active a layer configured with one of them passes `None`,
-    which lets the op pick the path that supports it (today the plain
-    `"xla"` path).
-    """
-    if attention_dropout and implementation in ("triton", "pallas", "mosaic"):
-        return None
-    return implementation
 
 
 def output_dropout(out, dropout: float, dropout_mode: str, deterministic: bool, key):

@@ -43,7 +43,6 @@ from msa_pallas.layer_core import (
     gate_initializers,
     gated_row_attention,
     needs_dropout_rng,
-    op_implementation,
     output_dropout,
     output_initializers,
     resolve_head_dim,
@@ -102,11 +101,10 @@ class MSARowAttentionWithPairBias(nn.Module):
       zero_init_output: initialise `out_proj` weight and bias to zero (AF2's
         "final" init: the layer starts as the zero function).
       dropout_mode: `"attention"` drops attention weights (the reference
-        layer's `nn.Dropout` after the softmax). The Pallas kernels have no
-        dropout yet, so while it is active (`dropout > 0` and
-        `deterministic=False`) the op runs its plain `"xla"` path, even with
-        `implementation="pallas"`; inference (`deterministic=True`) uses the
-        kernels. `"output_shared_rows"` is AlphaFold2's: dropout on the
+        layer's `nn.Dropout` after the softmax), inside the op's kernels
+        (`msa_pallas.dropout`: the mask is a function of the `"dropout"`
+        key and the weight's coordinates, the same on every backend).
+        `"output_shared_rows"` is AlphaFold2's: dropout on the
         layer's output with one mask shared by all S rows (AF2's
         `shared_dropout`, `orientation="per_row"`); the kernels stay in use.
       implementation: passed to `msa_pallas.msa_row_attention` (None: Pallas
@@ -240,7 +238,7 @@ class MSARowAttentionWithPairBias(nn.Module):
         o = gated_row_attention(
             q, k, v, g, pair_proj, msa_mask,
             num_heads=heads, head_dim=head_dim,
-            implementation=op_implementation(self.implementation, rate > 0.0),
+            implementation=self.implementation,
             block_config=self.block_config,
             dropout_rate=rate, dropout_rng=key if rate > 0.0 else None,
             attention_fn=self.attention_fn,

@@ -175,7 +175,7 @@ class MSARowAttentionWithPairBiasNNX(nnx.Module):
         o = core.gated_row_attention(
             q, k, v, g, pair_proj, msa_mask,
             num_heads=heads, head_dim=d,
-            implementation=core.op_implementation(self.implementation, rate > 0.0),
+            implementation=self.implementation,
             block_config=self.block_config,
             dropout_rate=rate, dropout_rng=key if rate > 0.0 else None,
             attention_fn=self.attention_fn,

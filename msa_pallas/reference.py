@@ -15,6 +15,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from msa_pallas.dropout import keep_mask, row_seeds
+
 # AlphaFold's `where(mask, logits, -1e9)`: a fully masked row stays finite
 # (uniform weights) where `-inf` would give NaN.
 MASKED_LOGIT = -1e9
@@ -49,6 +51,7 @@ def msa_row_attention_xla(
     scale: float,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
+    dropout_seeds: jax.Array | None = None,
 ) -> jax.Array:
     """Biased, masked, optionally gated softmax attention along N, per MSA row.
 
@@ -60,7 +63,9 @@ def msa_row_attention_xla(
       scale: multiplies `q . k`.
       dropout_rate: probability of zeroing each attention weight (the
         survivors are scaled by 1 / (1 - rate)); 0 disables dropout.
-      dropout_rng: PRNG key for the dropout mask; required when rate > 0.
+      dropout_rng: PRNG key for the dropout mask (`dropout.row_seeds`), or
+      dropout_seeds: `[B, S, H]` uint32 seeds drawn from one; one of the two
+        when rate > 0. The mask is `dropout.keep_mask`'s, the kernels' own.
 
     Returns:
       `[B, S, N, H, d]` in q's dtype.
@@ -77,7 +82,9 @@ def msa_row_attention_xla(
         logits = jnp.where(mask[:, :, None, None, :], logits, MASKED_LOGIT)
     probs = jax.nn.softmax(logits, axis=-1)
     if dropout_rate > 0.0:
-        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
+        if dropout_seeds is None:
+            dropout_seeds = row_seeds(dropout_rng, *q.shape[:2], q.shape[3])
+        keep = keep_mask(dropout_seeds, q.shape[2], dropout_rate)
         probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
     out = jnp.einsum(
         "bshij,bsjhc->bsihc", probs.astype(v.dtype), v,

@@ -37,14 +37,16 @@ which `jax.export` cannot serialise; under shard_map the kernels are inlined.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from msa_pallas.attention import msa_row_attention, resolve_implementation
-from msa_pallas.validation import validate_arguments
+from msa_pallas.attention import msa_row_attention, plan_call, resolve_implementation, run_plan
+from msa_pallas.dropout import row_seeds
+from msa_pallas.validation import validate_arguments, validate_dropout
 
 _OP_KWARGS = ("scale", "implementation", "block_config")
 
@@ -56,11 +58,13 @@ class MSAPartitionSpecs(NamedTuple):
       rows: q, k, v, gate and the output, `[*batch, S, N, H, d]`.
       bias: `[*batch, H, N, N]` (and its gradient).
       mask: `[*batch, S, N]`.
+      seeds: attention dropout's row seeds, `[*batch, S, H]`.
     """
 
     rows: PartitionSpec
     bias: PartitionSpec
     mask: PartitionSpec
+    seeds: PartitionSpec
 
 
 def msa_partition_specs(
@@ -84,6 +88,7 @@ def msa_partition_specs(
         rows=PartitionSpec(*batch, row_axis, None, head_axis, None),
         bias=PartitionSpec(*batch, head_axis, None, None),
         mask=PartitionSpec(*batch, row_axis, None),
+        seeds=PartitionSpec(*batch, row_axis, head_axis),
     )
 
 
@@ -113,8 +118,11 @@ def sharded_msa_row_attention(
         implementation, block_config).
 
     Returns:
-      `f(q, k, v, bias, mask=None, gate=None)` with `msa_row_attention`'s
-      shapes; the inputs are resharded to the specs if they are not already.
+      `f(q, k, v, bias, mask=None, gate=None, *, dropout_rate=0.0,
+      dropout_rng=None)` with `msa_row_attention`'s shapes; the inputs are
+      resharded to the specs if they are not already. Attention dropout
+      draws the one-device call's mask: the row seeds are drawn on the
+      global shape and each device reads its slice.
 
     Example::
 
@@ -126,8 +134,8 @@ def sharded_msa_row_attention(
     if unknown:
         raise TypeError(
             f"sharded_msa_row_attention got {unknown}; expected keyword arguments "
-            f"among {list(_OP_KWARGS)} (no attention dropout: each shard would "
-            "draw the same dropout mask)."
+            f"among {list(_OP_KWARGS)} (attention dropout's rate and key are "
+            "arguments of each call)."
         )
     specs = msa_partition_specs(batch_axis, row_axis, head_axis, batch_dims=batch_dims)
     used_axes = frozenset(
@@ -136,10 +144,11 @@ def sharded_msa_row_attention(
         for name in ((entry,) if isinstance(entry, str) else (entry or ()))
     )
 
-    def attention(q, k, v, bias, mask=None, gate=None):
+    def attention(q, k, v, bias, mask=None, gate=None, *, dropout_rate=0.0, dropout_rng=None):
         # Checked on the global shapes, so errors show what the caller passed.
         implementation = resolve_implementation(op_kwargs.get("implementation"), q, 0.0)
         validate_arguments(q, k, v, bias, mask, gate, op_kwargs.get("scale"), implementation)
+        validate_dropout(dropout_rate, dropout_rng)
         if q.ndim != 4 + batch_dims:
             raise ValueError(
                 f"q has shape {list(q.shape)} (rank {q.ndim}); this sharded op was "
@@ -158,9 +167,26 @@ def sharded_msa_row_attention(
             and jnp.dtype(bias.dtype).itemsize < 4
         )
 
-        def per_shard(q, k, v, bias, mask, gate):
-            return msa_row_attention(
-                q, k, v, bias, mask, gate, round_bias=widen_bias, **op_kwargs
+        seeds = None
+        if dropout_rate:
+            *batch, rows, _, heads, _ = q.shape
+            seeds = row_seeds(dropout_rng, math.prod(batch), rows, heads)
+            seeds = seeds.reshape(*batch, rows, heads)
+
+        def per_shard(q, k, v, bias, mask, gate, seeds):
+            if seeds is None:
+                return msa_row_attention(
+                    q, k, v, bias, mask, gate, round_bias=widen_bias, **op_kwargs
+                )
+            # This shard's slice of the global seeds stands for the key
+            # (plan_call only checks that one is given).
+            plan = plan_call(
+                q, k, v, bias, mask, gate, round_bias=widen_bias, dropout_rate=dropout_rate,
+                dropout_rng=seeds, **op_kwargs,
+            )
+            return run_plan(
+                plan, q, k, v, bias, mask, gate, scale=op_kwargs.get("scale"),
+                dropout_seeds=seeds.reshape(-1, *seeds.shape[-2:]),
             )
 
         if widen_bias:
@@ -170,8 +196,9 @@ def sharded_msa_row_attention(
             specs.rows, specs.rows, specs.rows, specs.bias,
             None if mask is None else specs.mask,
             None if gate is None else specs.rows,
+            None if seeds is None else specs.seeds,
         )
-        args = (q, k, v, bias, mask, gate)
+        args = (q, k, v, bias, mask, gate, seeds)
         if mesh.explicit_axes:
             # Sharding in types: shard_map takes only inputs of its specs.
             args = tuple(

@@ -148,18 +148,12 @@ def validate_block_config(block_config) -> None:
         )
 
 
-def validate_dropout(dropout_rate, dropout_rng, implementation) -> None:
+def validate_dropout(dropout_rate, dropout_rng) -> None:
     """Checks the attention-dropout arguments of `msa_row_attention`."""
     if not isinstance(dropout_rate, (int, float, np.floating)) or not 0.0 <= dropout_rate < 1.0:
         raise ValueError(f"dropout_rate={dropout_rate!r}; expected a float in [0, 1).")
-    if dropout_rate > 0.0:
-        if dropout_rng is None:
-            raise ValueError(f"dropout_rate={dropout_rate} needs dropout_rng, a PRNG key; got None.")
-        if canonical_implementation(implementation) in ("triton", "mosaic"):
-            raise ValueError(
-                f"dropout_rate={dropout_rate}: attention dropout is not in the Pallas "
-                "kernels yet; use implementation=None or 'xla'."
-            )
+    if dropout_rate > 0.0 and dropout_rng is None:
+        raise ValueError(f"dropout_rate={dropout_rate} needs dropout_rng, a PRNG key; got None.")
 
 
 def check_reverse_mode(*arrays, implementation: str) -> None:

@@ -25,6 +25,11 @@ The backward is analytic:
     ds   = p * (dp - sum_j p * dp)        (softmax backward)
     ds   = 0 at masked keys               (the logit was *replaced* by -1e9)
     dq   = scale * ds k,  dk = scale * ds^T q,  dbias = sum_s ds
+
+With attention dropout (`dropout=(keep, rate)`, keep a bool `[B, S, H, N, N]`
+mask of the weights kept), z = keep / (1 - rate) multiplies the weights after
+the softmax: o = (p * z) v, dv = (p * z)^T do, dp = z * (do v^T), and ds as
+above (its row sum is then sum_j p * z * (do . v_j)).
 """
 
 from __future__ import annotations
@@ -86,13 +91,22 @@ def _back(x, batch_shape, rows):
     return x.transpose(0, 1, 3, 2, 4).reshape(*batch_shape, s, n, h, d)
 
 
-def forward(q, k, v, bias, mask=None, gate=None, scale=None):
-    """The attention output, float64, shape of q."""
+def _dropout_factor(dropout):
+    """z = keep / (1 - rate), `[B, S, H, N, N]` float64, or 1 without dropout."""
+    if dropout is None:
+        return 1.0
+    keep, rate = dropout
+    return np.asarray(keep).astype(np.float64) / (1.0 - float(rate))
+
+
+def forward(q, k, v, bias, mask=None, gate=None, scale=None, dropout=None):
+    """The attention output, float64, shape of q. `dropout`: None or
+    `(keep, rate)`, keep a bool `[B, S, H, N, N]` (module docstring)."""
     batch_shape, rows, qh, kh, vh, gh, bias64, keep, scale = _prepare(
         q, k, v, bias, mask, gate, scale
     )
     p, _ = _probabilities(qh, kh, bias64, keep, scale)
-    o = np.einsum("bshij,bshjd->bshid", p, vh)
+    o = np.einsum("bshij,bshjd->bshid", p * _dropout_factor(dropout), vh)
     if gh is not None:
         o = o * _sigmoid(gh)
     return _back(o, batch_shape, rows)
@@ -104,8 +118,8 @@ def probabilities(q, k, bias, mask=None, scale=None):
     return _probabilities(qh, kh, bias64, keep, scale)[0]
 
 
-def vjp(q, k, v, bias, mask, gate, scale, dout):
-    """Analytic gradients of `sum(forward(...) * dout)`.
+def vjp(q, k, v, bias, mask, gate, scale, dout, dropout=None):
+    """Analytic gradients of `sum(forward(...) * dout)` (`dropout` as `forward`'s).
 
     Returns:
       (dq, dk, dv, dbias, dgate), float64, shaped like the inputs; dgate is
@@ -117,15 +131,16 @@ def vjp(q, k, v, bias, mask, gate, scale, dout):
     b, s, n, h, d = rows
     douth = _f64(dout).reshape(rows).transpose(0, 1, 3, 2, 4)
     p, keep_b = _probabilities(qh, kh, bias64, keep, scale)
-    o = np.einsum("bshij,bshjd->bshid", p, vh)
+    z = _dropout_factor(dropout)
+    o = np.einsum("bshij,bshjd->bshid", p * z, vh)
     if gh is None:
         do, dg = douth, None
     else:
         sg = _sigmoid(gh)
         do = douth * sg
         dg = douth * o * sg * (1.0 - sg)
-    dv = np.einsum("bshij,bshid->bshjd", p, do)
-    dp = np.einsum("bshid,bshjd->bshij", do, vh)
+    dv = np.einsum("bshij,bshid->bshjd", p * z, do)
+    dp = z * np.einsum("bshid,bshjd->bshij", do, vh)
     ds = p * (dp - np.sum(p * dp, axis=-1, keepdims=True))
     ds = np.where(keep_b, ds, 0.0)
     dq = scale * np.einsum("bshij,bshjd->bshid", ds, kh)

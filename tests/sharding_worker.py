@@ -84,6 +84,17 @@ CASES = {
     # Not shardable along these: the partitioner gathers (allowed), results stay right.
     "pallas-residues": ("pallas", "Auto", {}, dict(residue_axis="rows")),
     "pallas-uneven-rows": ("pallas", "Auto", dict(row_axis="rows"), dict(S=8, slice_rows=6)),
+    # Attention dropout: the mask of the one-device call (row seeds drawn on
+    # the global shape), whatever the sharding.
+    "pallas-batch-rows-dropout": (
+        "pallas", "Auto", dict(batch_axis="data", row_axis="rows"), dict(dropout=0.3)),
+    "pallas-shard-map-batch-rows-dropout": (
+        "pallas", "Auto", dict(batch_axis="data", row_axis="rows"),
+        dict(shard_map=True, dropout=0.3)),
+    "pallas-shard-map-heads-dropout": (
+        "pallas", "Auto", dict(head_axis="rows"), dict(shard_map=True, dropout=0.3)),
+    "xla-batch-rows-dropout": (
+        "xla", "Auto", dict(batch_axis="data", row_axis="rows"), dict(dropout=0.3)),
     "xla-batch-rows": ("xla", "Auto", dict(batch_axis="data", row_axis="rows"), {}),
     "xla-heads": ("xla", "Auto", dict(batch_axis="data", head_axis="rows"), {}),
     "xla-explicit-batch-rows": ("xla", "Explicit", dict(batch_axis="data", row_axis="rows"), {}),
@@ -170,13 +181,17 @@ def run_case(implementation, axis_type, spec_axes, options) -> dict:
         )
     placement = [specs.rows, specs.rows, specs.rows, specs.bias, specs.mask, specs.rows, specs.rows]
 
+    dropout = {}
+    if options.get("dropout"):
+        dropout = dict(dropout_rate=options["dropout"], dropout_rng=jax.random.key(11))
     if options.get("shard_map"):
-        attention = sharded_msa_row_attention(
+        sharded = sharded_msa_row_attention(
             mesh, implementation=implementation, block_config=block_config, **spec_axes
         )
+        attention = lambda *a: sharded(*a, **dropout)
     else:
         attention = lambda *a: msa_pallas.msa_row_attention(
-            *a, implementation=implementation, block_config=block_config
+            *a, implementation=implementation, block_config=block_config, **dropout
         )
     run = _fwd_bwd(attention, options.get("slice_rows"))
 
@@ -195,12 +210,13 @@ def run_case(implementation, axis_type, spec_axes, options) -> dict:
     # The reference: one device, nothing partitioned (shared by the cases
     # with the same inputs and function).
     key = (implementation, S, options.get("mask", True), options.get("gate", True),
-           options.get("slice_rows"), options.get("vmap", False), options.get("fused", False))
+           options.get("slice_rows"), options.get("vmap", False), options.get("fused", False),
+           options.get("dropout"))
     if key not in _REFERENCES:
         single = [None if x is None else jax.device_put(x, jax.devices()[0]) for x in args]
         reference_fn = _fwd_bwd(
             lambda *a: msa_pallas.msa_row_attention(
-                *a, implementation=implementation, block_config=block_config
+                *a, implementation=implementation, block_config=block_config, **dropout
             ),
             options.get("slice_rows"),
         )

@@ -66,11 +66,12 @@ def test_hopper_rule_with_the_measured_thresholds():
     assert picks(1024, 64, jnp.float32) == picks(384, 8, jnp.float32) == "mosaic"
     assert picks(128, 32, jnp.float32) == picks(320, 32, jnp.float32) == "triton"
     assert picks(384, 128, jnp.float32) == picks(384, 32, jnp.float32, jnp.bfloat16) == "triton"
-    # Other GPUs: Triton; dropout, float64 and d > 128: XLA.
+    # Other GPUs: Triton; float64 and d > 128: XLA. Dropout changes nothing.
     assert picks(384, 32, target=AMPERE) == "triton"
     assert "sm80" in plan(384, 32, target=AMPERE).reason
     key = jax.random.key(0)
-    assert picks(384, 32, dropout_rate=0.1, dropout_rng=key) == "xla"
+    assert picks(384, 32, dropout_rate=0.1, dropout_rng=key) == "mosaic"
+    assert picks(384, 32, dropout_rate=0.1, dropout_rng=key, target=AMPERE) == "triton"
     assert picks(384, 256) == "xla"
     # The public wrapper answers the same on the current target (a CPU here).
     q, _, _, bias = structs(384, 32)

@@ -50,12 +50,20 @@ def test_explain_under_a_gpu_target_agrees_with_the_matrix(device_kind, n_res, k
     assert support_matrix.outcome(sample) == (kernels.capitalize(),) * 2
 
 
-def test_attention_dropout_runs_xla_on_every_gpu():
-    """The rule's one condition the table leaves out: attention dropout (the
-    layers' training mode with `dropout_mode="attention"`) runs the plain path."""
+def test_attention_dropout_runs_the_same_kernels_on_every_gpu():
+    """The table leaves dropout out because it changes no choice: attention
+    dropout (the layers' training mode with `dropout_mode="attention"`) runs
+    the kernels that the same call without dropout runs, without skipping
+    padding."""
     q = jax.ShapeDtypeStruct((1, 2, 256, 4, 32), jnp.bfloat16)
     bias = jax.ShapeDtypeStruct((1, 4, 256, 256), jnp.float32)
+    mask = jax.ShapeDtypeStruct((1, 2, 256), jnp.bool_)
     for target in (support_matrix.HOPPER,) + support_matrix.OTHER_GPUS:
-        plan = msa_pallas.dispatch.plan_call(
-            q, q, q, bias, dropout_rate=0.1, dropout_rng=jax.random.key(0), target=target)
-        assert plan.implementation == "xla", target
+        with msa_pallas.skipping_padding():
+            plan = msa_pallas.dispatch.plan_call(
+                q, q, q, bias, mask, dropout_rate=0.1, dropout_rng=jax.random.key(0),
+                target=target)
+            without = msa_pallas.dispatch.plan_call(q, q, q, bias, mask, target=target)
+        assert (plan.forward, plan.backward) == (without.forward, without.backward), target
+        assert plan.dropout_rate == 0.1 and not plan.skips_padding
+        assert "dropout" in str(plan)

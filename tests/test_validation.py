@@ -162,8 +162,6 @@ def test_dropout_arguments():
         trace(good(), dropout_rate=1.5, dropout_rng=key)
     with expect(ValueError, "dropout_rate=0.1", "dropout_rng", "None"):
         trace(good(), dropout_rate=0.1)
-    with expect(ValueError, "dropout_rate=0.1", "not in the Pallas kernels"):
-        trace(good(), dropout_rate=0.1, dropout_rng=key, implementation="pallas")
 
 
 @pytest.mark.parametrize("implementation", [None, "xla", "pallas"])

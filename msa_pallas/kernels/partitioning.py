@@ -47,6 +47,7 @@ BIAS = "b h i j"  # [B, H, N, N]
 MASK = "b s j"  # [B, S, N]
 STATS = "b s h i"  # row max, log2 row sum, delta: [B, S, H, N]
 STACKED_STATS = "b s h t i"  # the three stacked: [B, S, H, 3, N]
+SEEDS = "b s h"  # attention dropout's row seeds: [B, S, H]
 
 SHARDABLE = ("b", "s", "h")
 WHOLE = ("i", "j", "d", "t")  # must not be split across devices

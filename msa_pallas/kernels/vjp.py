@@ -12,6 +12,14 @@ passes in; this file branches on it alone. Either backend's forward (Triton
 or Mosaic GPU) saves the same residuals, and either backend's backward
 follows either forward.
 
+With attention dropout (`plan.dropout_rate`, `msa_pallas.dropout`) every
+kernel regenerates the mask from the row seeds: the forward drops weights
+of the undropped softmax and scales o by 1 / (1 - rate); here `do` is
+scaled by the same factor before the backward kernels see it, so that
+they only zero the dropped weights (`ds = p * (keep * do.v - delta)`,
+`dv = (p * keep)^T do`), and delta, `sum_j p keep do.v`, is
+`(1 - rate) * sum_d do * o`.
+
 The forward saves o in float32. delta must be computed from the same `do`
 the kernels multiply with v, and from an o that rounding has not moved away
 from `p @ v`: `ds = p * (do.v - delta)` is a difference of nearly equal
@@ -42,7 +50,7 @@ from msa_pallas.kernels.triton.backward import (
 )
 from msa_pallas.validation import check_mosaic_interpreter
 from msa_pallas.kernels.partitioning import (
-    BIAS, KEY_ROWS, MASK, QUERY_ROWS, STACKED_STATS, STATS, partitioned_call,
+    BIAS, KEY_ROWS, MASK, QUERY_ROWS, SEEDS, STACKED_STATS, STATS, partitioned_call,
 )
 
 # Operand layouts of the kernels (partitioning.py): B, S and H may be sharded.
@@ -73,22 +81,33 @@ def _mosaic_call(kernel, args, in_layouts, out_layouts, *, interpret: bool) -> t
     return partitioned_call(kernel, args, in_layouts, out_layouts)
 
 
-def _forward(q, k, v, bias, mask, gate, *, scale, plan, save_stats):
+def _with_dropout(args, layouts, plan, seeds):
+    """The kernels' operands and their layouts, the row seeds appended, and
+    the keywords that turn dropout on; without dropout the kernels are
+    called exactly as they are without it."""
+    if not plan.dropout_rate:
+        return args, layouts, {}
+    return (*args, seeds), (*layouts, SEEDS), {"dropout_rate": plan.dropout_rate}
+
+
+def _forward(q, k, v, bias, mask, gate, seeds, *, scale, plan, save_stats):
     mosaic = plan.forward == "mosaic"
     forward = mosaic_forward.attention_forward if mosaic else triton_forward.attention_forward
     skip = {"skip_masked" if mosaic else "skip_padding": plan.skips_padding}
+    args, in_layouts, dropout = _with_dropout(
+        (q, k, v, bias, mask, gate), _FORWARD_IN, plan, seeds
+    )
     kernel = functools.partial(
         forward, scale=scale, tiles=plan.forward_tiles, interpret=plan.interpret,
-        save_stats=save_stats, **skip,
+        save_stats=save_stats, **skip, **dropout,
     )
     outs = (QUERY_ROWS, QUERY_ROWS, STATS, STATS) if save_stats else (QUERY_ROWS,)
-    args = (q, k, v, bias, mask, gate)
     if mosaic:
-        return _mosaic_call(kernel, args, _FORWARD_IN, outs, interpret=plan.interpret)
-    return partitioned_call(kernel, args, _FORWARD_IN, outs)
+        return _mosaic_call(kernel, args, in_layouts, outs, interpret=plan.interpret)
+    return partitioned_call(kernel, args, in_layouts, outs)
 
 
-def _backward(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, plan):
+def _backward(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, seeds, *, scale, plan):
     """dq, dk, dv `[B, S, N, H, d]` in q's dtype and dbias `[B, H, N, N]`
     float32 (summed over S), from the plan's backward kernels.
 
@@ -98,23 +117,26 @@ def _backward(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, p
     """
     if plan.backward == "mosaic":
         return _mosaic_backward(
-            q, k, v, bias, mask, do, row_max, row_log2_sum, delta, scale=scale, plan=plan
+            q, k, v, bias, mask, do, row_max, row_log2_sum, delta, seeds, scale=scale, plan=plan
         )
-    operands = (q, k, v, bias, mask, do, row_max, row_log2_sum, delta)
+    operands, in_layouts, dropout = _with_dropout(
+        (q, k, v, bias, mask, do, row_max, row_log2_sum, delta), _BACKWARD_IN, plan, seeds
+    )
     grads = {}
     for name, tiles in plan.backward_tiles:
         kernel, out_layouts = _TRITON_BACKWARD[name]
         extra = {"dbias_dtype": jnp.float32} if "dbias" in name else {}
         bound = functools.partial(
             kernel(), scale=scale, tiles=tiles, interpret=plan.interpret,
-            skip_padding=plan.skips_padding, **extra,
+            skip_padding=plan.skips_padding, **extra, **dropout,
         )
-        outs = partitioned_call(bound, operands, _BACKWARD_IN, out_layouts)
+        outs = partitioned_call(bound, operands, in_layouts, out_layouts)
         grads.update(zip(_OUTPUTS[name], outs))
     return grads["dq"], grads["dk"], grads["dv"], grads["dbias"]
 
 
-def _mosaic_backward(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, plan):
+def _mosaic_backward(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, seeds, *,
+                     scale, plan):
     """`_backward` on the Mosaic GPU kernels (`kernels/mosaic/backward/`):
     q, k, v and `do` zero-padded to the plan's `backward_head_dim` where it
     is wider than d (for the Mosaic forward the op has padded them already;
@@ -124,7 +146,10 @@ def _mosaic_backward(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, s
     head_dim = q.shape[-1]  # wider than the call's where the op padded it
     if plan.backward_head_dim > head_dim:
         q, k, v, do = (pad_head_dim(x) for x in (q, k, v, do))
-    operands = (q, k, v, bias, mask, do, jnp.stack([row_max, row_log2_sum, delta], axis=3))
+    operands, in_layouts, dropout = _with_dropout(
+        (q, k, v, bias, mask, do, jnp.stack([row_max, row_log2_sum, delta], axis=3)),
+        _MOSAIC_BACKWARD_IN, plan, seeds,
+    )
     turns = {"ping_pong": plan.ping_pong}
     kernels = {
         "dkdv": (mosaic_backward.backward_dkdv, (KEY_ROWS, KEY_ROWS), turns),
@@ -136,11 +161,9 @@ def _mosaic_backward(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, s
         kernel, out_layouts, extra = kernels[name]
         bound = functools.partial(
             kernel, scale=scale, tiles=tiles, interpret=plan.interpret,
-            skip_masked=plan.skips_padding, **extra,
+            skip_masked=plan.skips_padding, **extra, **dropout,
         )
-        outs = _mosaic_call(
-            bound, operands, _MOSAIC_BACKWARD_IN, out_layouts, interpret=plan.interpret
-        )
+        outs = _mosaic_call(bound, operands, in_layouts, out_layouts, interpret=plan.interpret)
         grads.update(zip(_OUTPUTS[name], outs))
     return (grads["dq"][..., :head_dim], grads["dk"][..., :head_dim],
             grads["dv"][..., :head_dim], grads["dbias"])
@@ -160,32 +183,33 @@ def kernel_bias(bias, dtype):
     return bias.astype(dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def fused_attention(q, k, v, bias, mask, gate, scale: float, plan):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def fused_attention(q, k, v, bias, mask, gate, seeds, scale: float, plan):
     """Pallas MSA row attention on `[B, S, N, H, d]` inputs (see `attention_forward`),
     on the kernels and tiles of `plan` (a `dispatch.CallPlan`; q, k, v and
     the gate already zero-padded to its `forward_head_dim`).
 
-    Differentiable in q, k, v, bias and gate; mask (`[B, S, N]` int8) is not.
+    Differentiable in q, k, v, bias and gate; mask (`[B, S, N]` int8) and
+    the dropout row seeds (`[B, S, H]` uint32, None without dropout) are not.
     The kernels read the bias in `plan.bias_dtype` (`kernel_bias`); the bias
     gradient is summed in float32 and returned in the bias's own dtype.
     """
     (out,) = _forward(
-        q, k, v, kernel_bias(bias, plan.bias_dtype), mask, gate,
+        q, k, v, kernel_bias(bias, plan.bias_dtype), mask, gate, seeds,
         scale=scale, plan=plan, save_stats=False,
     )
     return out
 
 
-def _fused_attention_fwd(q, k, v, bias, mask, gate, scale, plan):
+def _fused_attention_fwd(q, k, v, bias, mask, gate, seeds, scale, plan):
     rounded_bias = kernel_bias(bias, plan.bias_dtype)
     out, attention, row_max, row_log2_sum = _forward(
-        q, k, v, rounded_bias, mask, gate, scale=scale, plan=plan, save_stats=True,
+        q, k, v, rounded_bias, mask, gate, seeds, scale=scale, plan=plan, save_stats=True,
     )
     # The bias's own dtype travels as a zero-size array: residuals are arrays.
     bias_dtype_token = jnp.zeros((0,), bias.dtype)
-    residuals = (q, k, v, rounded_bias, bias_dtype_token, mask, gate, attention, row_max,
-                 row_log2_sum)
+    residuals = (q, k, v, rounded_bias, bias_dtype_token, mask, gate, seeds, attention,
+                 row_max, row_log2_sum)
     return out, residuals
 
 
@@ -203,7 +227,8 @@ def _round_to(x32, dtype):
 
 
 def _fused_attention_bwd(scale, plan, residuals, dout):
-    q, k, v, bias, bias_dtype_token, mask, gate, attention, row_max, row_log2_sum = residuals
+    (q, k, v, bias, bias_dtype_token, mask, gate, seeds, attention, row_max,
+     row_log2_sum) = residuals
     dout32 = dout.astype(jnp.float32)
     if gate is None:
         do32, dgate = dout32, None
@@ -212,7 +237,10 @@ def _fused_attention_bwd(scale, plan, residuals, dout):
         do32 = dout32 * gate_sigmoid
         dgate = dout32 * attention * gate_sigmoid * (1.0 - gate_sigmoid)
         dgate = dgate.astype(gate.dtype)
-    if gate is None and dout.dtype == q.dtype:
+    rate = plan.dropout_rate
+    if rate:
+        do32 = do32 * (1.0 / (1.0 - rate))
+    if gate is None and dout.dtype == q.dtype and not rate:
         # `do` is the cotangent itself, already in q's dtype: no rounding and no
         # copy (a reduce_precision here makes XLA write a rounded copy, one more
         # [B, S, N, H, d] array: 268 MB at the long shape in bf16).
@@ -232,15 +260,16 @@ def _fused_attention_bwd(scale, plan, residuals, dout):
     # barrier, so that what the kernels make of the bias (the Mosaic dk/dv
     # kernel's transposed, pre-scaled copy: 34 MB at the long shape with a
     # float32 bias) is made after delta, when the float32 o is no longer live.
-    delta, bias, dgate = lax.optimization_barrier(
-        (jnp.sum(do32 * attention, axis=-1), bias, dgate)
-    )
+    delta = jnp.sum(do32 * attention, axis=-1)
+    if rate:
+        delta = delta * (1.0 - rate)
+    delta, bias, dgate = lax.optimization_barrier((delta, bias, dgate))
     delta = jnp.swapaxes(delta, 2, 3)
     dq, dk, dv, dbias = _backward(
-        q, k, v, bias, mask, do, row_max, row_log2_sum, delta,
+        q, k, v, bias, mask, do, row_max, row_log2_sum, delta, seeds,
         scale=scale, plan=plan,
     )
-    return dq, dk, dv, dbias.astype(bias_dtype_token.dtype), None, dgate
+    return dq, dk, dv, dbias.astype(bias_dtype_token.dtype), None, dgate, None
 
 
 fused_attention.defvjp(_fused_attention_fwd, _fused_attention_bwd)

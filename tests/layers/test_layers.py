@@ -175,7 +175,7 @@ def test_linen_and_nnx_identical(preset):
 def test_attention_dropout():
     m, z, mask = random_inputs(12)
     layer = MSARowAttentionWithPairBias(msa_dim=32, pair_dim=16, num_heads=4, dropout=0.25,
-                                        implementation="pallas")  # dropout routes to "xla"
+                                        implementation="pallas")
     no_drop = layer.clone(dropout=0.0, implementation="xla")
     variables = perturbed(no_drop.init(jax.random.key(13), m, z, mask), 14)
     det = layer.clone(implementation="xla").apply(variables, m, z, mask, deterministic=True)
