@@ -10,6 +10,7 @@ devices (`--mesh`).
 
     PYTHONPATH=. python3 examples/train_stack.py --steps 30
     PYTHONPATH=. python3 examples/train_stack.py --steps 30 --implementation pallas   # GPU
+    PYTHONPATH=. python3 examples/train_stack.py --dropout 0.1    # attention dropout, in the kernels
     PYTHONPATH=. python3 examples/train_stack.py --alphafold2 --dropout 0.15
     PYTHONPATH=. python3 examples/train_stack.py --mesh data=2            # data parallel, 2 devices
     PYTHONPATH=. python3 examples/train_stack.py --mesh rows=2 --compare  # MSA rows, and 1 device
@@ -217,7 +218,7 @@ def _parse(argv: Sequence[str] | None):
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--alphafold2", action="store_true", help="use the AlphaFold2 preset")
-    p.add_argument("--implementation", choices=["pallas", "xla"], default=None)
+    p.add_argument("--implementation", choices=["triton", "pallas", "mosaic", "xla"], default=None)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)

@@ -41,6 +41,17 @@ def test_training_steps_pallas_interpret():
     assert pallas[-1] < pallas[0] and abs(pallas[-1] - xla[-1]) < 1e-3 * abs(xla[-1]), (pallas, xla)
 
 
+def test_training_with_attention_dropout_on_the_kernels():
+    """Attention dropout 0.1 in the Triton kernels (interpret mode on CPU):
+    the same masks as the xla path's, so the same loss curve; the loss falls."""
+    example = load_example()
+    kernels = example.main(3, implementation="triton", dropout=0.1, verbose=False)
+    xla = example.main(3, implementation="xla", dropout=0.1, verbose=False)
+    plain = example.main(3, implementation="xla", verbose=False)
+    np.testing.assert_allclose(kernels, xla, rtol=1e-5)
+    assert kernels[-1] < kernels[0] and abs(kernels[1] - plain[1]) > 1e-6 * abs(plain[1])
+
+
 # --- several devices --------------------------------------------------------------
 
 # The sharded step adds the same float32 numbers in another order (the
