@@ -29,13 +29,10 @@ that keep a key in its key tile. What is skipped would add exactly 0. A row
 that keeps no key gets dq = dk = 0 and dv = the mean of its `do` (uniform
 weights) without a matrix product.
 
-With attention dropout (`dropout_rate > 0`), every kernel regenerates the
-forward's mask from the row's seed and the global positions
-(`msa_pallas.dropout`; query words once per query tile, key words once per
-key tile) and computes `ds = p * (keep * dp - delta)` and
-`dv = (p * keep)^T do`, with p the undropped weights. The caller passes `do`
-already divided by `1 - rate` and `delta = (1 - rate) * sum_d do * o`; the
-kernels never scale by the rate themselves.
+With dropout (`dropout_rate > 0`) every kernel regenerates the forward's
+mask (`common.dropout_keeps`) and computes `ds = p * (keep * dp - delta)` and
+`dv = (p * keep)^T do`, p undropped. The caller passes `do / (1 - rate)` and
+`delta = (1 - rate) * sum_d do * o` with that `do`: no scaling in here.
 
 Inputs shared by all: q, k, v `[B, S, N, H, d]`; bias `[B, H, N, N]`;
 mask `[B, S, N]` int8 or None; `do` `[B, S, N, H, d]` (the cotangent of the
@@ -93,26 +90,9 @@ def _recompute_tile(
     return p, common.logit_gradient(p, dp, delta, keep, dropout_keep)
 
 
-def _row_seeds(seeds_ref, program_rows):
-    """Each of the program's rows' dropout seed; Nones without dropout."""
-    if seeds_ref is None:
-        return [None] * len(program_rows)
-    return [common.load_dropout_seed(seeds_ref, row) for row in program_rows]
-
-
 def _tile_words(words, seeds, start, block):
-    """Each row's dropout words of one tile (`common.dropout_words`), or Nones."""
-    return [
-        None if seed is None else common.dropout_words(words, seed, start, block)
-        for seed in seeds
-    ]
-
-
-def _keeps(query_words, key_words, threshold):
-    """The dropout mask of one tile of one row, or None without dropout."""
-    if query_words is None:
-        return None
-    return common.dropout_keeps(query_words, key_words, threshold)
+    """Each row's dropout words of one tile (`common.dropout_words`)."""
+    return [common.dropout_words(words, seed, start, block) for seed in seeds]
 
 
 def _dkdv_kernel(
@@ -148,7 +128,7 @@ def _dkdv_kernel(
         )
         for row in program_rows
     ]
-    seeds = _row_seeds(seeds_ref, program_rows)
+    seeds = [common.load_dropout_seed(seeds_ref, row) for row in program_rows]
     key_words = _tile_words(dropout.key_words, seeds, k_start, block_k)
 
     def visit_query_tile(query_tile, carry):
@@ -165,7 +145,7 @@ def _dkdv_kernel(
             stats = _query_tile_stats(
                 row_max_ref, row_log2_sum_ref, delta_ref, row, q_start, block_q, n_res
             )
-            dropout_keep = _keeps(row_query_words, row_key_words, dropout_threshold)
+            dropout_keep = common.dropout_keeps(row_query_words, row_key_words, dropout_threshold)
             p, ds = _recompute_tile(
                 q, k, v, do, bias, keep, stats, k_start,
                 scale=scale, n_res=n_res, precision=precision, dropout_keep=dropout_keep,
@@ -218,7 +198,7 @@ def _dq_kernel(
         )
         for row in program_rows
     ]
-    seeds = _row_seeds(seeds_ref, program_rows)
+    seeds = [common.load_dropout_seed(seeds_ref, row) for row in program_rows]
     query_words = _tile_words(dropout.query_words, seeds, q_start, block_q)
 
     def visit_key_tile(key_tile, carry):
@@ -233,10 +213,10 @@ def _dq_kernel(
             k = common.load_residues(k_ref, row, k_start, block_k, n_res, head_dim)
             v = common.load_residues(v_ref, row, k_start, block_k, n_res, head_dim)
             keep = common.load_key_keep(mask_ref, row, k_start, block_k, n_res)
+            dropout_keep = common.dropout_keeps(row_query_words, row_key_words, dropout_threshold)
             _, ds = _recompute_tile(
-                q, k, v, do, bias, keep, stats, k_start, scale=scale, n_res=n_res,
-                precision=precision,
-                dropout_keep=_keeps(row_query_words, row_key_words, dropout_threshold),
+                q, k, v, do, bias, keep, stats, k_start,
+                scale=scale, n_res=n_res, precision=precision, dropout_keep=dropout_keep,
             )
             updated.append(dq + plgpu.dot(ds.astype(k.dtype), k, precision=precision))
         return tuple(updated)
@@ -280,14 +260,12 @@ def _bias_gradient_body(
         stats = _query_tile_stats(
             row_max_ref, row_log2_sum_ref, delta_ref, prefix, q_start, block_q, n_res
         )
-        dropout_keep = None
-        if seeds_ref is not None:
-            seed = common.load_dropout_seed(seeds_ref, prefix)
-            dropout_keep = common.dropout_keeps(
-                common.dropout_words(dropout.query_words, seed, q_start, block_q),
-                common.dropout_words(dropout.key_words, seed, k_start, block_k),
-                dropout_threshold,
-            )
+        seed = common.load_dropout_seed(seeds_ref, prefix)
+        dropout_keep = common.dropout_keeps(
+            common.dropout_words(dropout.query_words, seed, q_start, block_q),
+            common.dropout_words(dropout.key_words, seed, k_start, block_k),
+            dropout_threshold,
+        )
         _, ds = _recompute_tile(
             q, k, v, do, bias, keep, stats, k_start,
             scale=scale, n_res=n_res, precision=precision, dropout_keep=dropout_keep,
@@ -356,7 +334,7 @@ def _row_chunk_specs(rows_per_chunk: int, n_res: int, d_pad: int):
         stats=pl.BlockSpec((None, rows, None, n_res), lambda i, j, c, h, b: (b, c, h, 0)),
         # `[B, T, 2]` row bounds per key tile (`key_tiles.row_bounds`).
         row_bounds=pl.BlockSpec((None, None, 2), lambda i, j, c, h, b: (b, j, 0)),
-        # `[B, S, H, 1]` dropout seeds (`common.dropout_seeds_operand`).
+        # `[B, S, H, 1]` dropout seeds (`common.dropout_operand`).
         seeds=pl.BlockSpec((None, rows, None, 1), lambda i, j, c, h, b: (b, c, h, 0)),
         partial_bias=pl.BlockSpec(
             (None, None, None, n_res, n_res), lambda i, j, c, h, b: (c, b, h, 0, 0)
@@ -408,33 +386,44 @@ def _call_over_row_chunks(
     return (results[0] if row_out else None), dbias
 
 
-def _per_row_operands(
-    operands, seeds, n_res: int, d_pad: int, tiles, msa_rows: int, skip_padding
-):
-    """Operands and in-specs of the per-row kernels (dk/dv and dq), on a
-    (tile, S / msa_rows, h, b) grid: with a mask to skip by, the rows'
-    key-tile bounds (at the kernel's block_k) are one more operand; then the
-    dropout seeds (`common.dropout_seeds_operand`) or None."""
-    mask = operands[4]
+def _per_row_call(body, outputs: int, block: int, operands, dropout_seeds, *, scale, tiles,
+                  interpret, skip_padding, dropout_rate, name):
+    """Runs a per-row kernel (dk/dv: 2 outputs over key tiles of size
+    `block`; dq: 1 over query tiles) on a (tile, S / msa_rows, h, b) grid:
+    with a mask to skip by, the rows' key-tile bounds (at the kernel's
+    block_k) are one more operand; then the dropout seeds, or None.
+
+    Returns the list of `outputs` gradients `[B, S, N, H, d]` in q's dtype.
+    """
+    q, mask = operands[0], operands[4]
+    batch, num_msa_rows, n_res, heads, head_dim = q.shape
+    d_pad = padded_head_dim(head_dim)
+    msa_rows = tiles.msa_rows_for(num_msa_rows)
+    seeds, threshold = common.dropout_operand(dropout_seeds, dropout_rate, q.shape, skip_padding)
     bounds = None
     if mask is not None and skip_padding:
         bounds = mask_summary.key_tile_bounds(mask, n_res, tiles.block_k)
     row_spec, stat_spec = qkv_spec(n_res, d_pad, msa_rows), stats_spec(n_res, msa_rows)
-    specs = [
+    in_specs = [
         row_spec, row_spec, row_spec, bias_spec(n_res),
         None if mask is None else mask_spec(n_res, msa_rows),
         row_spec, stat_spec, stat_spec, stat_spec,
         None if bounds is None else bounds_spec(msa_rows),
         None if seeds is None else seeds_spec(msa_rows),
     ]
-    return (*operands, bounds, seeds), specs
+    return common.pallas_call(
+        _bind(body, scale, n_res, head_dim, tiles, q.dtype, interpret, threshold,
+              msa_rows=msa_rows), tiles,
+        grid=(pl.cdiv(n_res, block), num_msa_rows // msa_rows, heads, batch),
+        in_specs=in_specs, out_specs=[row_spec] * outputs,
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)] * outputs,
+        interpret=interpret, name=name,
+    )(*operands, bounds, seeds)
 
 
-def _bind(body, scale, n_res, head_dim, tiles, dtype, interpret, seeds, dropout_rate, **extra):
-    if seeds is not None:
-        extra["dropout_threshold"] = dropout.keep_threshold(dropout_rate)
+def _bind(body, scale, n_res, head_dim, tiles, dtype, interpret, dropout_threshold, **extra):
     return functools.partial(
-        body, scale=scale, n_res=n_res, head_dim=head_dim,
+        body, scale=scale, n_res=n_res, head_dim=head_dim, dropout_threshold=dropout_threshold,
         block_q=tiles.block_q, block_k=tiles.block_k,
         precision=common.dot_precision(
             dtype, interpret, padded_head_dim(head_dim), tiles.float32_products
@@ -447,9 +436,8 @@ def _bind(body, scale, n_res, head_dim, tiles, dtype, interpret, seeds, dropout_
 # masks entirely (`key_tiles`); False (the default; the op skips inside
 # `skipping_padding`) computes them, as without a mask. The gradients are the same bit for bit, but for the dv
 # of a row that keeps no key (the mean of `do`, summed in another order).
-# Not with dropout (ValueError).
-# `dropout_rate` (every kernel): attention dropout's rate in [0, 1); > 0
-# needs `dropout_seeds` (see the module docstring), 0 is the kernel without.
+# Not with dropout (ValueError). `dropout_rate` (every kernel): in [0, 1);
+# > 0 needs `dropout_seeds` (module docstring), 0 is the kernel without.
 _STATIC = ("scale", "tiles", "interpret", "skip_padding", "dropout_rate")
 
 
@@ -459,23 +447,12 @@ def backward_dkdv(
     interpret, skip_padding=False, dropout_rate=0.0,
 ):
     """dk, dv `[B, S, N, H, d]` in q's dtype (arguments as in the module docstring)."""
-    batch, num_msa_rows, n_res, heads, head_dim = q.shape
-    d_pad = padded_head_dim(head_dim)
-    msa_rows = tiles.msa_rows_for(num_msa_rows)
-    seeds = common.dropout_seeds_operand(dropout_seeds, dropout_rate, q.shape, skip_padding)
-    operands, in_specs = _per_row_operands(
-        (q, k, v, bias, mask, do, row_max, row_log2_sum, delta), seeds, n_res, d_pad, tiles,
-        msa_rows, skip_padding,
+    dk, dv = _per_row_call(
+        _dkdv_kernel, 2, tiles.block_k, (q, k, v, bias, mask, do, row_max, row_log2_sum, delta),
+        dropout_seeds, scale=scale, tiles=tiles, interpret=interpret,
+        skip_padding=skip_padding, dropout_rate=dropout_rate, name="msa_row_attention_bwd_dkdv",
     )
-    row_grad = jax.ShapeDtypeStruct(q.shape, q.dtype)
-    return common.pallas_call(
-        _bind(_dkdv_kernel, scale, n_res, head_dim, tiles, q.dtype, interpret, seeds,
-              dropout_rate, msa_rows=msa_rows), tiles,
-        grid=(pl.cdiv(n_res, tiles.block_k), num_msa_rows // msa_rows, heads, batch),
-        in_specs=in_specs,
-        out_specs=[qkv_spec(n_res, d_pad, msa_rows)] * 2, out_shape=[row_grad, row_grad],
-        interpret=interpret, name="msa_row_attention_bwd_dkdv",
-    )(*operands)
+    return dk, dv
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -484,23 +461,12 @@ def backward_dq(
     interpret, skip_padding=False, dropout_rate=0.0,
 ):
     """dq `[B, S, N, H, d]` in q's dtype (arguments as in the module docstring)."""
-    batch, num_msa_rows, n_res, heads, head_dim = q.shape
-    d_pad = padded_head_dim(head_dim)
-    msa_rows = tiles.msa_rows_for(num_msa_rows)
-    seeds = common.dropout_seeds_operand(dropout_seeds, dropout_rate, q.shape, skip_padding)
-    operands, in_specs = _per_row_operands(
-        (q, k, v, bias, mask, do, row_max, row_log2_sum, delta), seeds, n_res, d_pad, tiles,
-        msa_rows, skip_padding,
+    (dq,) = _per_row_call(
+        _dq_kernel, 1, tiles.block_q, (q, k, v, bias, mask, do, row_max, row_log2_sum, delta),
+        dropout_seeds, scale=scale, tiles=tiles, interpret=interpret,
+        skip_padding=skip_padding, dropout_rate=dropout_rate, name="msa_row_attention_bwd_dq",
     )
-    return common.pallas_call(
-        _bind(_dq_kernel, scale, n_res, head_dim, tiles, q.dtype, interpret, seeds,
-              dropout_rate, msa_rows=msa_rows), tiles,
-        grid=(pl.cdiv(n_res, tiles.block_q), num_msa_rows // msa_rows, heads, batch),
-        in_specs=in_specs,
-        out_specs=qkv_spec(n_res, d_pad, msa_rows),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        interpret=interpret, name="msa_row_attention_bwd_dq",
-    )(*operands)
+    return dq
 
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "dbias_dtype"))
@@ -511,10 +477,10 @@ def backward_dbias(
     """dbias `[B, H, N, N]` summed over the S MSA rows, in `dbias_dtype`
     (default: the bias dtype)."""
     n_res, head_dim = q.shape[2], q.shape[4]
-    seeds = common.dropout_seeds_operand(dropout_seeds, dropout_rate, q.shape, skip_padding)
+    seeds, threshold = common.dropout_operand(dropout_seeds, dropout_rate, q.shape, skip_padding)
     _, dbias = _call_over_row_chunks(
-        _bind(_dbias_kernel, scale, n_res, head_dim, tiles, q.dtype, interpret, seeds,
-              dropout_rate), tiles,
+        _bind(_dbias_kernel, scale, n_res, head_dim, tiles, q.dtype, interpret, threshold),
+        tiles,
         (q, k, v, bias, mask, do, row_max, row_log2_sum, delta), seeds,
         key_tiles=pl.cdiv(n_res, tiles.block_k), row_out=False,
         dbias_dtype=jnp.dtype(dbias_dtype or bias.dtype),
@@ -536,10 +502,10 @@ def backward_dq_dbias(
         raise ValueError(
             f"backward_dq_dbias needs tiles.block_k >= N; got block_k={tiles.block_k}, N={n_res}."
         )
-    seeds = common.dropout_seeds_operand(dropout_seeds, dropout_rate, q.shape, skip_padding)
+    seeds, threshold = common.dropout_operand(dropout_seeds, dropout_rate, q.shape, skip_padding)
     return _call_over_row_chunks(
-        _bind(_dq_dbias_kernel, scale, n_res, head_dim, tiles, q.dtype, interpret, seeds,
-              dropout_rate), tiles,
+        _bind(_dq_dbias_kernel, scale, n_res, head_dim, tiles, q.dtype, interpret, threshold),
+        tiles,
         (q, k, v, bias, mask, do, row_max, row_log2_sum, delta), seeds,
         key_tiles=1, row_out=True, dbias_dtype=jnp.dtype(dbias_dtype or bias.dtype),
         name="msa_row_attention_bwd_dq_dbias", interpret=interpret, skip_padding=skip_padding,

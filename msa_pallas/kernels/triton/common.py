@@ -274,11 +274,12 @@ def logit_gradient(p, dp, delta, key_keep, dropout_keep=None):
     return ds
 
 
-def dropout_seeds_operand(dropout_seeds, dropout_rate: float, q_shape, skip_padding: bool):
-    """Checks a kernel call's dropout arguments; returns the seeds as the
-    kernels read them, `[B, S, H, 1]` uint32 (one scalar per MSA row and
-    head: `load_dropout_seed`), or None where dropout is off (rate 0: the
-    kernels are then exactly those without dropout).
+def dropout_operand(dropout_seeds, dropout_rate: float, q_shape, skip_padding: bool):
+    """Checks a kernel call's dropout arguments; returns `(seeds, threshold)`:
+    the seeds as the kernels read them, `[B, S, H, 1]` uint32 (one scalar
+    per MSA row and head: `load_dropout_seed`), and the kernels' static
+    `dropout.keep_threshold`; `(None, None)` where dropout is off (rate 0:
+    the kernels are then exactly those without dropout).
 
     Args:
       dropout_seeds: `[B, S, H]` uint32 (`dropout.row_seeds`) or None.
@@ -287,9 +288,9 @@ def dropout_seeds_operand(dropout_seeds, dropout_rate: float, q_shape, skip_padd
       skip_padding: must be False with dropout: a row that keeps no key gets
         its results as a mean over all N keys, which dropout would change.
     """
-    dropout.keep_threshold(dropout_rate)  # checks the rate
+    threshold = dropout.keep_threshold(dropout_rate)  # checks the rate
     if float(dropout_rate) == 0.0:
-        return None
+        return None, None
     if dropout_seeds is None:
         raise ValueError(
             f"dropout_rate={dropout_rate} needs dropout_seeds ([B, S, H] uint32); got None."
@@ -306,13 +307,14 @@ def dropout_seeds_operand(dropout_seeds, dropout_rate: float, q_shape, skip_padd
             f"dropout_seeds has shape {tuple(dropout_seeds.shape)} and dtype "
             f"{dropout_seeds.dtype}; expected {expected} (B, S, H) uint32."
         )
-    return dropout_seeds[..., None]
+    return dropout_seeds[..., None], threshold
 
 
 def load_dropout_seed(seeds_ref, prefix: tuple):
     """The uint32 dropout seed of one MSA row (`prefix`) of a program's head,
-    from a `[*prefix, 1]` ref of `dropout_seeds_operand`."""
-    return seeds_ref[(*prefix, index(0))]
+    from a `[*prefix, 1]` ref of `dropout_operand`; None without
+    dropout (no ref), and so are the words and masks made from it."""
+    return None if seeds_ref is None else seeds_ref[(*prefix, index(0))]
 
 
 def dropout_words(words, seed, start, block: int):
@@ -320,6 +322,8 @@ def dropout_words(words, seed, start, block: int):
     `seed` at the global positions `[start, start + block)`: never
     tile-relative, so the mask does not depend on the tiles. Computed once
     per tile, a vector; positions past N get words too, unused."""
+    if seed is None:
+        return None
     return words(seed, residue_ids(start, block).astype(jnp.uint32))
 
 
@@ -327,6 +331,8 @@ def dropout_keeps(query_words, key_words, threshold):
     """`[block_q, block_k]` bool: the weights dropout keeps, from a query
     tile's and a key tile's words (`dropout_words`): the only per-weight
     work of dropout, with the select that applies it."""
+    if query_words is None:
+        return None
     return dropout.keeps(query_words[:, None], key_words[None, :], threshold)
 
 

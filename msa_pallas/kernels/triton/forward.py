@@ -62,13 +62,10 @@ def _forward_kernel(
         for row in program_rows
     ]
     d_pad = qs[0].shape[-1]
-    if seeds_ref is None:
-        seeds = query_words = [None] * len(program_rows)
-    else:
-        seeds = [common.load_dropout_seed(seeds_ref, row) for row in program_rows]
-        query_words = [
-            common.dropout_words(dropout.query_words, seed, q_start, block_q) for seed in seeds
-        ]
+    seeds = [common.load_dropout_seed(seeds_ref, row) for row in program_rows]
+    query_words = [
+        common.dropout_words(dropout.query_words, seed, q_start, block_q) for seed in seeds
+    ]
 
     def visit_key_tile(key_tile, carry):
         k_start = key_tile * block_k
@@ -89,10 +86,10 @@ def _forward_kernel(
             rescale = jnp.exp2(row_max - new_max)
             p = jnp.exp2(t - new_max[:, None])
             row_sum = row_sum * rescale + jnp.sum(p, axis=1)
-            if seed is not None:
-                key_words = common.dropout_words(dropout.key_words, seed, k_start, block_k)
-                kept = common.dropout_keeps(row_query_words, key_words, dropout_threshold)
-                p = jnp.where(kept, p, 0.0)
+            key_words = common.dropout_words(dropout.key_words, seed, k_start, block_k)
+            dropout_keep = common.dropout_keeps(row_query_words, key_words, dropout_threshold)
+            if dropout_keep is not None:
+                p = jnp.where(dropout_keep, p, 0.0)
             acc = acc * rescale[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
             updated.append((acc, new_max, row_sum))
         return tuple(updated)
@@ -168,7 +165,7 @@ def bounds_spec(msa_rows: int = 1) -> pl.BlockSpec:
 
 
 def seeds_spec(msa_rows: int = 1) -> pl.BlockSpec:
-    """`[B, S, H, 1]` uint32 dropout seeds (`common.dropout_seeds_operand`)."""
+    """`[B, S, H, 1]` uint32 dropout seeds (`common.dropout_operand`)."""
     return pl.BlockSpec((None, _rows_block(msa_rows), None, 1), lambda t, s, h, b: (b, s, h, 0))
 
 
@@ -216,7 +213,7 @@ def attention_forward(
       with dropout) and the float32 row max and log2 row sum of the
       undropped weights, each `[B, S, H, N]`, in base-2 units.
     """
-    seeds = common.dropout_seeds_operand(dropout_seeds, dropout_rate, q.shape, skip_padding)
+    seeds, threshold = common.dropout_operand(dropout_seeds, dropout_rate, q.shape, skip_padding)
     batch, num_msa_rows, n_res, heads, head_dim = q.shape
     d_pad = padded_head_dim(head_dim)
     msa_rows = tiles.msa_rows_for(num_msa_rows)
@@ -227,7 +224,7 @@ def attention_forward(
         n_res=n_res, head_dim=head_dim, block_q=tiles.block_q, block_k=tiles.block_k,
         msa_rows=msa_rows,
         precision=common.dot_precision(q.dtype, interpret, d_pad, tiles.float32_products),
-        **_dropout_statics(seeds, dropout_rate),
+        dropout_threshold=threshold, keep_probability=1.0 - float(dropout_rate),
     )
     qkv_block = qkv_spec(n_res, d_pad, msa_rows)
     # The mask's summary: an int32 input only where there is a mask to skip by.
@@ -254,16 +251,6 @@ def attention_forward(
         out_shape=out_shape, interpret=interpret, name="msa_row_attention_fwd",
     )(q, k, v, bias, mask, gate, bounds, seeds)
     return tuple(results) if save_stats else results[0]
-
-
-def _dropout_statics(seeds, dropout_rate: float) -> dict:
-    """The forward kernel's static dropout arguments: none without dropout."""
-    if seeds is None:
-        return {}
-    return dict(
-        dropout_threshold=dropout.keep_threshold(dropout_rate),
-        keep_probability=1.0 - float(dropout_rate),
-    )
 
 
 def _without_stats(kernel):
