@@ -12,7 +12,8 @@ Logits are computed in base 2 (`exp2` is the hardware's native exponential):
 Attention dropout (`msa_pallas.dropout`): the kernels read one uint32 seed
 per MSA row and head (`[B, S, H, 1]`, `dropout_seeds`), hash it with each
 tile's global query and key positions into a word per position, and keep a
-weight where the two words mix above the rate's threshold (`dropout_keeps`).
+weight where the two words mix to at least the rate's threshold
+(`dropout_keeps`).
 """
 
 from __future__ import annotations

@@ -70,14 +70,16 @@ def dropout_reference(q, k, v, bias, mask, gate, do, seeds, rate):
     scale = q.shape[-1] ** -0.5
     p = numpy_reference.probabilities(q, k, bias, mask)
     keep = np.asarray(dropout.keep_mask(seeds, q.shape[2], rate)) / (1.0 - rate)
-    o = np.einsum("bshij,bshjd->bshid", p * keep, vh)
+    transpose = lambda x: np.swapaxes(x, -1, -2)
+    # Batched matrix products (BLAS): the gpu cases' N x N tiles are large.
+    o = (p * keep) @ vh
     out = o if gate is None else o / (1.0 + np.exp(-to_heads(gate)))
-    dv = np.einsum("bshij,bshid->bshjd", p * keep, doh)
-    dp = np.einsum("bshid,bshjd->bshij", doh, vh) * keep
+    dv = transpose(p * keep) @ doh
+    dp = (doh @ transpose(vh)) * keep
     ds = p * (dp - np.sum(p * dp, axis=-1, keepdims=True))
     ds = np.where(np.asarray(mask)[:, :, None, None, :] != 0, ds, 0.0)
-    dq = scale * np.einsum("bshij,bshjd->bshid", ds, kh)
-    dk = scale * np.einsum("bshij,bshid->bshjd", ds, qh)
+    dq = scale * (ds @ kh)
+    dk = scale * (transpose(ds) @ qh)
     back = lambda x: x.transpose(0, 1, 3, 2, 4)
     return dict(
         out=back(out), attention=back(o), dq=back(dq), dk=back(dk), dv=back(dv),
