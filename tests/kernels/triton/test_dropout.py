@@ -87,6 +87,28 @@ def dropout_reference(q, k, v, bias, mask, gate, do, seeds, rate):
     )
 
 
+def test_reference_is_the_gradient_of_its_forward(seed):
+    """`dropout_reference`'s analytic gradients equal JAX's autodiff (float64)
+    of its own forward, written independently in jnp here."""
+    shape = (1, 2, 12, 2, 8)
+    q, k, v, do, bias, _, mask, seeds = random_case(seed, shape, jnp.float32, jnp.float32, False)
+    rate, keep_mask = 0.3, dropout.keep_mask(seeds, shape[2], 0.3)
+    reference = dropout_reference(q, k, v, bias, mask, None, do, seeds, rate)
+    with jax.enable_x64(True):
+        def attention(q, k, v, bias):
+            logits = jnp.einsum("bsihd,bsjhd->bshij", q, k) * shape[-1] ** -0.5 + bias[:, None]
+            logits = jnp.where(mask[:, :, None, None, :] != 0, logits, -1e9)
+            weights = jax.nn.softmax(logits, axis=-1) * keep_mask / (1.0 - rate)
+            return jnp.einsum("bshij,bsjhd->bsihd", weights, v)
+
+        primals = [jnp.asarray(helpers.to_f64(x)) for x in (q, k, v, bias)]
+        out, pullback = jax.vjp(attention, *primals)
+        grads = pullback(jnp.asarray(helpers.to_f64(do)))
+    assert rel_err(out, reference["attention"]) < 1e-12
+    for name, grad in zip(("dq", "dk", "dv", "dbias"), grads):
+        assert rel_err(grad, reference[name]) < 1e-12, name
+
+
 def run_kernels(q, k, v, do, bias, mask, gate, seeds, rate, config, *, interpret=True):
     """`kernel_results` as NumPy arrays."""
     results = kernel_results(q, k, v, do, bias, mask, gate, seeds, rate, config, interpret)
