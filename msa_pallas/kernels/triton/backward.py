@@ -29,10 +29,16 @@ that keep a key in its key tile. What is skipped would add exactly 0. A row
 that keeps no key gets dq = dk = 0 and dv = the mean of its `do` (uniform
 weights) without a matrix product.
 
+With dropout (`dropout_rate > 0`) every kernel regenerates the forward's
+mask (`common.dropout_keeps`) and computes `ds = p * (keep * dp - delta)` and
+`dv = (p * keep)^T do`, p undropped. The caller passes `do / (1 - rate)` and
+`delta = (1 - rate) * sum_d do * o` with that `do`: no scaling in here.
+
 Inputs shared by all: q, k, v `[B, S, N, H, d]`; bias `[B, H, N, N]`;
 mask `[B, S, N]` int8 or None; `do` `[B, S, N, H, d]` (the cotangent of the
 ungated output, in q's dtype); row_max, row_log2_sum and delta
-(`sum_d do * o`) `[B, S, H, N]` float32.
+(`sum_d do * o`) `[B, S, H, N]` float32; dropout_seeds `[B, S, H]` uint32
+or None (read only where `dropout_rate > 0`).
 """
 
 from __future__ import annotations
@@ -44,11 +50,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from msa_pallas import dropout
 from msa_pallas.block_sizes import padded_head_dim, row_chunks
 from msa_pallas.kernels import key_tiles as mask_summary  # `key_tiles` names a count here
 from msa_pallas.kernels.triton import common
 from msa_pallas.kernels.triton.forward import (
-    bias_spec, bounds_spec, mask_spec, qkv_spec, stats_spec,
+    bias_spec, bounds_spec, mask_spec, qkv_spec, seeds_spec, stats_spec,
 )
 
 
@@ -59,8 +66,10 @@ def _query_tile_stats(row_max_ref, row_log2_sum_ref, delta_ref, prefix, q_start,
     )
 
 
-def _recompute_tile(q, k, v, do, bias, keep, stats, k_start, *, scale, n_res, precision):
-    """The probabilities `p` and the logit gradient `ds` of one
+def _recompute_tile(
+    q, k, v, do, bias, keep, stats, k_start, *, scale, n_res, precision, dropout_keep=None
+):
+    """The probabilities `p` (undropped) and the logit gradient `ds` of one
     (query tile, key tile) of one MSA row, both `[block_q, block_k]` float32,
     from the forward's row statistics: what every backward kernel rebuilds.
 
@@ -69,6 +78,7 @@ def _recompute_tile(q, k, v, do, bias, keep, stats, k_start, *, scale, n_res, pr
       bias: `[block_q, block_k]` float32 in base 2 (`common.load_bias_tile`).
       keep: `[block_k]` bool or None.
       stats: (row max, log2 row sum, delta), each `[block_q]` float32.
+      dropout_keep: `[block_q, block_k]` bool (`common.dropout_keeps`) or None.
     """
     row_max, row_log2_sum, delta = stats
     t = common.log2_logits(
@@ -77,14 +87,19 @@ def _recompute_tile(q, k, v, do, bias, keep, stats, k_start, *, scale, n_res, pr
     )
     p = common.probabilities(t, row_max, row_log2_sum)
     dp = plgpu.dot(do, v, trans_b=True, precision=precision)
-    return p, common.logit_gradient(p, dp, delta, keep)
+    return p, common.logit_gradient(p, dp, delta, keep, dropout_keep)
+
+
+def _tile_words(words, seeds, start, block):
+    """Each row's dropout words of one tile (`common.dropout_words`)."""
+    return [common.dropout_words(words, seed, start, block) for seed in seeds]
 
 
 def _dkdv_kernel(
     q_ref, k_ref, v_ref, bias_ref, mask_ref, do_ref, row_max_ref, row_log2_sum_ref, delta_ref,
-    bounds_ref, dk_ref, dv_ref,
+    bounds_ref, seeds_ref, dk_ref, dv_ref,
     *, scale: float, n_res: int, head_dim: int, block_q: int, block_k: int, msa_rows: int,
-    precision,
+    precision, dropout_threshold=None,
 ):
     """`bounds_ref`: the rows' key-tile bounds (`key_tiles.key_tile_bounds`)
     or None. A row whose bounds leave out this key tile keeps no key in it:
@@ -113,22 +128,30 @@ def _dkdv_kernel(
         )
         for row in program_rows
     ]
+    seeds = [common.load_dropout_seed(seeds_ref, row) for row in program_rows]
+    key_words = _tile_words(dropout.key_words, seeds, k_start, block_k)
 
     def visit_query_tile(query_tile, carry):
         q_start = query_tile * block_q
         # One bias tile for all of this program's MSA rows.
         bias = common.load_bias_tile(bias_ref, q_start, k_start, block_q, block_k, n_res)
+        query_words = _tile_words(dropout.query_words, seeds, q_start, block_q)
         updated = []
-        for row, (k, v, keep), (dk, dv) in zip(program_rows, keys, carry):
+        for row, (k, v, keep), row_query_words, row_key_words, (dk, dv) in zip(
+            program_rows, keys, query_words, key_words, carry
+        ):
             q = common.load_residues(q_ref, row, q_start, block_q, n_res, head_dim)
             do = common.load_residues(do_ref, row, q_start, block_q, n_res, head_dim)
             stats = _query_tile_stats(
                 row_max_ref, row_log2_sum_ref, delta_ref, row, q_start, block_q, n_res
             )
+            dropout_keep = common.dropout_keeps(row_query_words, row_key_words, dropout_threshold)
             p, ds = _recompute_tile(
                 q, k, v, do, bias, keep, stats, k_start,
-                scale=scale, n_res=n_res, precision=precision,
+                scale=scale, n_res=n_res, precision=precision, dropout_keep=dropout_keep,
             )
+            if dropout_keep is not None:
+                p = jnp.where(dropout_keep, p, 0.0)  # the weights that multiplied v
             dv = dv + plgpu.dot(p.astype(do.dtype), do, trans_a=True, precision=precision)
             dk = dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True, precision=precision)
             updated.append((dk, dv))
@@ -149,9 +172,9 @@ def _dkdv_kernel(
 
 def _dq_kernel(
     q_ref, k_ref, v_ref, bias_ref, mask_ref, do_ref, row_max_ref, row_log2_sum_ref, delta_ref,
-    bounds_ref, dq_ref,
+    bounds_ref, seeds_ref, dq_ref,
     *, scale: float, n_res: int, head_dim: int, block_q: int, block_k: int, msa_rows: int,
-    precision,
+    precision, dropout_threshold=None,
 ):
     """`bounds_ref`: the rows' key-tile bounds (`key_tiles.key_tile_bounds`)
     or None: the key loop spans the tiles that keep a key in some row of the
@@ -175,19 +198,25 @@ def _dq_kernel(
         )
         for row in program_rows
     ]
+    seeds = [common.load_dropout_seed(seeds_ref, row) for row in program_rows]
+    query_words = _tile_words(dropout.query_words, seeds, q_start, block_q)
 
     def visit_key_tile(key_tile, carry):
         k_start = key_tile * block_k
         # One bias tile for all of this program's MSA rows.
         bias = common.load_bias_tile(bias_ref, q_start, k_start, block_q, block_k, n_res)
+        key_words = _tile_words(dropout.key_words, seeds, k_start, block_k)
         updated = []
-        for row, (q, do, stats), dq in zip(program_rows, queries, carry):
+        for row, (q, do, stats), row_query_words, row_key_words, dq in zip(
+            program_rows, queries, query_words, key_words, carry
+        ):
             k = common.load_residues(k_ref, row, k_start, block_k, n_res, head_dim)
             v = common.load_residues(v_ref, row, k_start, block_k, n_res, head_dim)
             keep = common.load_key_keep(mask_ref, row, k_start, block_k, n_res)
+            dropout_keep = common.dropout_keeps(row_query_words, row_key_words, dropout_threshold)
             _, ds = _recompute_tile(
                 q, k, v, do, bias, keep, stats, k_start,
-                scale=scale, n_res=n_res, precision=precision,
+                scale=scale, n_res=n_res, precision=precision, dropout_keep=dropout_keep,
             )
             updated.append(dq + plgpu.dot(ds.astype(k.dtype), k, precision=precision))
         return tuple(updated)
@@ -200,8 +229,9 @@ def _dq_kernel(
 
 def _bias_gradient_body(
     q_ref, k_ref, v_ref, bias_ref, mask_ref, do_ref, row_max_ref, row_log2_sum_ref, delta_ref,
-    bounds_ref, dq_ref, dbias_ref,
+    bounds_ref, seeds_ref, dq_ref, dbias_ref,
     *, scale: float, n_res: int, head_dim: int, block_q: int, block_k: int, precision,
+    dropout_threshold=None,
 ):
     """One (query tile, key tile) of the bias gradient, summed over this
     program's MSA rows; with `dq_ref`, also each row's dq of the query tile,
@@ -212,7 +242,8 @@ def _bias_gradient_body(
     lie in `[first, end)` (`key_tiles.row_bounds`, over all S rows), or
     None. The row loop visits those of this program's rows only: the others
     add exactly 0 to the bias gradient, and their dq (rows that keep no key)
-    is 0."""
+    is 0. `seeds_ref`: `[rows, 1]` uint32 dropout seeds of the program's
+    rows, or None: each row hashes its own words of the two tiles."""
     q_start = pl.program_id(0) * block_q
     # With dq there is one key tile: a constant start lets the compiler fold it.
     k_start = common.index(0) if dq_ref is not None else pl.program_id(1) * block_k
@@ -229,9 +260,15 @@ def _bias_gradient_body(
         stats = _query_tile_stats(
             row_max_ref, row_log2_sum_ref, delta_ref, prefix, q_start, block_q, n_res
         )
+        seed = common.load_dropout_seed(seeds_ref, prefix)
+        dropout_keep = common.dropout_keeps(
+            common.dropout_words(dropout.query_words, seed, q_start, block_q),
+            common.dropout_words(dropout.key_words, seed, k_start, block_k),
+            dropout_threshold,
+        )
         _, ds = _recompute_tile(
             q, k, v, do, bias, keep, stats, k_start,
-            scale=scale, n_res=n_res, precision=precision,
+            scale=scale, n_res=n_res, precision=precision, dropout_keep=dropout_keep,
         )
         if dq_ref is not None:
             dq = plgpu.dot(ds.astype(k.dtype), k, precision=precision)
@@ -297,6 +334,8 @@ def _row_chunk_specs(rows_per_chunk: int, n_res: int, d_pad: int):
         stats=pl.BlockSpec((None, rows, None, n_res), lambda i, j, c, h, b: (b, c, h, 0)),
         # `[B, T, 2]` row bounds per key tile (`key_tiles.row_bounds`).
         row_bounds=pl.BlockSpec((None, None, 2), lambda i, j, c, h, b: (b, j, 0)),
+        # `[B, S, H, 1]` dropout seeds (`common.dropout_operand`).
+        seeds=pl.BlockSpec((None, rows, None, 1), lambda i, j, c, h, b: (b, c, h, 0)),
         partial_bias=pl.BlockSpec(
             (None, None, None, n_res, n_res), lambda i, j, c, h, b: (c, b, h, 0, 0)
         ),
@@ -304,7 +343,7 @@ def _row_chunk_specs(rows_per_chunk: int, n_res: int, d_pad: int):
 
 
 def _call_over_row_chunks(
-    kernel, tiles, operands, *, key_tiles, row_out, dbias_dtype, name, interpret,
+    kernel, tiles, operands, seeds, *, key_tiles, row_out, dbias_dtype, name, interpret,
     skip_padding,
 ):
     """Runs a kernel that loops over S on a (q tile, key_tiles, chunk, h, b)
@@ -339,34 +378,52 @@ def _call_over_row_chunks(
             None if mask is None else specs["mask"],
             specs["qkv"], specs["stats"], specs["stats"], specs["stats"],
             None if bounds is None else specs["row_bounds"],
+            None if seeds is None else specs["seeds"],
         ],
         out_specs=out_specs, out_shape=out_shape, interpret=interpret, name=name,
-    )(*operands, bounds)
+    )(*operands, bounds, seeds)
     dbias = results[-1][0] if chunks == 1 else results[-1].sum(axis=0).astype(dbias_dtype)
     return (results[0] if row_out else None), dbias
 
 
-def _per_row_operands(operands, n_res: int, d_pad: int, tiles, msa_rows: int, skip_padding):
-    """Operands and in-specs of the per-row kernels (dk/dv and dq), on a
-    (tile, S / msa_rows, h, b) grid: with a mask to skip by, the rows'
-    key-tile bounds (at the kernel's block_k) are one more operand."""
-    mask = operands[4]
+def _per_row_call(body, outputs: int, block: int, operands, dropout_seeds, *, scale, tiles,
+                  interpret, skip_padding, dropout_rate, name):
+    """Runs a per-row kernel (dk/dv: 2 outputs over key tiles of size
+    `block`; dq: 1 over query tiles) on a (tile, S / msa_rows, h, b) grid:
+    with a mask to skip by, the rows' key-tile bounds (at the kernel's
+    block_k) are one more operand; then the dropout seeds, or None.
+
+    Returns the list of `outputs` gradients `[B, S, N, H, d]` in q's dtype.
+    """
+    q, mask = operands[0], operands[4]
+    batch, num_msa_rows, n_res, heads, head_dim = q.shape
+    d_pad = padded_head_dim(head_dim)
+    msa_rows = tiles.msa_rows_for(num_msa_rows)
+    seeds, threshold = common.dropout_operand(dropout_seeds, dropout_rate, q.shape, skip_padding)
     bounds = None
     if mask is not None and skip_padding:
         bounds = mask_summary.key_tile_bounds(mask, n_res, tiles.block_k)
     row_spec, stat_spec = qkv_spec(n_res, d_pad, msa_rows), stats_spec(n_res, msa_rows)
-    specs = [
+    in_specs = [
         row_spec, row_spec, row_spec, bias_spec(n_res),
         None if mask is None else mask_spec(n_res, msa_rows),
         row_spec, stat_spec, stat_spec, stat_spec,
         None if bounds is None else bounds_spec(msa_rows),
+        None if seeds is None else seeds_spec(msa_rows),
     ]
-    return (*operands, bounds), specs
+    return common.pallas_call(
+        _bind(body, scale, n_res, head_dim, tiles, q.dtype, interpret, threshold,
+              msa_rows=msa_rows), tiles,
+        grid=(pl.cdiv(n_res, block), num_msa_rows // msa_rows, heads, batch),
+        in_specs=in_specs, out_specs=[row_spec] * outputs,
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)] * outputs,
+        interpret=interpret, name=name,
+    )(*operands, bounds, seeds)
 
 
-def _bind(body, scale, n_res, head_dim, tiles, dtype, interpret, **extra):
+def _bind(body, scale, n_res, head_dim, tiles, dtype, interpret, dropout_threshold, **extra):
     return functools.partial(
-        body, scale=scale, n_res=n_res, head_dim=head_dim,
+        body, scale=scale, n_res=n_res, head_dim=head_dim, dropout_threshold=dropout_threshold,
         block_q=tiles.block_q, block_k=tiles.block_k,
         precision=common.dot_precision(
             dtype, interpret, padded_head_dim(head_dim), tiles.float32_products
@@ -379,68 +436,52 @@ def _bind(body, scale, n_res, head_dim, tiles, dtype, interpret, **extra):
 # masks entirely (`key_tiles`); False (the default; the op skips inside
 # `skipping_padding`) computes them, as without a mask. The gradients are the same bit for bit, but for the dv
 # of a row that keeps no key (the mean of `do`, summed in another order).
-_STATIC = ("scale", "tiles", "interpret", "skip_padding")
+# Not with dropout (ValueError). `dropout_rate` (every kernel): in [0, 1);
+# > 0 needs `dropout_seeds` (module docstring), 0 is the kernel without.
+_STATIC = ("scale", "tiles", "interpret", "skip_padding", "dropout_rate")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def backward_dkdv(
-    q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, tiles, interpret,
-    skip_padding=False,
+    q, k, v, bias, mask, do, row_max, row_log2_sum, delta, dropout_seeds=None, *, scale, tiles,
+    interpret, skip_padding=False, dropout_rate=0.0,
 ):
     """dk, dv `[B, S, N, H, d]` in q's dtype (arguments as in the module docstring)."""
-    batch, num_msa_rows, n_res, heads, head_dim = q.shape
-    d_pad = padded_head_dim(head_dim)
-    msa_rows = tiles.msa_rows_for(num_msa_rows)
-    operands, in_specs = _per_row_operands(
-        (q, k, v, bias, mask, do, row_max, row_log2_sum, delta), n_res, d_pad, tiles,
-        msa_rows, skip_padding,
+    dk, dv = _per_row_call(
+        _dkdv_kernel, 2, tiles.block_k, (q, k, v, bias, mask, do, row_max, row_log2_sum, delta),
+        dropout_seeds, scale=scale, tiles=tiles, interpret=interpret,
+        skip_padding=skip_padding, dropout_rate=dropout_rate, name="msa_row_attention_bwd_dkdv",
     )
-    row_grad = jax.ShapeDtypeStruct(q.shape, q.dtype)
-    return common.pallas_call(
-        _bind(_dkdv_kernel, scale, n_res, head_dim, tiles, q.dtype, interpret,
-              msa_rows=msa_rows), tiles,
-        grid=(pl.cdiv(n_res, tiles.block_k), num_msa_rows // msa_rows, heads, batch),
-        in_specs=in_specs,
-        out_specs=[qkv_spec(n_res, d_pad, msa_rows)] * 2, out_shape=[row_grad, row_grad],
-        interpret=interpret, name="msa_row_attention_bwd_dkdv",
-    )(*operands)
+    return dk, dv
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def backward_dq(
-    q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, tiles, interpret,
-    skip_padding=False,
+    q, k, v, bias, mask, do, row_max, row_log2_sum, delta, dropout_seeds=None, *, scale, tiles,
+    interpret, skip_padding=False, dropout_rate=0.0,
 ):
     """dq `[B, S, N, H, d]` in q's dtype (arguments as in the module docstring)."""
-    batch, num_msa_rows, n_res, heads, head_dim = q.shape
-    d_pad = padded_head_dim(head_dim)
-    msa_rows = tiles.msa_rows_for(num_msa_rows)
-    operands, in_specs = _per_row_operands(
-        (q, k, v, bias, mask, do, row_max, row_log2_sum, delta), n_res, d_pad, tiles,
-        msa_rows, skip_padding,
+    (dq,) = _per_row_call(
+        _dq_kernel, 1, tiles.block_q, (q, k, v, bias, mask, do, row_max, row_log2_sum, delta),
+        dropout_seeds, scale=scale, tiles=tiles, interpret=interpret,
+        skip_padding=skip_padding, dropout_rate=dropout_rate, name="msa_row_attention_bwd_dq",
     )
-    return common.pallas_call(
-        _bind(_dq_kernel, scale, n_res, head_dim, tiles, q.dtype, interpret,
-              msa_rows=msa_rows), tiles,
-        grid=(pl.cdiv(n_res, tiles.block_q), num_msa_rows // msa_rows, heads, batch),
-        in_specs=in_specs,
-        out_specs=qkv_spec(n_res, d_pad, msa_rows),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        interpret=interpret, name="msa_row_attention_bwd_dq",
-    )(*operands)
+    return dq
 
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "dbias_dtype"))
 def backward_dbias(
-    q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, tiles, interpret,
-    dbias_dtype=None, skip_padding=False,
+    q, k, v, bias, mask, do, row_max, row_log2_sum, delta, dropout_seeds=None, *, scale, tiles,
+    interpret, dbias_dtype=None, skip_padding=False, dropout_rate=0.0,
 ):
     """dbias `[B, H, N, N]` summed over the S MSA rows, in `dbias_dtype`
     (default: the bias dtype)."""
     n_res, head_dim = q.shape[2], q.shape[4]
+    seeds, threshold = common.dropout_operand(dropout_seeds, dropout_rate, q.shape, skip_padding)
     _, dbias = _call_over_row_chunks(
-        _bind(_dbias_kernel, scale, n_res, head_dim, tiles, q.dtype, interpret), tiles,
-        (q, k, v, bias, mask, do, row_max, row_log2_sum, delta),
+        _bind(_dbias_kernel, scale, n_res, head_dim, tiles, q.dtype, interpret, threshold),
+        tiles,
+        (q, k, v, bias, mask, do, row_max, row_log2_sum, delta), seeds,
         key_tiles=pl.cdiv(n_res, tiles.block_k), row_out=False,
         dbias_dtype=jnp.dtype(dbias_dtype or bias.dtype),
         name="msa_row_attention_bwd_dbias", interpret=interpret, skip_padding=skip_padding,
@@ -450,8 +491,8 @@ def backward_dbias(
 
 @functools.partial(jax.jit, static_argnames=(*_STATIC, "dbias_dtype"))
 def backward_dq_dbias(
-    q, k, v, bias, mask, do, row_max, row_log2_sum, delta, *, scale, tiles, interpret,
-    dbias_dtype=None, skip_padding=False,
+    q, k, v, bias, mask, do, row_max, row_log2_sum, delta, dropout_seeds=None, *, scale, tiles,
+    interpret, dbias_dtype=None, skip_padding=False, dropout_rate=0.0,
 ):
     """dq `[B, S, N, H, d]` in q's dtype and dbias `[B, H, N, N]` in
     `dbias_dtype` (default: the bias dtype) from one kernel. `tiles.block_k`
@@ -461,9 +502,11 @@ def backward_dq_dbias(
         raise ValueError(
             f"backward_dq_dbias needs tiles.block_k >= N; got block_k={tiles.block_k}, N={n_res}."
         )
+    seeds, threshold = common.dropout_operand(dropout_seeds, dropout_rate, q.shape, skip_padding)
     return _call_over_row_chunks(
-        _bind(_dq_dbias_kernel, scale, n_res, head_dim, tiles, q.dtype, interpret), tiles,
-        (q, k, v, bias, mask, do, row_max, row_log2_sum, delta),
+        _bind(_dq_dbias_kernel, scale, n_res, head_dim, tiles, q.dtype, interpret, threshold),
+        tiles,
+        (q, k, v, bias, mask, do, row_max, row_log2_sum, delta), seeds,
         key_tiles=1, row_out=True, dbias_dtype=jnp.dtype(dbias_dtype or bias.dtype),
         name="msa_row_attention_bwd_dq_dbias", interpret=interpret, skip_padding=skip_padding,
     )

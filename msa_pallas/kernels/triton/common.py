@@ -8,6 +8,12 @@ they carry no weight.
 
 Logits are computed in base 2 (`exp2` is the hardware's native exponential):
 `t = log2(e) * (scale * q.k + bias)`, so softmax(logits) = 2^t / sum 2^t.
+
+Attention dropout (`msa_pallas.dropout`): the kernels read one uint32 seed
+per MSA row and head (`[B, S, H, 1]`, `dropout_seeds`), hash it with each
+tile's global query and key positions into a word per position, and keep a
+weight where the two words mix to at least the rate's threshold
+(`dropout_keeps`).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from msa_pallas import dropout
 from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2  # noqa: F401 (re-exported)
 
 
@@ -250,17 +257,84 @@ def probabilities(t, row_max, row_log2_sum):
     return jnp.exp2((t - row_max[:, None]) - row_log2_sum[:, None])
 
 
-def logit_gradient(p, dp, delta, key_keep):
-    """d(loss)/d(logit) of one tile: `p * (dp - delta)`, zero at masked keys.
+def logit_gradient(p, dp, delta, key_keep, dropout_keep=None):
+    """d(loss)/d(logit) of one tile: `p * (dp - delta)`, zero at masked keys;
+    with dropout (`dropout_keep`, `[block_q, block_k]` bool, or None),
+    `p * (keep * dp - delta)`: a dropped weight passed nothing to the output,
+    but its softmax still normalised the kept ones.
 
     A masked logit was replaced by a constant, so nothing flows back through
     it to q, k or the bias (the weights of a fully masked row are uniform
     but not a function of the logits).
     """
+    if dropout_keep is not None:
+        dp = jnp.where(dropout_keep, dp, 0.0)
     ds = p * (dp - delta[:, None])
     if key_keep is not None:
         ds = jnp.where(key_keep[None, :], ds, 0.0)
     return ds
+
+
+def dropout_operand(dropout_seeds, dropout_rate: float, q_shape, skip_padding: bool):
+    """Checks a kernel call's dropout arguments; returns `(seeds, threshold)`:
+    the seeds as the kernels read them, `[B, S, H, 1]` uint32 (one scalar
+    per MSA row and head: `load_dropout_seed`), and the kernels' static
+    `dropout.keep_threshold`; `(None, None)` where dropout is off (rate 0:
+    the kernels are then exactly those without dropout).
+
+    Args:
+      dropout_seeds: `[B, S, H]` uint32 (`dropout.row_seeds`) or None.
+      dropout_rate: in [0, 1); > 0 needs the seeds.
+      q_shape: `[B, S, N, H, d]`.
+      skip_padding: must be False with dropout: a row that keeps no key gets
+        its results as a mean over all N keys, which dropout would change.
+    """
+    threshold = dropout.keep_threshold(dropout_rate)  # checks the rate
+    if float(dropout_rate) == 0.0:
+        return None, None
+    if dropout_seeds is None:
+        raise ValueError(
+            f"dropout_rate={dropout_rate} needs dropout_seeds ([B, S, H] uint32); got None."
+        )
+    if skip_padding:
+        raise ValueError(
+            f"dropout_rate={dropout_rate} with skip_padding=True: skipping padding is not "
+            "supported with dropout (a row that keeps no key is given its uniform weights' "
+            "mean, undropped); pass skip_padding=False."
+        )
+    expected = (q_shape[0], q_shape[1], q_shape[3])
+    if tuple(dropout_seeds.shape) != expected or dropout_seeds.dtype != jnp.uint32:
+        raise ValueError(
+            f"dropout_seeds has shape {tuple(dropout_seeds.shape)} and dtype "
+            f"{dropout_seeds.dtype}; expected {expected} (B, S, H) uint32."
+        )
+    return dropout_seeds[..., None], threshold
+
+
+def load_dropout_seed(seeds_ref, prefix: tuple):
+    """The uint32 dropout seed of one MSA row (`prefix`) of a program's head,
+    from a `[*prefix, 1]` ref of `dropout_operand`; None without
+    dropout (no ref), and so are the words and masks made from it."""
+    return None if seeds_ref is None else seeds_ref[(*prefix, index(0))]
+
+
+def dropout_words(words, seed, start, block: int):
+    """`[block]` uint32: `words` (`dropout.query_words` / `key_words`) of
+    `seed` at the global positions `[start, start + block)`: never
+    tile-relative, so the mask does not depend on the tiles. Computed once
+    per tile, a vector; positions past N get words too, unused."""
+    if seed is None:
+        return None
+    return words(seed, residue_ids(start, block).astype(jnp.uint32))
+
+
+def dropout_keeps(query_words, key_words, threshold):
+    """`[block_q, block_k]` bool: the weights dropout keeps, from a query
+    tile's and a key tile's words (`dropout_words`): the only per-weight
+    work of dropout, with the select that applies it."""
+    if query_words is None:
+        return None
+    return dropout.keeps(query_words[:, None], key_words[None, :], threshold)
 
 
 def pallas_call(kernel, tiles, *, grid, in_specs, out_specs, out_shape, interpret: bool, name: str):

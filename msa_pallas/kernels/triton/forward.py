@@ -12,6 +12,14 @@ With a key mask, the key loop runs between bounds read at run time: the
 first and last key tiles that keep a key in the program's rows
 (`key_tiles`); the tiles outside them would add exactly 0. A row that keeps
 no key gets its uniform-weight results without a matrix product.
+
+With attention dropout (`dropout_rate > 0`), each weight of the softmax is
+kept or dropped by `msa_pallas.dropout`'s hash of the row's seed and the
+weight's global (query, key) position: the program hashes its query tile's
+positions once and each key tile's once (vectors), and per weight only mixes
+the two words and selects. The row max and sum are those of the undropped
+weights; the kept ones multiply v and the output is divided by the keep
+probability `1 - rate`.
 """
 
 from __future__ import annotations
@@ -23,20 +31,23 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from msa_pallas import dropout
 from msa_pallas.block_sizes import KernelTiles, padded_head_dim
 from msa_pallas.kernels import key_tiles
 from msa_pallas.kernels.triton import common
 
 
 def _forward_kernel(
-    q_ref, k_ref, v_ref, bias_ref, mask_ref, gate_ref, bounds_ref,  # inputs
+    q_ref, k_ref, v_ref, bias_ref, mask_ref, gate_ref, bounds_ref, seeds_ref,  # inputs
     out_ref, attention_ref, row_max_ref, row_log2_sum_ref,  # outputs
     *, qk_scale_log2: float, n_res: int, head_dim: int, block_q: int, block_k: int,
-    msa_rows: int, precision,
+    msa_rows: int, precision, dropout_threshold=None, keep_probability: float = 1.0,
 ):
     """`bounds_ref`: `[msa_rows, 2]` (or `[2]` for one row) int32 key-tile
     bounds of this program's rows (`key_tiles.key_tile_bounds`), or None:
-    visit every key tile."""
+    visit every key tile. `seeds_ref`: `[msa_rows, 1]` (or `[1]`) uint32
+    dropout seeds of the rows, or None (no dropout); `dropout_threshold`
+    (`dropout.keep_threshold`) and `keep_probability` (1 - rate) go with it."""
     q_start = pl.program_id(0) * block_q
     program_rows = common.program_rows_of(msa_rows)
     num_key_tiles = pl.cdiv(n_res, block_k)
@@ -51,13 +62,19 @@ def _forward_kernel(
         for row in program_rows
     ]
     d_pad = qs[0].shape[-1]
+    seeds = [common.load_dropout_seed(seeds_ref, row) for row in program_rows]
+    query_words = [
+        common.dropout_words(dropout.query_words, seed, q_start, block_q) for seed in seeds
+    ]
 
     def visit_key_tile(key_tile, carry):
         k_start = key_tile * block_k
         # One bias tile for all of this program's MSA rows.
         bias = common.load_bias_tile(bias_ref, q_start, k_start, block_q, block_k, n_res)
         updated = []
-        for row, q, (acc, row_max, row_sum) in zip(program_rows, qs, carry):
+        for row, q, seed, row_query_words, (acc, row_max, row_sum) in zip(
+            program_rows, qs, seeds, query_words, carry
+        ):
             k = common.load_residues(k_ref, row, k_start, block_k, n_res, head_dim)
             v = common.load_residues(v_ref, row, k_start, block_k, n_res, head_dim)
             keep = common.load_key_keep(mask_ref, row, k_start, block_k, n_res)
@@ -69,6 +86,10 @@ def _forward_kernel(
             rescale = jnp.exp2(row_max - new_max)
             p = jnp.exp2(t - new_max[:, None])
             row_sum = row_sum * rescale + jnp.sum(p, axis=1)
+            key_words = common.dropout_words(dropout.key_words, seed, k_start, block_k)
+            dropout_keep = common.dropout_keeps(row_query_words, key_words, dropout_threshold)
+            if dropout_keep is not None:
+                p = jnp.where(dropout_keep, p, 0.0)
             acc = acc * rescale[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
             updated.append((acc, new_max, row_sum))
         return tuple(updated)
@@ -84,7 +105,9 @@ def _forward_kernel(
     carry = common.tile_loop(first, end, visit_key_tile, init)
     for position, (row, (acc, row_max, row_sum)) in enumerate(zip(program_rows, carry)):
         if dead_rows is None:
-            out = acc / row_sum[:, None]
+            # Dropout's 1 / (1 - rate) on the row's normaliser: a vector.
+            row_norm = row_sum if seeds_ref is None else row_sum * keep_probability
+            out = acc / row_norm[:, None]
         else:
             out, row_max, row_sum = _dead_row_results(
                 v_ref, row, dead_rows[position], acc, row_max, row_sum,
@@ -141,6 +164,11 @@ def bounds_spec(msa_rows: int = 1) -> pl.BlockSpec:
     return pl.BlockSpec((None, _rows_block(msa_rows), 2), lambda t, s, h, b: (b, s, 0))
 
 
+def seeds_spec(msa_rows: int = 1) -> pl.BlockSpec:
+    """`[B, S, H, 1]` uint32 dropout seeds (`common.dropout_operand`)."""
+    return pl.BlockSpec((None, _rows_block(msa_rows), None, 1), lambda t, s, h, b: (b, s, h, 0))
+
+
 def stats_spec(n_res: int, msa_rows: int = 1) -> pl.BlockSpec:
     """`[B, S, H, N]` float32 row statistics."""
     return pl.BlockSpec(
@@ -149,11 +177,12 @@ def stats_spec(n_res: int, msa_rows: int = 1) -> pl.BlockSpec:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "tiles", "interpret", "save_stats", "skip_padding")
+    jax.jit,
+    static_argnames=("scale", "tiles", "interpret", "save_stats", "skip_padding", "dropout_rate"),
 )
 def attention_forward(
-    q, k, v, bias, mask, gate, *, scale: float, tiles: KernelTiles, interpret: bool,
-    save_stats: bool, skip_padding: bool = False,
+    q, k, v, bias, mask, gate, dropout_seeds=None, *, scale: float, tiles: KernelTiles,
+    interpret: bool, save_stats: bool, skip_padding: bool = False, dropout_rate: float = 0.0,
 ):
     """Runs the forward kernel.
 
@@ -162,6 +191,8 @@ def attention_forward(
       bias: `[B, H, N, N]` floating.
       mask: `[B, S, N]` int8 (nonzero keeps) or None.
       gate: `[B, S, N, H, d]` gate logits or None.
+      dropout_seeds: `[B, S, H]` uint32 (`dropout.row_seeds`), or None;
+        read only where `dropout_rate > 0`, and needed there.
       scale: multiplies q . k.
       tiles: forward tiles (block_q, block_k, num_warps, num_stages).
       interpret: run in Pallas interpret mode (CPU).
@@ -171,13 +202,18 @@ def attention_forward(
         keeps no key (`key_tiles`); False (the default; the op skips
         inside `skipping_padding`) visits every tile, as without a mask. The results are the same bit for
         bit, but for a row that keeps no key, whose mean of v is summed in
-        another order.
+        another order. Not with dropout (ValueError).
+      dropout_rate: attention dropout's rate in [0, 1), static: the softmax
+        weights are dropped (`msa_pallas.dropout`) and the kept ones scaled
+        by 1 / (1 - rate). 0 (the default) is the kernel without dropout.
 
     Returns:
       out `[B, S, N, H, d]` in q's dtype, and, if `save_stats`, the ungated
-      attention output `[B, S, N, H, d]` in float32 and the float32 row max
-      and log2 row sum, each `[B, S, H, N]`, in base-2 units.
+      attention output `[B, S, N, H, d]` in float32 (dropped and scaled
+      with dropout) and the float32 row max and log2 row sum of the
+      undropped weights, each `[B, S, H, N]`, in base-2 units.
     """
+    seeds, threshold = common.dropout_operand(dropout_seeds, dropout_rate, q.shape, skip_padding)
     batch, num_msa_rows, n_res, heads, head_dim = q.shape
     d_pad = padded_head_dim(head_dim)
     msa_rows = tiles.msa_rows_for(num_msa_rows)
@@ -188,6 +224,7 @@ def attention_forward(
         n_res=n_res, head_dim=head_dim, block_q=tiles.block_q, block_k=tiles.block_k,
         msa_rows=msa_rows,
         precision=common.dot_precision(q.dtype, interpret, d_pad, tiles.float32_products),
+        dropout_threshold=threshold, keep_probability=1.0 - float(dropout_rate),
     )
     qkv_block = qkv_spec(n_res, d_pad, msa_rows)
     # The mask's summary: an int32 input only where there is a mask to skip by.
@@ -199,6 +236,7 @@ def attention_forward(
         None if mask is None else mask_spec(n_res, msa_rows),
         None if gate is None else qkv_block,
         None if bounds is None else bounds_spec(msa_rows),
+        None if seeds is None else seeds_spec(msa_rows),
     ]
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     out_specs = [qkv_block]
@@ -211,7 +249,7 @@ def attention_forward(
     results = common.pallas_call(
         kernel, tiles, grid=grid, in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=interpret, name="msa_row_attention_fwd",
-    )(q, k, v, bias, mask, gate, bounds)
+    )(q, k, v, bias, mask, gate, bounds, seeds)
     return tuple(results) if save_stats else results[0]
 
 
