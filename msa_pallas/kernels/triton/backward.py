@@ -51,12 +51,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from msa_pallas import dropout
-from msa_pallas.block_sizes import padded_head_dim, row_chunks
-from msa_pallas.kernels import key_tiles as mask_summary  # `key_tiles` names a count here
 from msa_pallas.kernels.triton import common
-from msa_pallas.kernels.triton.forward import (
-    bias_spec, bounds_spec, mask_spec, qkv_spec, seeds_spec, stats_spec,
-)
+from msa_pallas.kernels.triton.backward_launch import bind, call_over_row_chunks, per_row_call
 
 
 def _query_tile_stats(row_max_ref, row_log2_sum_ref, delta_ref, prefix, q_start, block_q, n_res):
@@ -320,118 +316,6 @@ def _dq_dbias_kernel(*refs, **static):
     _bias_gradient_body(*refs, **static)
 
 
-def _row_chunk_specs(rows_per_chunk: int, n_res: int, d_pad: int):
-    """Specs for a (q tile, k tile, row chunk, h, b) grid whose programs see
-    `rows_per_chunk` consecutive MSA rows, and the `[chunks, B, H, N, N]`
-    partial bias gradient they write."""
-    rows = rows_per_chunk
-    return dict(
-        qkv=pl.BlockSpec(
-            (None, rows, n_res, None, d_pad), lambda i, j, c, h, b: (b, c, 0, h, 0)
-        ),
-        bias=pl.BlockSpec((None, None, n_res, n_res), lambda i, j, c, h, b: (b, h, 0, 0)),
-        mask=pl.BlockSpec((None, rows, n_res), lambda i, j, c, h, b: (b, c, 0)),
-        stats=pl.BlockSpec((None, rows, None, n_res), lambda i, j, c, h, b: (b, c, h, 0)),
-        # `[B, T, 2]` row bounds per key tile (`key_tiles.row_bounds`).
-        row_bounds=pl.BlockSpec((None, None, 2), lambda i, j, c, h, b: (b, j, 0)),
-        # `[B, S, H, 1]` dropout seeds (`common.dropout_operand`).
-        seeds=pl.BlockSpec((None, rows, None, 1), lambda i, j, c, h, b: (b, c, h, 0)),
-        partial_bias=pl.BlockSpec(
-            (None, None, None, n_res, n_res), lambda i, j, c, h, b: (c, b, h, 0, 0)
-        ),
-    )
-
-
-def _call_over_row_chunks(
-    kernel, tiles, operands, seeds, *, key_tiles, row_out, dbias_dtype, name, interpret,
-    skip_padding,
-):
-    """Runs a kernel that loops over S on a (q tile, key_tiles, chunk, h, b)
-    grid and sums the chunks' partial bias gradients.
-
-    Returns (dq or None, dbias): dq `[B, S, N, H, d]` when `row_out`, dbias
-    `[B, H, N, N]` in `dbias_dtype`.
-    """
-    q, bias, mask = operands[0], operands[3], operands[4]
-    batch, num_msa_rows, n_res, heads, head_dim = q.shape
-    query_tiles = pl.cdiv(n_res, tiles.block_q)
-    chunks = row_chunks(query_tiles * key_tiles * heads * batch, num_msa_rows)
-    specs = _row_chunk_specs(num_msa_rows // chunks, n_res, padded_head_dim(head_dim))
-    bounds = None
-    if mask is not None and skip_padding:
-        # block_k >= N (dq+dbias) gives one key tile: the rows that keep any key.
-        bounds = mask_summary.row_bounds(mask, n_res, tiles.block_k)
-    # One chunk writes the gradient in dbias_dtype; several write float32
-    # partial sums, added here.
-    partial = jax.ShapeDtypeStruct(
-        (chunks, *bias.shape), dbias_dtype if chunks == 1 else jnp.float32
-    )
-    out_specs, out_shape = [specs["partial_bias"]], [partial]
-    if row_out:
-        out_specs.insert(0, specs["qkv"])
-        out_shape.insert(0, jax.ShapeDtypeStruct(q.shape, q.dtype))
-    results = common.pallas_call(
-        kernel, tiles,
-        grid=(query_tiles, key_tiles, chunks, heads, batch),
-        in_specs=[
-            specs["qkv"], specs["qkv"], specs["qkv"], specs["bias"],
-            None if mask is None else specs["mask"],
-            specs["qkv"], specs["stats"], specs["stats"], specs["stats"],
-            None if bounds is None else specs["row_bounds"],
-            None if seeds is None else specs["seeds"],
-        ],
-        out_specs=out_specs, out_shape=out_shape, interpret=interpret, name=name,
-    )(*operands, bounds, seeds)
-    dbias = results[-1][0] if chunks == 1 else results[-1].sum(axis=0).astype(dbias_dtype)
-    return (results[0] if row_out else None), dbias
-
-
-def _per_row_call(body, outputs: int, block: int, operands, dropout_seeds, *, scale, tiles,
-                  interpret, skip_padding, dropout_rate, name):
-    """Runs a per-row kernel (dk/dv: 2 outputs over key tiles of size
-    `block`; dq: 1 over query tiles) on a (tile, S / msa_rows, h, b) grid:
-    with a mask to skip by, the rows' key-tile bounds (at the kernel's
-    block_k) are one more operand; then the dropout seeds, or None.
-
-    Returns the list of `outputs` gradients `[B, S, N, H, d]` in q's dtype.
-    """
-    q, mask = operands[0], operands[4]
-    batch, num_msa_rows, n_res, heads, head_dim = q.shape
-    d_pad = padded_head_dim(head_dim)
-    msa_rows = tiles.msa_rows_for(num_msa_rows)
-    seeds, threshold = common.dropout_operand(dropout_seeds, dropout_rate, q.shape, skip_padding)
-    bounds = None
-    if mask is not None and skip_padding:
-        bounds = mask_summary.key_tile_bounds(mask, n_res, tiles.block_k)
-    row_spec, stat_spec = qkv_spec(n_res, d_pad, msa_rows), stats_spec(n_res, msa_rows)
-    in_specs = [
-        row_spec, row_spec, row_spec, bias_spec(n_res),
-        None if mask is None else mask_spec(n_res, msa_rows),
-        row_spec, stat_spec, stat_spec, stat_spec,
-        None if bounds is None else bounds_spec(msa_rows),
-        None if seeds is None else seeds_spec(msa_rows),
-    ]
-    return common.pallas_call(
-        _bind(body, scale, n_res, head_dim, tiles, q.dtype, interpret, threshold,
-              msa_rows=msa_rows), tiles,
-        grid=(pl.cdiv(n_res, block), num_msa_rows // msa_rows, heads, batch),
-        in_specs=in_specs, out_specs=[row_spec] * outputs,
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)] * outputs,
-        interpret=interpret, name=name,
-    )(*operands, bounds, seeds)
-
-
-def _bind(body, scale, n_res, head_dim, tiles, dtype, interpret, dropout_threshold, **extra):
-    return functools.partial(
-        body, scale=scale, n_res=n_res, head_dim=head_dim, dropout_threshold=dropout_threshold,
-        block_q=tiles.block_q, block_k=tiles.block_k,
-        precision=common.dot_precision(
-            dtype, interpret, padded_head_dim(head_dim), tiles.float32_products
-        ),
-        **extra,
-    )
-
-
 # `skip_padding` (every kernel): with a mask, skip the tiles and rows it
 # masks entirely (`key_tiles`); False (the default; the op skips inside
 # `skipping_padding`) computes them, as without a mask. The gradients are the same bit for bit, but for the dv
@@ -447,7 +331,7 @@ def backward_dkdv(
     interpret, skip_padding=False, dropout_rate=0.0,
 ):
     """dk, dv `[B, S, N, H, d]` in q's dtype (arguments as in the module docstring)."""
-    dk, dv = _per_row_call(
+    dk, dv = per_row_call(
         _dkdv_kernel, 2, tiles.block_k, (q, k, v, bias, mask, do, row_max, row_log2_sum, delta),
         dropout_seeds, scale=scale, tiles=tiles, interpret=interpret,
         skip_padding=skip_padding, dropout_rate=dropout_rate, name="msa_row_attention_bwd_dkdv",
@@ -461,7 +345,7 @@ def backward_dq(
     interpret, skip_padding=False, dropout_rate=0.0,
 ):
     """dq `[B, S, N, H, d]` in q's dtype (arguments as in the module docstring)."""
-    (dq,) = _per_row_call(
+    (dq,) = per_row_call(
         _dq_kernel, 1, tiles.block_q, (q, k, v, bias, mask, do, row_max, row_log2_sum, delta),
         dropout_seeds, scale=scale, tiles=tiles, interpret=interpret,
         skip_padding=skip_padding, dropout_rate=dropout_rate, name="msa_row_attention_bwd_dq",
@@ -478,8 +362,8 @@ def backward_dbias(
     (default: the bias dtype)."""
     n_res, head_dim = q.shape[2], q.shape[4]
     seeds, threshold = common.dropout_operand(dropout_seeds, dropout_rate, q.shape, skip_padding)
-    _, dbias = _call_over_row_chunks(
-        _bind(_dbias_kernel, scale, n_res, head_dim, tiles, q.dtype, interpret, threshold),
+    _, dbias = call_over_row_chunks(
+        bind(_dbias_kernel, scale, n_res, head_dim, tiles, q.dtype, interpret, threshold),
         tiles,
         (q, k, v, bias, mask, do, row_max, row_log2_sum, delta), seeds,
         key_tiles=pl.cdiv(n_res, tiles.block_k), row_out=False,
@@ -503,8 +387,8 @@ def backward_dq_dbias(
             f"backward_dq_dbias needs tiles.block_k >= N; got block_k={tiles.block_k}, N={n_res}."
         )
     seeds, threshold = common.dropout_operand(dropout_seeds, dropout_rate, q.shape, skip_padding)
-    return _call_over_row_chunks(
-        _bind(_dq_dbias_kernel, scale, n_res, head_dim, tiles, q.dtype, interpret, threshold),
+    return call_over_row_chunks(
+        bind(_dq_dbias_kernel, scale, n_res, head_dim, tiles, q.dtype, interpret, threshold),
         tiles,
         (q, k, v, bias, mask, do, row_max, row_log2_sum, delta), seeds,
         key_tiles=1, row_out=True, dbias_dtype=jnp.dtype(dbias_dtype or bias.dtype),
