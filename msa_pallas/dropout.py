@@ -14,14 +14,17 @@ The construction, all in uint32 arithmetic (wrapping):
 - a word per query index and one per key index, each a full-avalanche hash
   (MurmurHash3's 32-bit finaliser) of the seed and the index:
   `query_words`, `key_words` (vectors of a tile's length: cheap);
-- per weight, the two words XORed and mixed by the multiply-xorshift steps
-  of Wellons's `lowbias32`, the weight kept where the result is at least
-  `keep_threshold(rate)`: `keeps`.
+- per weight, the two words XORed and multiplied by an odd constant (the
+  first multiplier of Wellons's `lowbias32`), the weight kept where the
+  product is at least `keep_threshold(rate)`: `keeps`.
 
-Per weight that is one XOR, two multiplies, a shift and an XOR, and a
-compare: the part of the hash a kernel evaluates N x N times is kept short,
-the rest runs on vectors. The query word is the finaliser's output with the
-first xorshift of `lowbias32` already applied (it distributes over the XOR).
+Per weight that is an XOR, a multiply and a compare, beside the softmax's
+own work: the part of the hash a kernel evaluates N x N times is kept to
+what the statistics need, the rest runs on vectors of a tile's length. The
+XOR alone would not do: its top bits over a 2 x 2 block of weights XOR to
+zero, so kept weights would come in rectangles; the multiply's carries mix
+every bit of the XOR into the top ones (tests/test_dropout.py checks the
+joint law of 2 x 2 blocks against independent draws).
 
 The keep probability is `1 - threshold / 2**32`, the rate rounded to a
 multiple of 2**-32.
@@ -54,8 +57,7 @@ def _finalise(x):
 
 
 def _word(seed, index, salt):
-    word = _finalise(_finalise(seed ^ salt) + index)
-    return word ^ _shift_right(word, 16)
+    return _finalise(_finalise(seed ^ salt) + index)
 
 
 def query_words(seed, index):
@@ -78,11 +80,7 @@ def keeps(query_word, key_word, threshold):
     XOR is symmetric). `threshold`: `keep_threshold(rate)` as a uint32 (a
     NumPy scalar, or an array of the words' shape where a backend needs it).
     """
-    x = query_word ^ key_word
-    x = x * np.uint32(0x7FEB352D)
-    x = x ^ _shift_right(x, 15)
-    x = x * np.uint32(0x846CA68B)
-    return x >= threshold
+    return (query_word ^ key_word) * np.uint32(0x7FEB352D) >= threshold
 
 
 def keep_threshold(rate: float) -> np.uint32:

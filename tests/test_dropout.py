@@ -63,14 +63,43 @@ def test_no_correlation(masks, rate, axis, lag):
     assert abs(corr) < 6.0 / math.sqrt(a.size), (axis, lag, corr)
 
 
+# chi-square with 15 degrees of freedom exceeds this with probability 1e-5.
+CHI2_15_DOF_1E5 = 48.0
+
+
 @pytest.mark.parametrize("rate", RATES)
-def test_two_by_two_parity_as_independent(masks, rate):
-    """P(odd number dropped in a 2 x 2 block) for independent draws is
-    (1 - (1 - 2 rate)^4) / 2; a hash whose XOR structure leaked would skew it."""
+@pytest.mark.parametrize("di,dj", [(1, 1), (7, 33), (64, 64), (1, 128)])
+def test_two_by_two_blocks_as_independent(masks, rate, di, dj):
+    """The 16 kept/dropped patterns of the weights (i, j), (i + di, j),
+    (i, j + dj), (i + di, j + dj) against independent draws (chi-square):
+    the hash XORs a query word with a key word, and where that structure
+    leaked (the XOR alone: its top bits over such a block XOR to zero) the
+    patterns are far off."""
     keep = masks[rate]
-    parity = keep[..., :-1, :-1] ^ keep[..., 1:, :-1] ^ keep[..., :-1, 1:] ^ keep[..., 1:, 1:]
-    expected = (1.0 - (1.0 - 2.0 * rate) ** 4) / 2.0
-    assert abs(parity.mean() - expected) < binomial_bound(parity.size, expected), parity.mean()
+    pattern = (keep[..., :-di, :-dj].astype(np.int64) * 8 + keep[..., di:, :-dj] * 4
+               + keep[..., :-di, dj:] * 2 + keep[..., di:, dj:])
+    counts = np.bincount(pattern.ravel(), minlength=16)
+    kept = 1.0 - rate
+    expected = pattern.size * np.array(
+        [math.prod(kept if value >> bit & 1 else rate for bit in range(4)) for value in range(16)])
+    chi2 = float(np.sum((counts - expected) ** 2 / expected))
+    assert chi2 < CHI2_15_DOF_1E5, (di, dj, chi2)
+
+
+def test_the_xor_alone_would_fail_the_block_test(masks):
+    """The block test can fail: on the words' XOR without the multiply it
+    does, by orders of magnitude."""
+    seeds = np.asarray(dropout.row_seeds(jax.random.key(7), 1, 4, 2)).astype(np.uint32)
+    positions = np.arange(128, dtype=np.uint32)
+    query = np.asarray(dropout.query_words(seeds[..., None], positions))[..., :, None]
+    key = np.asarray(dropout.key_words(seeds[..., None], positions))[..., None, :]
+    keep = (query ^ key) >= dropout.keep_threshold(0.5)
+    pattern = (keep[..., :-1, :-1].astype(np.int64) * 8 + keep[..., 1:, :-1] * 4
+               + keep[..., :-1, 1:] * 2 + keep[..., 1:, 1:])
+    counts = np.bincount(pattern.ravel(), minlength=16)
+    # Independent fair draws give each pattern 1/16; the XOR never gives odd parity.
+    odd = [value for value in range(16) if bin(value).count("1") % 2]
+    assert counts[odd].sum() == 0
 
 
 def test_bits_are_deterministic_and_key_dependent():
