@@ -137,11 +137,18 @@ class HeadDropout:
         """Per head, the words of keys start <= j < start + length."""
         return tuple(key_words(s, start, length, self.key_layout) for s in self.seeds)
 
+    def keep(self, head: int, query_words_per_head, key_words_per_head, shape):
+        """Head `head`'s keep mask of a `shape` tile (`kept`)."""
+        return kept(
+            query_words_per_head[head], key_words_per_head[head], shape, self.query_axis,
+            self.settings,
+        )
+
     def keeps(self, query_words_per_head, key_words_per_head, shape) -> tuple:
         """Per head, the `shape` tile's keep mask (`kept`)."""
         return tuple(
-            kept(qw, kw, shape, self.query_axis, self.settings)
-            for qw, kw in zip(query_words_per_head, key_words_per_head)
+            self.keep(h, query_words_per_head, key_words_per_head, shape)
+            for h in range(len(self.seeds))
         )
 
     def drop(self, tiles, query_words_per_head, key_words_per_head) -> tuple:
