@@ -37,6 +37,8 @@ Each item's key loop runs between bounds known at run time (`key_tiles_of`),
 the ring's slots and barrier phases following a running count of the CTA's
 steps; with `skip_masked` and a mask, only the tiles holding its rows' kept
 keys (`kernels.key_tiles`), a row with none taking its mean of v.
+With `dropout_rate` > 0 the weights `dropout` drops are zeroed after the
+row statistics (`dropout_words`), and the output scaled by 1 / (1 - rate).
 """
 
 from __future__ import annotations

@@ -81,7 +81,8 @@ def vjp_operands(inputs, o, rate: float):
     scale = q.shape[-1] ** -0.5
     tiles = default_block_config(q.shape[2], q.shape[-1], q.dtype, bias.dtype).forward
     _, _, row_max, row_log2_sum = triton_forward.attention_forward(
-        q, k, v, bias, mask, None, scale=scale, tiles=tiles, interpret=True, save_stats=True
+        q, k, v, bias, mask, None, scale=scale, tiles=tiles,
+        interpret=jax.default_backend() != "gpu", save_stats=True,
     )
     do = (dout.astype(jnp.float32) / (1.0 - rate)).astype(q.dtype)
     delta = (1.0 - rate) * jnp.sum(do.astype(jnp.float32) * jnp.asarray(o, jnp.float32), -1)
@@ -101,27 +102,31 @@ def run_backward(operands, seeds, rate, scale, tiles: MosaicBackwardTiles):
     return dq, dk, dv, dbias
 
 
-# (B, S, N, H, d, q dtype, bias dtype, rate, tiles): MSA-row pairs over two
-# query and key tiles with N = 72 past the last whole tile; an odd S with a
-# 16-bit bias and one dbias consumer at N = 37 (no multiple of 8: row
-# views); d = 8 with H = 2, two heads per tile in every kernel, each with
-# its own seed; float32 inputs as bf16 pieces.
+# (B, S, N, H, d, q dtype, bias dtype, rate, tiles, masked): MSA-row pairs
+# over two query and key tiles with N = 72 past the last whole tile, with a
+# mask (a fully masked row) and without one (the keys past N then pass no
+# ds in dq); an odd S with a 16-bit bias and one dbias consumer at N = 37
+# (no multiple of 8: row views); d = 8 with H = 2, two heads per tile in
+# every kernel, each with its own seed; float32 inputs as bf16 pieces.
 CASES = {
-    "rate0.1-N72-bf16": (1, 2, 72, 1, 32, jnp.bfloat16, jnp.float32, 0.1, SMALL_TILES),
+    "rate0.1-N72-bf16": (1, 2, 72, 1, 32, jnp.bfloat16, jnp.float32, 0.1, SMALL_TILES, True),
+    "rate0.5-N72-no-mask": (1, 2, 72, 1, 32, jnp.bfloat16, jnp.float32, 0.5, SMALL_TILES, False),
     "rate0.5-N37-odd-S-fp16-bias16": (
-        1, 3, 37, 1, 16, jnp.float16, jnp.float16, 0.5, ONE_DBIAS_CONSUMER,
+        1, 3, 37, 1, 16, jnp.float16, jnp.float16, 0.5, ONE_DBIAS_CONSUMER, True,
     ),
-    "rate0.1-d8-pairs": (1, 2, 72, 2, 8, jnp.bfloat16, jnp.float32, 0.1, SMALL_TILES),
-    "rate0.5-float32-pieces-N45": (1, 2, 45, 1, 32, jnp.float32, jnp.float32, 0.5, SMALL_TILES),
+    "rate0.1-d8-pairs": (1, 2, 72, 2, 8, jnp.bfloat16, jnp.float32, 0.1, SMALL_TILES, True),
+    "rate0.5-float32-pieces-N45": (
+        1, 2, 45, 1, 32, jnp.float32, jnp.float32, 0.5, SMALL_TILES, True,
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_backward_kernels_with_dropout_against_float64(case, seed):
-    batch, rows, n_res, heads, head_dim, dtype, bias_dtype, rate, tiles = CASES[case]
+    batch, rows, n_res, heads, head_dim, dtype, bias_dtype, rate, tiles, masked = CASES[case]
     inputs = helpers.random_inputs(
         seed, batch, rows, n_res, heads, head_dim, dtype, bias_dtype=bias_dtype, gate=False,
-        fully_masked_row=(0, rows - 1),
+        mask_rate=0.2 if masked else None, fully_masked_row=(0, rows - 1) if masked else None,
     )
     seeds = random_seeds(seed, inputs)
     scale = head_dim**-0.5

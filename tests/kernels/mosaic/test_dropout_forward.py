@@ -64,7 +64,8 @@ def run_forward(inputs, seeds, rate, tiles=SMALL_TILES, save_stats=True, **kwarg
 
 
 # (B, S, N, H, d, q dtype, bias dtype, gate, rate, tiles): N = 72 runs past
-# the last whole tile (two query and key tiles), N = 37 is no multiple of 8
+# the last whole tile (two query and key tiles; without a mask the keys past
+# N get a -inf logit, not a masked one), N = 37 is no multiple of 8
 # (row views), d = 8 with H = 2 takes two heads per tile, each with its own
 # seed; an odd S (one MSA row per CTA); the persistent grid (3 CTAs here).
 CASES = {
@@ -72,6 +73,7 @@ CASES = {
     "rate0.5-N37-fp16-bias16-nogate": (
         1, 2, 37, 2, 16, jnp.float16, jnp.float16, False, 0.5, SMALL_TILES,
     ),
+    "rate0.5-N72-no-mask": (1, 2, 72, 1, 16, jnp.bfloat16, jnp.float32, True, 0.5, SMALL_TILES),
     "rate0.1-d8-pairs-odd-S": (1, 3, 72, 2, 8, jnp.bfloat16, jnp.float32, True, 0.1, SMALL_TILES),
     "rate0.5-persistent-B2": (
         2, 2, 72, 1, 32, jnp.bfloat16, jnp.bfloat16, True, 0.5,
@@ -83,9 +85,10 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_forward_with_dropout_against_float64(case, seed):
     batch, rows, n_res, heads, head_dim, dtype, bias_dtype, gate, rate, tiles = CASES[case]
+    masked = "no-mask" not in case
     inputs = helpers.random_inputs(
         seed, batch, rows, n_res, heads, head_dim, dtype, bias_dtype=bias_dtype, gate=gate,
-        fully_masked_row=(0, rows - 1),
+        mask_rate=0.2 if masked else None, fully_masked_row=(0, rows - 1) if masked else None,
     )
     seeds = random_seeds(seed, inputs)
     out, attention, row_max, row_log2_sum = run_forward(inputs, seeds, rate, tiles)
