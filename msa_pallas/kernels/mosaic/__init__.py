@@ -4,7 +4,7 @@ backward, as bf16 pieces).
 The kernels, each in a file of its own:
 
 - `forward`: the forward kernel (TMA, wgmma, warp-specialised, MSA rows
-  sharing each bias tile).
+  sharing each bias tile); `forward_operands`: its operands as made in XLA.
 - `backward/`: the dk/dv, dq and dbias kernels (`dkdv`, `dq`, `dbias`;
   `operands`: what they share; the bias gradient summed over S inside the
   dbias kernel).
@@ -23,4 +23,6 @@ The mechanisms they share, each once:
 - `matmul`: the `wgmma` products and float32 operands as bf16 pieces.
 - `logits`: the bias as the products start from it, the masked logit.
 - `heads`: two heads per tile for d = 8.
+- `dropout_words`: attention dropout in the kernels (`msa_pallas.dropout`'s
+  words of a tile's queries and keys, and its keep mask).
 """

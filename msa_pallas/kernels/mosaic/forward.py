@@ -37,6 +37,8 @@ Each item's key loop runs between bounds known at run time (`key_tiles_of`),
 the ring's slots and barrier phases following a running count of the CTA's
 steps; with `skip_masked` and a mask, only the tiles holding its rows' kept
 keys (`kernels.key_tiles`), a row with none taking its mean of v.
+With `dropout_rate` > 0 the weights `dropout` drops are zeroed after the
+row statistics (`dropout_words`), and the output scaled by 1 / (1 - rate).
 """
 
 from __future__ import annotations
@@ -51,12 +53,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2
-from msa_pallas.kernels.key_tiles import dead_rows, key_tile_bounds, row_means
+from msa_pallas.kernels.mosaic.dropout_words import HeadDropout, check_dropout, kept_sum_scale
+from msa_pallas.kernels.mosaic.forward_operands import forward_operands
 from msa_pallas.kernels.mosaic.heads import (
-    as_head_pairs, combine_head_columns, heads_per_tile, store_own_head_tiles,
+    combine_head_columns, heads_per_tile, store_own_head_tiles,
 )
 from msa_pallas.kernels.mosaic.logits import (
-    accumulator_bias, bias_tile, keys_before, masked_accumulator_logit, online_softmax, sigmoid,
+    bias_tile, keys_before, masked_accumulator_logit, online_softmax, sigmoid,
 )
 from msa_pallas.kernels.mosaic.matmul import (
     WGMMA, WGMMA_COL, WGMMA_ROW, accumulate_products, smem_products,
@@ -68,7 +71,7 @@ from msa_pallas.kernels.mosaic.plan import forward_plan
 from msa_pallas.kernels.mosaic.smem import (
     copy_row_tile_to_gmem, row_tile_at, row_view_names, split_row_views, store_row_tile,
 )
-from msa_pallas.kernels.mosaic.support import check_kernel_inputs, pad_bias_rows, pad_residues
+from msa_pallas.kernels.mosaic.support import check_kernel_inputs
 from msa_pallas.kernels.mosaic.tiles import MosaicTiles, forward_tiles
 from msa_pallas.kernels.mosaic.work_items import ForwardItems
 
@@ -81,6 +84,7 @@ def _kernel(
     gmem, smem, produced, consumed, schedule, *, scale: float, n_res: int,
     tiles: MosaicTiles, msa_rows: int, heads: int, heads_per_tile: int, grid, dtype,
     interpret: bool, row_views: tuple[str, ...] = (), key_bounds=None, skips_masked=False,
+    dropout=None,
 ):
     """`heads`: the heads of q, k and v as the kernel sees them, each
     `heads_per_tile` heads of the bias (2 for d = 8, `heads.pairs_heads`).
@@ -88,7 +92,8 @@ def _kernel(
     (`smem.unaligned_row_tile`, N % 8 != 0): TMA copies go through the
     first, everything else through the second. `key_bounds`: as in
     `attention_forward`. `skips_masked`: gmem holds "key_bounds",
-    "row_dead" and "row_mean" (`kernels.key_tiles`, `attention_forward`)."""
+    "row_dead" and "row_mean" (`kernels.key_tiles`, `attention_forward`).
+    `dropout` (`dropout_words.Dropout`): gmem holds "dropout_seeds"."""
     smem_tma, smem = split_row_views(smem, row_views)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair = heads_per_tile
@@ -148,6 +153,9 @@ def _kernel(
         # The ring step of key tile 0 (a virtual one where lb > 0).
         first_step = steps_before - lb
         plgpu.barrier_wait(produced["q"].at[wg])
+        if dropout is not None:
+            row_dropout = HeadDropout(dropout, gmem["dropout_seeds"], batch, row, head * pair, pair)
+            query_words = row_dropout.query_words(q_start, block_q)
 
         if pair == 1:
             queries_of_head = (q_smem,)
@@ -227,7 +235,12 @@ def _kernel(
                 accs = tuple(
                     rescaled(acc, rescale) for acc, (_, rescale, _, _) in zip(accs, softmaxes)
                 )
-                p16s = tuple(p.astype(dtype) for p, _, _, _ in softmaxes)
+                ps = tuple(p for p, _, _, _ in softmaxes)
+                if dropout is not None:
+                    # The row sums above are the undropped weights'.
+                    key_words = row_dropout.key_words(key_tile * block_k, block_k)
+                    ps = row_dropout.drop(ps, query_words, key_words)
+                p16s = tuple(p.astype(dtype) for p in ps)
                 new_maxes = tuple(new_max for _, _, new_max, _ in softmaxes)
                 row_sums = tuple(row_sum for _, _, _, row_sum in softmaxes)
                 accs, row_sums, new_maxes, p16s = lax.optimization_barrier(
@@ -261,7 +274,7 @@ def _kernel(
 
         # Each head's columns of the tile come from its own accumulator.
         outs = [
-            acc * lax.broadcast_in_dim(1.0 / row_sum, acc.shape, [0])
+            acc * lax.broadcast_in_dim(kept_sum_scale(row_sum, dropout), acc.shape, [0])
             for acc, row_sum in zip(accs, row_sums)
         ]
         out = combine_head_columns(outs)
@@ -416,11 +429,14 @@ def _kernel(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "tiles", "interpret", "save_stats", "key_bounds", "skip_masked"),
+    static_argnames=(
+        "scale", "tiles", "interpret", "save_stats", "key_bounds", "skip_masked", "dropout_rate",
+    ),
 )
 def attention_forward(
-    q, k, v, bias, mask, gate, *, scale: float, tiles: MosaicTiles, interpret: bool,
-    save_stats: bool, key_bounds=None, skip_masked: bool = False,
+    q, k, v, bias, mask, gate, dropout_seeds=None, *, scale: float, tiles: MosaicTiles,
+    interpret: bool, save_stats: bool, key_bounds=None, skip_masked: bool = False,
+    dropout_rate: float = 0.0,
 ):
     """Runs the Mosaic GPU forward kernel; the contract of the Triton forward.
 
@@ -432,6 +448,8 @@ def attention_forward(
       bias: `[B, H, N, N]`, 16- or 32-bit float.
       mask: `[B, S, N]` int8 (nonzero keeps) or None.
       gate: `[B, S, N, H, d]` gate logits or None.
+      dropout_seeds: uint32 `[B, S, H]` (`dropout.row_seeds`), or None
+        without dropout.
       scale: multiplies q . k.
       tiles: the kernel's configuration.
       interpret: run in the Mosaic GPU interpreter (CPU).
@@ -440,46 +458,29 @@ def attention_forward(
         ub)`: the key tiles lb <= t < ub that work item `work` = (batch,
         head, row group, first query) visits, leaving the others out.
       skip_masked: with a mask, visit only the key tiles with kept keys
-        (`kernels.key_tiles`; the op: `skipping_padding`); False, all.
+        (`kernels.key_tiles`; the op: `skipping_padding`); False, all. Not with dropout.
+      dropout_rate: attention dropout on the probabilities (`dropout`'s
+        mask, kept ones scaled by 1 / (1 - rate)); the row statistics are
+        the undropped ones'. 0: none.
 
     Returns:
       out `[B, S, N, H, d]` in q's dtype, and, if `save_stats`, the ungated
-      attention output `[B, S, N, H, d]` in float32 and the float32 row max
-      and log2 row sum, each `[B, S, H, N]`, in base-2 units.
+      attention output `[B, S, N, H, d]` in float32 (with dropout: dropped and
+      scaled) and the float32 row max and log2 row sum, each `[B, S, H, N]`,
+      in base-2 units (the undropped weights').
     """
     check_kernel_inputs(q, bias, paired_heads=True)
     shape = batch, rows, n_res, heads, head_dim = q.shape
     msa_rows = tiles.msa_rows_for(rows)
     shapes = {"out": q.shape, "attention": q.shape}
     pair = heads_per_tile(head_dim, heads)
-    if pair > 1:
-        # [..., H, 8] seen as [..., H / 2, 16]: heads 2h and 2h + 1 in one tile.
-        q, k, v = (as_head_pairs(x, pair) for x in (q, k, v))
-        gate = None if gate is None else as_head_pairs(gate, pair)
-
     skips_masked = mask is not None and skip_masked and key_bounds is None
-    bias = accumulator_bias(bias, scale)
-    bias = pad_bias_rows(pad_residues(bias, swizzled=True))
-    inputs = {"q": q, "k": k, "v": v, "bias": bias, "mask": mask, "gate": gate}
-    if skips_masked:
-        inputs |= {
-            "key_bounds": key_tile_bounds(mask, n_res, tiles.block_k, msa_rows),
-            "row_dead": dead_rows(mask, n_res).astype(jnp.int32),
-            "row_mean": row_means(v),  # [B, S, H / pair, pair * d], v's head pairs
-        }
-    if mask is not None:
-        inputs["mask"] = pad_residues(mask, swizzled=False)
-    inputs = {name: x for name, x in inputs.items() if x is not None}
-    out_types = {"out": jax.ShapeDtypeStruct(q.shape, q.dtype)}
-    query_tiles = pl.cdiv(n_res, tiles.block_q)
-    if save_stats:
-        # Whole query tiles, so that no statistics window runs past its plane.
-        stats = jax.ShapeDtypeStruct((batch, rows, heads, query_tiles * tiles.block_q), jnp.float32)
-        out_types |= {
-            "attention": jax.ShapeDtypeStruct(q.shape, jnp.float32),
-            "row_max": stats, "row_log2_sum": stats,
-        }
-
+    dropout = check_dropout(dropout_seeds, dropout_rate, shape, skips_masked=skip_masked)
+    inputs, out_types = forward_operands(
+        q, k, v, bias, mask, gate, None if dropout is None else dropout_seeds, scale=scale,
+        tiles=tiles, msa_rows=msa_rows, pair=pair, skips_masked=skips_masked,
+        save_stats=save_stats,
+    )
     kernel_plan = forward_plan(
         shape, q.dtype, bias.dtype, tiles, mask_dtype=None if mask is None else mask.dtype,
         gate_dtype=None if gate is None else gate.dtype, save_stats=save_stats,
@@ -489,7 +490,7 @@ def attention_forward(
         _kernel, scale=scale, n_res=n_res, tiles=tiles, msa_rows=msa_rows,
         heads=heads // pair, heads_per_tile=pair, grid=kernel_plan.work_items, dtype=q.dtype,
         interpret=interpret, row_views=row_view_names(kernel_plan.smem), key_bounds=key_bounds,
-        skips_masked=skips_masked,
+        skips_masked=skips_masked, dropout=dropout,
     )
     outs = launch(body, kernel_plan, inputs=inputs, out_types=out_types, interpret=interpret)
     outs = tuple(x.reshape(shapes.get(name, x.shape)) for name, x in zip(out_types, outs))

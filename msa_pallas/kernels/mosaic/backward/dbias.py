@@ -17,6 +17,7 @@ from msa_pallas.kernels import key_tiles
 from msa_pallas.kernels.mosaic.backward.operands import (
     kernel_operands, load_stats, recompute, split_operands,
 )
+from msa_pallas.kernels.mosaic.dropout_words import HeadDropout, check_dropout
 from msa_pallas.kernels.mosaic.heads import own_head_columns, tile_heads, tiles_of_head_pairs
 from msa_pallas.kernels.mosaic.logits import accumulator_bias, bias_tile
 from msa_pallas.kernels.mosaic.matmul import (
@@ -47,14 +48,16 @@ def _chunk_batch_and_head(batch_heads: int, heads: int):
 def _dbias_kernel(
     gmem, smem, produced, consumed, *, scale: float, tiles: MosaicTiles, consumers: int,
     rows_per_chunk: int, batch_heads: int, heads: int, heads_per_tile: int, interpret: bool,
-    row_views: tuple[str, ...] = (),
+    row_views: tuple[str, ...] = (), dropout=None,
 ):
     """`heads`, `heads_per_tile` and `row_views` as in `dkdv._dkdv_kernel`: with
     two heads per tile the CTA sums one head's gradient over the chunk's
     rows, then the other's, each head's bias tile loaded into the same
     shared memory. With a mask, `gmem` may hold "row_bounds" (`[B, key
     tiles, 2]` int32, `key_tiles.row_bounds`): the rows outside them keep
-    no key of the CTA's key tile and are not visited."""
+    no key of the CTA's key tile and are not visited. `dropout`
+    (`dropout_words.Dropout`): gmem holds "dropout_seeds"; each step's
+    row and head has its own seed, so its words are hashed per step."""
     smem_tma, smem = split_row_views(smem, row_views)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair = heads_per_tile
@@ -127,7 +130,19 @@ def _dbias_kernel(
                         smem["mask"].at[slot, 0, pl.ds(0, block_k)], layout=WGMMA_COL
                     ) != 0
                 plgpu.barrier_arrive(consumed["step"].at[slot])
-                _, ds = recompute(s, dp, keep, stats, scale=scale, query_axis=0, with_p=False)
+                dropout_keep = None
+                if dropout is not None:
+                    row_dropout = HeadDropout(
+                        dropout, gmem["dropout_seeds"], batch, first_row + row, head * pair + h, 1
+                    )
+                    dropout_keep = row_dropout.keep(
+                        0, row_dropout.query_words(queries.start, block_q),
+                        row_dropout.key_words(keys.start, block_k), s.shape,
+                    )
+                _, ds = recompute(
+                    s, dp, keep, stats, scale=scale, query_axis=0, with_p=False,
+                    dropout_keep=dropout_keep,
+                )
                 return dbias + ds
 
             dbias = lax.fori_loop(0, visited_rows, visit_msa_row, zeros((block_q, block_k)))
@@ -175,10 +190,12 @@ def _dbias_kernel(
         produce(0, pair * visited_rows, stages, issue_copies, consumed["step"])
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "tiles", "interpret", "skip_masked"))
+@functools.partial(
+    jax.jit, static_argnames=("scale", "tiles", "interpret", "skip_masked", "dropout_rate")
+)
 def backward_dbias(
-    q, k, v, bias, mask, do, stats, *, scale: float, tiles: MosaicTiles, interpret: bool,
-    skip_masked: bool = False,
+    q, k, v, bias, mask, do, stats, dropout_seeds=None, *, scale: float, tiles: MosaicTiles,
+    interpret: bool, skip_masked: bool = False, dropout_rate: float = 0.0,
 ):
     """dbias `[B, H, N, N]` float32, summed over the S MSA rows (arguments as
     in `kernels.mosaic.backward`'s docstring; q, k, v and do may also be float32).
@@ -197,11 +214,15 @@ def backward_dbias(
     (`matmul.split_float32`, a pass over them in XLA), and each product is
     the sum of the pieces' products (`matmul.piece_pairs`): float32
     accuracy from the 16-bit `wgmma`.
+
+    `dropout_seeds`, `dropout_rate`: attention dropout, as in
+    `backward_dkdv` (not with `skip_masked`).
     """
     check_kernel_inputs(q, bias, float32=True, paired_heads=q.dtype != jnp.float32)
     batch, rows, n_res, heads, _ = q.shape
     consumers = tiles.msa_rows
     pair = tile_heads(q.shape, q.dtype)
+    dropout = check_dropout(dropout_seeds, dropout_rate, q.shape, skips_masked=skip_masked)
     kernel_plan = dbias_plan(
         q.shape, q.dtype, bias.dtype, tiles,
         mask_dtype=None if mask is None else mask.dtype, interpret=interpret,
@@ -210,7 +231,7 @@ def backward_dbias(
     _, (q, k, v, do) = split_operands(*tiles_of_head_pairs(pair, q, k, v, do))
     inputs = kernel_operands(
         q=q, k=k, v=v, bias=accumulator_bias(bias, scale), mask=mask, do=do,
-        stats=stats,
+        stats=stats, dropout_seeds=None if dropout is None else dropout_seeds,
     )
     if mask is not None and skip_masked:
         inputs["row_bounds"] = key_tiles.row_bounds(mask, n_res, tiles.block_k)
@@ -225,7 +246,7 @@ def backward_dbias(
         _dbias_kernel, scale=scale, tiles=tiles, consumers=consumers,
         rows_per_chunk=rows // chunks, batch_heads=batch * heads // pair,
         heads=heads // pair, heads_per_tile=pair, interpret=interpret,
-        row_views=row_view_names(kernel_plan.smem),
+        row_views=row_view_names(kernel_plan.smem), dropout=dropout,
     )
     (partial_sums,) = launch(
         body, kernel_plan, inputs=inputs, out_types=out_types, interpret=interpret

@@ -22,6 +22,7 @@ from msa_pallas.kernels import key_tiles
 from msa_pallas.kernels.mosaic.backward.operands import (
     kernel_operands, load_stats, recompute, split_operands,
 )
+from msa_pallas.kernels.mosaic.dropout_words import HeadDropout, check_dropout
 from msa_pallas.kernels.mosaic.heads import (
     combine_head_columns, held_tiles_per_head, tile_heads, tiles_of_head_pairs,
 )
@@ -45,7 +46,7 @@ from msa_pallas.kernels.mosaic.tiles import MosaicTiles
 def _dkdv_kernel(
     gmem, smem, produced, consumed, schedule, *, scale: float, n_res: int, tiles: MosaicTiles,
     msa_rows: int, heads: int, heads_per_tile: int, dtype, ping_pong: bool, interpret: bool,
-    row_views: tuple[str, ...] = (), tile_bounds=None,
+    row_views: tuple[str, ...] = (), tile_bounds=None, dropout=None,
 ):
     """`heads`: the heads of q, k and v as the kernel sees them, each
     `heads_per_tile` heads of the bias and statistics (2 for d = 8).
@@ -54,7 +55,8 @@ def _dkdv_kernel(
     as in `backward_dkdv`. With a mask, `gmem` may hold "visited" (`[B,
     S / msa_rows, key tiles]` int32: 1 where the loop runs) and "dead_dv"
     (`[B, S, heads, tile width]` float32: a dead row's dv per key, 0 for
-    the other rows), as `backward_dkdv` makes them."""
+    the other rows), as `backward_dkdv` makes them. `dropout`
+    (`dropout_words.Dropout`): gmem holds "dropout_seeds"."""
     smem_tma, smem = split_row_views(smem, row_views)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair = heads_per_tile
@@ -105,6 +107,12 @@ def _dkdv_kernel(
         keys_of_head, values_of_head = held_tiles_per_head(
             smem, {"k": k_smem, "v": v_smem}, wg, pair
         )
+        if dropout is not None:
+            # Keys along the tiles' rows; their words are the CTA's for good.
+            row_dropout = HeadDropout(
+                dropout, gmem["dropout_seeds"], batch, row, head * pair, pair, query_axis=1
+            )
+            key_words = row_dropout.key_words(keys.start, block_k)
         turns = PingPong(schedule, wg, enabled=ping_pong and msa_rows == 2)
         turns.start()
 
@@ -113,6 +121,8 @@ def _dkdv_kernel(
             slot = ring_slot(query_tile, lb, stages)
             plgpu.barrier_wait(produced["step"].at[slot])
             q_smem, do_smem = operand_at(smem["q"], slot, wg), operand_at(smem["do"], slot, wg)
+            if dropout is not None:
+                query_words = row_dropout.query_words(query_tile * block_q, block_q)
             # One head after the other, each a full turn: the registers hold
             # one head's logits at a time.
             for h in range(pair):
@@ -123,8 +133,13 @@ def _dkdv_kernel(
                     interpret=interpret,
                 )
                 stats = load_stats(smem["stats"].at[slot, wg, h], WGMMA_COL)
+                dropout_keep = None
+                if dropout is not None:
+                    dropout_keep = row_dropout.keep(h, query_words, key_words, s_t.shape)
+                # With dropout p_t is p keep, the weights dv takes.
                 p_t, ds_t = recompute(
-                    s_t, dp_t, keep, stats, scale=scale, query_axis=1, with_p=True
+                    s_t, dp_t, keep, stats, scale=scale, query_axis=1, with_p=True,
+                    dropout_keep=dropout_keep,
                 )
                 # Finish the elementwise work before handing the turn over.
                 p_t, ds_t = lax.optimization_barrier(
@@ -192,11 +207,14 @@ def _dkdv_kernel(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "tiles", "interpret", "ping_pong", "tile_bounds", "skip_masked"),
+    static_argnames=(
+        "scale", "tiles", "interpret", "ping_pong", "tile_bounds", "skip_masked", "dropout_rate",
+    ),
 )
 def backward_dkdv(
-    q, k, v, bias, mask, do, stats, *, scale: float, tiles: MosaicTiles, interpret: bool,
-    ping_pong: bool = True, tile_bounds=None, skip_masked: bool = False,
+    q, k, v, bias, mask, do, stats, dropout_seeds=None, *, scale: float, tiles: MosaicTiles,
+    interpret: bool, ping_pong: bool = True, tile_bounds=None, skip_masked: bool = False,
+    dropout_rate: float = 0.0,
 ):
     """dk, dv `[B, S, N, H, d]` in q's dtype (arguments as in
     `kernels.mosaic.backward`'s docstring; float32 q, k, v and do as in
@@ -216,13 +234,18 @@ def backward_dkdv(
         (batch, head, MSA-row group, first key) visits, of `tiles`; the
         others are left out of its gradients. In place of the mask's.
       skip_masked: False runs every query loop whatever the mask (the
-        default; the op skips inside `skipping_padding`).
+        default; the op skips inside `skipping_padding`). Not with dropout.
+      dropout_seeds, dropout_rate: attention dropout (`dropout_words`;
+        rate 0: none), `do` and the statistics' delta scaled as
+        `operands.recompute` says: `dv = (p keep)^T do`, `ds = p (keep dp -
+        delta)`.
     """
     check_kernel_inputs(q, bias, float32=True, paired_heads=q.dtype != jnp.float32)
     batch, rows, n_res, heads = q.shape[:4]
     msa_rows = tiles.msa_rows_for(rows)
     pair = tile_heads(q.shape, q.dtype)
     skips = mask is not None and skip_masked and tile_bounds is None
+    dropout = check_dropout(dropout_seeds, dropout_rate, q.shape, skips_masked=skip_masked)
     dead_dv = None
     if skips:
         dead = key_tiles.dead_rows(mask, n_res)[:, :, None, None]
@@ -232,7 +255,7 @@ def backward_dkdv(
     pieces, (q_in, k, v, do) = split_operands(*tiles_of_head_pairs(pair, q, k, v, do))
     inputs = kernel_operands(
         q=q_in, k=k, v=v, bias_t=jnp.swapaxes(accumulator_bias(bias, scale), -1, -2),
-        mask=mask, do=do, stats=stats,
+        mask=mask, do=do, stats=stats, dropout_seeds=None if dropout is None else dropout_seeds,
     )
     if skips:
         kept = key_tiles.kept_key_tiles(mask, n_res, tiles.block_k)
@@ -248,7 +271,7 @@ def backward_dkdv(
         _dkdv_kernel, scale=scale, n_res=n_res, tiles=tiles,
         msa_rows=msa_rows, heads=heads // pair, heads_per_tile=pair, dtype=q.dtype,
         ping_pong=ping_pong, interpret=interpret, row_views=row_view_names(kernel_plan.smem),
-        tile_bounds=tile_bounds,
+        tile_bounds=tile_bounds, dropout=dropout,
     )
     dk, dv = launch(body, kernel_plan, inputs=inputs, out_types=out_types, interpret=interpret)
     return dk.reshape(q.shape), dv.reshape(q.shape)

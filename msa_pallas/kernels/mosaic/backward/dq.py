@@ -17,6 +17,7 @@ from msa_pallas.kernels import key_tiles
 from msa_pallas.kernels.mosaic.backward.operands import (
     kernel_operands, load_stats, recompute, split_operands,
 )
+from msa_pallas.kernels.mosaic.dropout_words import HeadDropout, check_dropout
 from msa_pallas.kernels.mosaic.heads import (
     combine_head_columns, held_tiles_per_head, tile_heads, tiles_of_head_pairs,
 )
@@ -54,12 +55,14 @@ def _copy_key_tiles(gmem, smem_tma, smem, rows, batch, keys, head, slot, barrier
 
 def _query_major_ds(
     q_smem, do_smem, k_smem, v_smem, bias, mask_ref, stats, key_tile, turns, *, scale: float,
-    n_res: int, block_k: int, interpret: bool,
+    n_res: int, block_k: int, interpret: bool, dropout_keep=None,
 ):
     """One `[block_q, block_k]` float32 `ds` tile of the dq kernel's loop
     (`_dq_kernel`): `s = q k^T + bias` and `dp = do v^T`
     from shared memory, then `ds` from the row statistics. `mask_ref` is the
-    consumer's `[1, >= block_k]` int8 key-mask slot, or None."""
+    consumer's `[1, >= block_k]` int8 key-mask slot, or None;
+    `dropout_keep` the tile's dropout keep mask, or None
+    (`operands.recompute`)."""
     s, dp = smem_products(
         ((q_smem, transposed(k_smem)), (do_smem, transposed(v_smem))),
         turns.hand_over, inits=(bias_tile(bias, scale), None), interpret=interpret,
@@ -67,7 +70,9 @@ def _query_major_ds(
     keep = None
     if mask_ref is not None:
         keep = plgpu.load(mask_ref.at[0, pl.ds(0, block_k)], layout=WGMMA_COL) != 0
-    _, ds = recompute(s, dp, keep, stats, scale=scale, query_axis=0, with_p=False)
+    _, ds = recompute(
+        s, dp, keep, stats, scale=scale, query_axis=0, with_p=False, dropout_keep=dropout_keep
+    )
     if keep is None and n_res % block_k:
         # Keys past N read zeros, whose probability is not 0: their ds must
         # not reach dq (with a mask, the zeros read there mask them; the bias
@@ -79,10 +84,10 @@ def _query_major_ds(
 def _dq_kernel(
     gmem, smem, produced, consumed, schedule, *, scale: float, n_res: int, tiles: MosaicTiles,
     msa_rows: int, heads: int, heads_per_tile: int, dtype, ping_pong: bool, interpret: bool,
-    row_views: tuple[str, ...] = (), tile_bounds=None,
+    row_views: tuple[str, ...] = (), tile_bounds=None, dropout=None,
 ):
-    """`heads`, `heads_per_tile` and `row_views` as in `dkdv._dkdv_kernel`;
-    `tile_bounds` as in `backward_dq`."""
+    """`heads`, `heads_per_tile`, `row_views` and `dropout` as in
+    `dkdv._dkdv_kernel`; `tile_bounds` as in `backward_dq`."""
     smem_tma, smem = split_row_views(smem, row_views)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair = heads_per_tile
@@ -118,6 +123,10 @@ def _dq_kernel(
         queries_of_head, douts_of_head = held_tiles_per_head(
             smem, {"q": q_smem, "do": do_smem}, wg, pair
         )
+        if dropout is not None:
+            # The CTA's queries' words, for good.
+            row_dropout = HeadDropout(dropout, gmem["dropout_seeds"], batch, row, head * pair, pair)
+            query_words = row_dropout.query_words(queries.start, block_q)
         turns = PingPong(schedule, wg, enabled=ping_pong and msa_rows == 2)
         turns.start()
 
@@ -126,12 +135,18 @@ def _dq_kernel(
             slot = ring_slot(key_tile, lb, stages)
             plgpu.barrier_wait(produced["step"].at[slot])
             k_smem, v_smem = operand_at(smem["k"], slot, wg), operand_at(smem["v"], slot, wg)
+            if dropout is not None:
+                key_words = row_dropout.key_words(key_tile * block_k, block_k)
             for h in range(pair):
+                dropout_keep = None
+                if dropout is not None:
+                    shape = (block_q, block_k)
+                    dropout_keep = row_dropout.keep(h, query_words, key_words, shape)
                 ds = _query_major_ds(
                     queries_of_head[h], douts_of_head[h], k_smem, v_smem,
                     smem["bias"][slot, h], smem["mask"].at[slot, wg] if has_mask else None,
                     stats[h], key_tile, turns, scale=scale, n_res=n_res, block_k=block_k,
-                    interpret=interpret,
+                    interpret=interpret, dropout_keep=dropout_keep,
                 )
                 ds = lax.optimization_barrier(matrix_operand(ds, dtype))
                 turns.release()
@@ -180,11 +195,14 @@ def _dq_kernel(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "tiles", "interpret", "ping_pong", "tile_bounds", "skip_masked"),
+    static_argnames=(
+        "scale", "tiles", "interpret", "ping_pong", "tile_bounds", "skip_masked", "dropout_rate",
+    ),
 )
 def backward_dq(
-    q, k, v, bias, mask, do, stats, *, scale: float, tiles: MosaicTiles, interpret: bool,
-    ping_pong: bool = True, tile_bounds=None, skip_masked: bool = False,
+    q, k, v, bias, mask, do, stats, dropout_seeds=None, *, scale: float, tiles: MosaicTiles,
+    interpret: bool, ping_pong: bool = True, tile_bounds=None, skip_masked: bool = False,
+    dropout_rate: float = 0.0,
 ):
     """dq `[B, S, N, H, d]` in q's dtype (arguments as in
     `kernels.mosaic.backward`'s docstring; float32 q, k, v and do as in
@@ -201,16 +219,18 @@ def backward_dq(
         (batch, head, MSA-row group, first query) visits, of `tiles`; the
         others are left out of its gradients. In place of the mask's.
       skip_masked: False visits every key tile whatever the mask (the
-        default; the op skips inside `skipping_padding`).
+        default; the op skips inside `skipping_padding`). Not with dropout.
+      dropout_seeds, dropout_rate: attention dropout, as in `backward_dkdv`.
     """
     check_kernel_inputs(q, bias, float32=True, paired_heads=q.dtype != jnp.float32)
     rows, n_res, heads = q.shape[1], q.shape[2], q.shape[3]
     msa_rows = tiles.msa_rows_for(rows)
     pair = tile_heads(q.shape, q.dtype)
+    dropout = check_dropout(dropout_seeds, dropout_rate, q.shape, skips_masked=skip_masked)
     pieces, (q_in, k, v, do) = split_operands(*tiles_of_head_pairs(pair, q, k, v, do))
     inputs = kernel_operands(
         q=q_in, k=k, v=v, bias=accumulator_bias(bias, scale), mask=mask, do=do,
-        stats=stats,
+        stats=stats, dropout_seeds=None if dropout is None else dropout_seeds,
     )
     if mask is not None and skip_masked and tile_bounds is None:
         inputs["key_tile_bounds"] = key_tiles.key_tile_bounds(
@@ -225,7 +245,7 @@ def backward_dq(
         _dq_kernel, scale=scale, n_res=n_res, tiles=tiles,
         msa_rows=msa_rows, heads=heads // pair, heads_per_tile=pair, dtype=q.dtype,
         ping_pong=ping_pong, interpret=interpret, row_views=row_view_names(kernel_plan.smem),
-        tile_bounds=tile_bounds,
+        tile_bounds=tile_bounds, dropout=dropout,
     )
     (dq,) = launch(body, kernel_plan, inputs=inputs, out_types=out_types, interpret=interpret)
     return dq.reshape(q.shape)

@@ -14,9 +14,17 @@ from msa_pallas.kernels.mosaic.matmul import split_float32
 from msa_pallas.kernels.mosaic.support import pad_bias_rows, pad_residues
 
 
-def recompute(s, dp, keep, stats, *, scale: float, query_axis: int, with_p: bool):
+def recompute(
+    s, dp, keep, stats, *, scale: float, query_axis: int, with_p: bool, dropout_keep=None
+):
     """The probabilities `p` (if `with_p`, else None) and the logit gradient
     `ds` of one tile, float32, as the forward computed them.
+
+    With dropout (`dropout_keep`: the tile's bool keep mask,
+    `dropout_words`), `ds = p (keep dp - delta)` and `p` is returned as
+    `p keep`, the weights `dv` takes: `do` and delta come scaled by the
+    caller (`do / (1 - rate)`, `delta = (1 - rate) sum_d do o`), so the
+    kernels never scale.
 
     Args:
       s: `q . k + bias / scale` of the tile (the product started from the
@@ -37,10 +45,14 @@ def recompute(s, dp, keep, stats, *, scale: float, query_axis: int, with_p: bool
             masked = per_query((MASKED_LOGIT_LOG2 - row_max) - row_log2_sum)
             x = jnp.where(keep, x, masked)
     p = jnp.exp2(x)
+    if dropout_keep is not None:
+        dp = jnp.where(dropout_keep, dp, 0.0)
     ds = p * (dp - per_query(delta))
     if keep is not None:
         # A masked key's logit is a constant: no gradient flows through it.
         ds = jnp.where(keep, ds, 0.0)
+    if dropout_keep is not None and with_p:
+        p = jnp.where(dropout_keep, p, 0.0)
     return (p if with_p else None), ds
 
 
