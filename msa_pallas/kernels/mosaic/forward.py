@@ -153,10 +153,10 @@ def _kernel(
         lb, ub = key_tiles_of(work)
         # The ring step of key tile 0 (a virtual one where lb > 0).
         first_step = steps_before - lb
-        plgpu.barrier_wait(produced["q"].at[wg])
-        if dropout is not None:
+        if dropout is not None:  # from GMEM: in flight while q's tile lands
             row_dropout = HeadDropout(dropout, gmem, batch, row, head * pair, pair)
             query_words = row_dropout.query_words(q_start, block_q)
+        plgpu.barrier_wait(produced["q"].at[wg])
 
         if pair == 1:
             queries_of_head = (q_smem,)
