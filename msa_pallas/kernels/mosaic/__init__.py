@@ -24,5 +24,6 @@ The mechanisms they share, each once:
 - `logits`: the bias as the products start from it, the masked logit.
 - `heads`: two heads per tile for d = 8.
 - `dropout_words`: attention dropout in the kernels (`msa_pallas.dropout`'s
-  words of a tile's queries and keys, and its keep mask).
+  words of every query and key, computed in XLA; a tile's vectors of them
+  loaded from GMEM, and its keep mask).
 """

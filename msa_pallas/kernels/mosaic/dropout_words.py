@@ -1,14 +1,18 @@
 """Attention dropout inside the Mosaic GPU kernels (`msa_pallas.dropout`'s
-random bits): the operands' checks, a row's seed read from GMEM, the words
-of a tile's queries or keys as a vector in a wgmma layout, and a tile's
-keep mask from the two broadcast vectors.
+random bits): the operands' checks, the word arrays the wrappers compute in
+XLA, a tile's words loaded from them as a vector in a wgmma layout, and a
+tile's keep mask from the two broadcast vectors.
 
 The words hash the GLOBAL residue positions, so the mask does not depend on
 tile sizes: the forward and each backward kernel, whatever their tiles and
-orientation (queries along the wgmma rows or columns), draw the same
-mask. Per tile a kernel computes one vector of words for its queries and
-one for its keys (each at most a few hundred hashes, spread over the
-warpgroup's threads); per weight only `dropout.keeps` and a select run.
+orientation (queries along the wgmma rows or columns), draw the same mask.
+No kernel hashes: each wrapper computes every row's query and key words
+once per call in XLA (`word_operands`, uint32 `[B, S, H, N]` each, N
+padded to whole tiles), and a kernel reads a tile's vector of words with
+one load from GMEM, in the layout it broadcasts in (in the wgmma layouts a
+column vector is replicated: hashed in the kernel, every thread would hash
+a quarter of the tile's words). Per weight only `dropout.keeps` and a
+select run.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from msa_pallas import dropout
@@ -70,30 +75,38 @@ def check_dropout(dropout_seeds, dropout_rate: float, q_shape, *, skips_masked: 
     return settings
 
 
-def row_seed(seeds_ref, batch, row, head):
-    """The uint32 seed of (batch, MSA row, head) from the `[B, S, H]` GMEM
-    ref: one scalar load."""
-    return seeds_ref[batch, row, head]
+def word_length(n_res: int, *spans: int) -> int:
+    """The length of the word arrays a kernel reads: N rounded up so that
+    every `span`-long slice it takes (from a multiple of `span`) is in
+    bounds, for each of `spans` (its query and key tiles' lengths)."""
+    return max(pl.cdiv(n_res, span) * span for span in spans)
 
 
-def position_words(words_of, seed, start, length: int, layout):
-    """`words_of(seed, positions)` (`dropout.query_words` or
-    `dropout.key_words`) of the `length` global positions from `start`
-    (int32, the tile's first residue): uint32 `[length]` in `layout`
-    (`matmul.WGMMA_ROW` or `WGMMA_COL`). Positions past N get words too;
-    their weights are zero or their results dropped anyway."""
-    offsets = plgpu.layout_cast(lax.broadcasted_iota(jnp.uint32, (length,), 0), layout)
-    return words_of(seed, lax.convert_element_type(start, jnp.uint32) + offsets)
+def word_operands(dropout_seeds, length: int) -> dict:
+    """The kernels' dropout operands, computed in XLA once per call:
+    "query_words" and "key_words", uint32 `[B, S, H, length]`, the words of
+    positions 0 <= i < `length` (`dropout.query_words` / `key_words`) of
+    each row's seed in `dropout_seeds` `[B, S, H]` uint32. Positions past N
+    (`word_length`'s padding) get words too; their weights are zero or
+    their results dropped anyway."""
+    positions = jnp.arange(length, dtype=jnp.uint32)
+    seeds = dropout_seeds[..., None]
+    return {
+        "query_words": dropout.query_words(seeds, positions),
+        "key_words": dropout.key_words(seeds, positions),
+    }
 
 
-def query_words(seed, start, length: int, layout):
-    """The words of a tile's queries (`position_words`)."""
-    return position_words(dropout.query_words, seed, start, length, layout)
-
-
-def key_words(seed, start, length: int, layout):
-    """The words of a tile's keys (`position_words`)."""
-    return position_words(dropout.key_words, seed, start, length, layout)
+def load_words(words_ref, batch, row, head, start, length: int, layout):
+    """The words of positions start <= i < start + `length` of one (batch,
+    MSA row, head), from a `[B, S, H, >= start + length]` GMEM ref
+    (`word_operands`): uint32 `[length]` in `layout` (`matmul.WGMMA_ROW` or
+    `WGMMA_COL`), one load."""
+    # Mosaic GPU's optimized transfers are SMEM's alone; from GMEM each
+    # thread loads its own words as vectors of the layout's length.
+    return plgpu.load(
+        words_ref.at[batch, row, head, pl.ds(start, length)], layout=layout, optimized=False
+    )
 
 
 def kept(query_words_vector, key_words_vector, shape, query_axis: int, settings: Dropout):
@@ -113,29 +126,39 @@ def dropped(x, keep):
 class HeadDropout:
     """The dropout of one consumer's tiles of one MSA row and `heads`
     consecutive heads (2 where a tile holds two heads of d = 8, each with
-    its own seed), queries along the tiles' axis `query_axis` (0 in the
-    forward, dq and dbias, 1 in dk/dv).
+    its own words), queries along the tiles' axis `query_axis` (0 in the
+    forward, dq and dbias, 1 in dk/dv). `gmem` holds "query_words" and
+    "key_words" (`word_operands`).
 
-    A kernel computes the words of the positions it holds across its loop
-    once (`query_words` / `key_words`: one vector per head) and the others
-    per loop step, then `drop`s each step's tiles."""
+    A kernel loads the words of the positions it holds across its loop once
+    (`query_words` / `key_words`: one vector per head) and the others per
+    loop step, before the step's products so that the loads' latency hides
+    behind them, then `drop`s each step's tiles."""
 
-    def __init__(self, settings: Dropout, seeds_ref, batch, row, first_head, heads: int,
+    def __init__(self, settings: Dropout, gmem, batch, row, first_head, heads: int,
                  query_axis: int = 0):
-        self.settings, self.query_axis = settings, query_axis
-        self.seeds = tuple(row_seed(seeds_ref, batch, row, first_head + h) for h in range(heads))
+        self.settings, self.query_axis, self.heads = settings, query_axis, heads
+        self.gmem, self.batch, self.row, self.first_head = gmem, batch, row, first_head
         # Each vector in the layout that broadcasts along its tile axis.
         self.query_layout, self.key_layout = (
             (WGMMA_ROW, WGMMA_COL) if query_axis == 0 else (WGMMA_COL, WGMMA_ROW)
         )
 
+    def _words(self, name: str, start, length: int, layout) -> tuple:
+        return tuple(
+            load_words(
+                self.gmem[name], self.batch, self.row, self.first_head + h, start, length, layout
+            )
+            for h in range(self.heads)
+        )
+
     def query_words(self, start, length: int) -> tuple:
         """Per head, the words of queries start <= i < start + length."""
-        return tuple(query_words(s, start, length, self.query_layout) for s in self.seeds)
+        return self._words("query_words", start, length, self.query_layout)
 
     def key_words(self, start, length: int) -> tuple:
         """Per head, the words of keys start <= j < start + length."""
-        return tuple(key_words(s, start, length, self.key_layout) for s in self.seeds)
+        return self._words("key_words", start, length, self.key_layout)
 
     def keep(self, head: int, query_words_per_head, key_words_per_head, shape):
         """Head `head`'s keep mask of a `shape` tile (`kept`)."""
@@ -148,7 +171,7 @@ class HeadDropout:
         """Per head, the `shape` tile's keep mask (`kept`)."""
         return tuple(
             self.keep(h, query_words_per_head, key_words_per_head, shape)
-            for h in range(len(self.seeds))
+            for h in range(self.heads)
         )
 
     def drop(self, tiles, query_words_per_head, key_words_per_head) -> tuple:

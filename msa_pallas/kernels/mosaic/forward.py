@@ -37,8 +37,9 @@ Each item's key loop runs between bounds known at run time (`key_tiles_of`),
 the ring's slots and barrier phases following a running count of the CTA's
 steps; with `skip_masked` and a mask, only the tiles holding its rows' kept
 keys (`kernels.key_tiles`), a row with none taking its mean of v.
-With `dropout_rate` > 0 the weights `dropout` drops are zeroed after the
-row statistics (`dropout_words`), and the output scaled by 1 / (1 - rate).
+With `dropout_rate` > 0 the weights `dropout` drops (their words read from
+XLA's arrays, `dropout_words`) are zeroed after the row statistics, and the
+output scaled by 1 / (1 - rate).
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def _kernel(
     first, everything else through the second. `key_bounds`: as in
     `attention_forward`. `skips_masked`: gmem holds "key_bounds",
     "row_dead" and "row_mean" (`kernels.key_tiles`, `attention_forward`).
-    `dropout` (`dropout_words.Dropout`): gmem holds "dropout_seeds"."""
+    `dropout` (`dropout_words.Dropout`): gmem holds "query_words", "key_words"."""
     smem_tma, smem = split_row_views(smem, row_views)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair = heads_per_tile
@@ -152,10 +153,10 @@ def _kernel(
         lb, ub = key_tiles_of(work)
         # The ring step of key tile 0 (a virtual one where lb > 0).
         first_step = steps_before - lb
-        plgpu.barrier_wait(produced["q"].at[wg])
-        if dropout is not None:
-            row_dropout = HeadDropout(dropout, gmem["dropout_seeds"], batch, row, head * pair, pair)
+        if dropout is not None:  # from GMEM: in flight while q's tile lands
+            row_dropout = HeadDropout(dropout, gmem, batch, row, head * pair, pair)
             query_words = row_dropout.query_words(q_start, block_q)
+        plgpu.barrier_wait(produced["q"].at[wg])
 
         if pair == 1:
             queries_of_head = (q_smem,)
@@ -216,7 +217,8 @@ def _kernel(
             def visit_key_tile(key_tile, carry):
                 accs, row_maxes, row_sums = carry
                 slot = slot_of(key_tile)
-
+                if dropout is not None:  # loaded first: the products hide its latency
+                    key_words = row_dropout.key_words(key_tile * block_k, block_k)
                 # The product starts from the bias tile, so the matrix units add it.
                 keys_t = smem["k"].at[slot, wg].T
                 logits = smem_products(
@@ -236,9 +238,7 @@ def _kernel(
                     rescaled(acc, rescale) for acc, (_, rescale, _, _) in zip(accs, softmaxes)
                 )
                 ps = tuple(p for p, _, _, _ in softmaxes)
-                if dropout is not None:
-                    # The row sums above are the undropped weights'.
-                    key_words = row_dropout.key_words(key_tile * block_k, block_k)
+                if dropout is not None:  # the row sums above are the undropped weights'
                     ps = row_dropout.drop(ps, query_words, key_words)
                 p16s = tuple(p.astype(dtype) for p in ps)
                 new_maxes = tuple(new_max for _, _, new_max, _ in softmaxes)

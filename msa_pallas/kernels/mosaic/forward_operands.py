@@ -1,7 +1,8 @@
 """The Mosaic GPU forward kernel's operands as it reads them, made in XLA
 once per call: q, k, v and the gate as head pairs for d = 8, the bias in
 the units of `q . k` with its rows padded, the mask padded, the inputs of
-padding skipping or of dropout; and the kernel's output types."""
+padding skipping or of dropout (the rows' query and key words); and the
+kernel's output types."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from msa_pallas.kernels.key_tiles import dead_rows, key_tile_bounds, row_means
+from msa_pallas.kernels.mosaic.dropout_words import word_length, word_operands
 from msa_pallas.kernels.mosaic.heads import as_head_pairs
 from msa_pallas.kernels.mosaic.logits import accumulator_bias
 from msa_pallas.kernels.mosaic.support import pad_bias_rows, pad_residues
@@ -39,7 +41,7 @@ def forward_operands(
     bias = pad_bias_rows(pad_residues(bias, swizzled=True))
     inputs = {"q": q, "k": k, "v": v, "bias": bias, "mask": mask, "gate": gate}
     if dropout_seeds is not None:
-        inputs["dropout_seeds"] = dropout_seeds
+        inputs |= word_operands(dropout_seeds, word_length(n_res, tiles.block_q, tiles.block_k))
     if skips_masked:
         inputs |= {
             "key_bounds": key_tile_bounds(mask, n_res, tiles.block_k, msa_rows),

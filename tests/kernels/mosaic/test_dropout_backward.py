@@ -210,8 +210,8 @@ LOWERED = {
 @pytest.mark.parametrize("case", list(LOWERED))
 def test_lowers_for_the_gpu_on_a_cpu(case):
     """With dropout each kernel, with its default tiles, lowers for CUDA on
-    a machine without a GPU (the seeds' scalar loads, the words' uint32
-    arithmetic and layouts in both orientations)."""
+    a machine without a GPU (the word vectors' loads from GMEM in both
+    orientations' layouts, the keep mask's uint32 arithmetic)."""
     shape, dtype, bias_dtype = LOWERED[case]
     operands = mosaic_lowering.backward_operands(shape, dtype, bias_dtype)
     seeds = jax.ShapeDtypeStruct((shape[0], shape[1], shape[3]), jnp.uint32)

@@ -164,8 +164,9 @@ def test_bad_dropout_arguments(seed):
 @pytest.mark.parametrize("head_dim, persistent", [(32, False), (8, True)])
 def test_lowers_for_the_gpu_on_a_cpu(head_dim, persistent):
     """With dropout the kernel lowers for CUDA on a machine without a GPU
-    (the row seeds' scalar loads, the words' uint32 arithmetic, their
-    layouts): N = 200 runs past the last whole tile."""
+    (the word vectors' loads from GMEM in the wgmma row and column layouts,
+    the keep mask's uint32 arithmetic): N = 200 runs past the last whole
+    tile."""
     shape = (1, 4, 200, 8, head_dim)
     q = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
     bias = jax.ShapeDtypeStruct((1, 8, 200, 200), jnp.float32)

@@ -65,10 +65,11 @@ statistics to whole 16-byte rows, and the bias gradient's rows are
 allocated to a multiple of 8 and sliced.
 
 Attention dropout (`dropout_seeds`, `dropout_rate` > 0; `dropout_words`):
-each kernel regenerates the forward's mask from the row seeds and the
-global positions, and `operands.recompute` gives `ds = p (keep dp - delta)`
-and dv's weights `p keep`; `do` and delta come scaled by the vjp, so no
-kernel divides by 1 - rate. Not with padding skipping.
+each wrapper computes the words of the rows' global positions from the
+seeds in XLA, its kernel regenerates the forward's mask from a tile's
+vectors of them (one load each), and `operands.recompute` gives `ds = p
+(keep dp - delta)` and dv's weights `p keep`; `do` and delta come scaled
+by the vjp, so no kernel divides by 1 - rate. Not with padding skipping.
 
 Padding (`kernels.key_tiles`): every kernel's loop runs between bounds
 read at run time (`lb`, `ub` in dq and dk/dv, the row range in dbias),

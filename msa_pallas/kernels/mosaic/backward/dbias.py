@@ -17,7 +17,9 @@ from msa_pallas.kernels import key_tiles
 from msa_pallas.kernels.mosaic.backward.operands import (
     kernel_operands, load_stats, recompute, split_operands,
 )
-from msa_pallas.kernels.mosaic.dropout_words import HeadDropout, check_dropout
+from msa_pallas.kernels.mosaic.dropout_words import (
+    HeadDropout, check_dropout, word_length, word_operands,
+)
 from msa_pallas.kernels.mosaic.heads import own_head_columns, tile_heads, tiles_of_head_pairs
 from msa_pallas.kernels.mosaic.logits import accumulator_bias, bias_tile
 from msa_pallas.kernels.mosaic.matmul import (
@@ -56,8 +58,9 @@ def _dbias_kernel(
     shared memory. With a mask, `gmem` may hold "row_bounds" (`[B, key
     tiles, 2]` int32, `key_tiles.row_bounds`): the rows outside them keep
     no key of the CTA's key tile and are not visited. `dropout`
-    (`dropout_words.Dropout`): gmem holds "dropout_seeds"; each step's
-    row and head has its own seed, so its words are hashed per step."""
+    (`dropout_words.Dropout`): gmem holds "query_words" and "key_words"
+    (`dropout_words.word_operands`); each step's row and head has its own
+    words, so each step loads both vectors."""
     smem_tma, smem = split_row_views(smem, row_views)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair = heads_per_tile
@@ -121,6 +124,13 @@ def _dbias_kernel(
 
             def visit_msa_row(row, dbias, h=h):
                 slot = lax.rem(h * visited_rows + row, stages)
+                if dropout is not None:
+                    # From GMEM, not the ring: in flight while the step's tiles land.
+                    row_dropout = HeadDropout(
+                        dropout, gmem, batch, first_row + row, head * pair + h, 1
+                    )
+                    query_words = row_dropout.query_words(queries.start, block_q)
+                    key_words = row_dropout.key_words(keys.start, block_k)
                 plgpu.barrier_wait(produced["step"].at[slot])
                 s, dp = logit_products(h, slot)
                 stats = load_stats(smem["stats"].at[slot, wg], WGMMA_ROW)
@@ -132,13 +142,7 @@ def _dbias_kernel(
                 plgpu.barrier_arrive(consumed["step"].at[slot])
                 dropout_keep = None
                 if dropout is not None:
-                    row_dropout = HeadDropout(
-                        dropout, gmem["dropout_seeds"], batch, first_row + row, head * pair + h, 1
-                    )
-                    dropout_keep = row_dropout.keep(
-                        0, row_dropout.query_words(queries.start, block_q),
-                        row_dropout.key_words(keys.start, block_k), s.shape,
-                    )
+                    dropout_keep = row_dropout.keep(0, query_words, key_words, s.shape)
                 _, ds = recompute(
                     s, dp, keep, stats, scale=scale, query_axis=0, with_p=False,
                     dropout_keep=dropout_keep,
@@ -230,9 +234,12 @@ def backward_dbias(
     chunks = kernel_plan.grid[-1] // (batch * heads // pair)
     _, (q, k, v, do) = split_operands(*tiles_of_head_pairs(pair, q, k, v, do))
     inputs = kernel_operands(
-        q=q, k=k, v=v, bias=accumulator_bias(bias, scale), mask=mask, do=do,
-        stats=stats, dropout_seeds=None if dropout is None else dropout_seeds,
+        q=q, k=k, v=v, bias=accumulator_bias(bias, scale), mask=mask, do=do, stats=stats
     )
+    if dropout is not None:
+        # The CTA's query tile is its consumers' tiles side by side.
+        length = word_length(n_res, tiles.block_q * consumers, tiles.block_k)
+        inputs |= word_operands(dropout_seeds, length)
     if mask is not None and skip_masked:
         inputs["row_bounds"] = key_tiles.row_bounds(mask, n_res, tiles.block_k)
     # Rows of whole 8-row tiles and columns of a whole TMA stride, sliced

@@ -22,7 +22,9 @@ from msa_pallas.kernels import key_tiles
 from msa_pallas.kernels.mosaic.backward.operands import (
     kernel_operands, load_stats, recompute, split_operands,
 )
-from msa_pallas.kernels.mosaic.dropout_words import HeadDropout, check_dropout
+from msa_pallas.kernels.mosaic.dropout_words import (
+    HeadDropout, check_dropout, word_length, word_operands,
+)
 from msa_pallas.kernels.mosaic.heads import (
     combine_head_columns, held_tiles_per_head, tile_heads, tiles_of_head_pairs,
 )
@@ -56,7 +58,8 @@ def _dkdv_kernel(
     S / msa_rows, key tiles]` int32: 1 where the loop runs) and "dead_dv"
     (`[B, S, heads, tile width]` float32: a dead row's dv per key, 0 for
     the other rows), as `backward_dkdv` makes them. `dropout`
-    (`dropout_words.Dropout`): gmem holds "dropout_seeds"."""
+    (`dropout_words.Dropout`): gmem holds "query_words" and "key_words"
+    (`dropout_words.word_operands`)."""
     smem_tma, smem = split_row_views(smem, row_views)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair = heads_per_tile
@@ -109,9 +112,7 @@ def _dkdv_kernel(
         )
         if dropout is not None:
             # Keys along the tiles' rows; their words are the CTA's for good.
-            row_dropout = HeadDropout(
-                dropout, gmem["dropout_seeds"], batch, row, head * pair, pair, query_axis=1
-            )
+            row_dropout = HeadDropout(dropout, gmem, batch, row, head * pair, pair, query_axis=1)
             key_words = row_dropout.key_words(keys.start, block_k)
         turns = PingPong(schedule, wg, enabled=ping_pong and msa_rows == 2)
         turns.start()
@@ -119,10 +120,11 @@ def _dkdv_kernel(
         def visit_query_tile(query_tile, carry):
             dks, dvs = (list(c) for c in carry)
             slot = ring_slot(query_tile, lb, stages)
+            if dropout is not None:
+                # From GMEM, not the ring: in flight while the step's tiles land.
+                query_words = row_dropout.query_words(query_tile * block_q, block_q)
             plgpu.barrier_wait(produced["step"].at[slot])
             q_smem, do_smem = operand_at(smem["q"], slot, wg), operand_at(smem["do"], slot, wg)
-            if dropout is not None:
-                query_words = row_dropout.query_words(query_tile * block_q, block_q)
             # One head after the other, each a full turn: the registers hold
             # one head's logits at a time.
             for h in range(pair):
@@ -255,8 +257,10 @@ def backward_dkdv(
     pieces, (q_in, k, v, do) = split_operands(*tiles_of_head_pairs(pair, q, k, v, do))
     inputs = kernel_operands(
         q=q_in, k=k, v=v, bias_t=jnp.swapaxes(accumulator_bias(bias, scale), -1, -2),
-        mask=mask, do=do, stats=stats, dropout_seeds=None if dropout is None else dropout_seeds,
+        mask=mask, do=do, stats=stats,
     )
+    if dropout is not None:
+        inputs |= word_operands(dropout_seeds, word_length(n_res, tiles.block_q, tiles.block_k))
     if skips:
         kept = key_tiles.kept_key_tiles(mask, n_res, tiles.block_k)
         kept = jnp.any(kept.reshape(batch, rows // msa_rows, msa_rows, -1), axis=2)

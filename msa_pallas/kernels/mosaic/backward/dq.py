@@ -17,7 +17,9 @@ from msa_pallas.kernels import key_tiles
 from msa_pallas.kernels.mosaic.backward.operands import (
     kernel_operands, load_stats, recompute, split_operands,
 )
-from msa_pallas.kernels.mosaic.dropout_words import HeadDropout, check_dropout
+from msa_pallas.kernels.mosaic.dropout_words import (
+    HeadDropout, check_dropout, word_length, word_operands,
+)
 from msa_pallas.kernels.mosaic.heads import (
     combine_head_columns, held_tiles_per_head, tile_heads, tiles_of_head_pairs,
 )
@@ -125,7 +127,7 @@ def _dq_kernel(
         )
         if dropout is not None:
             # The CTA's queries' words, for good.
-            row_dropout = HeadDropout(dropout, gmem["dropout_seeds"], batch, row, head * pair, pair)
+            row_dropout = HeadDropout(dropout, gmem, batch, row, head * pair, pair)
             query_words = row_dropout.query_words(queries.start, block_q)
         turns = PingPong(schedule, wg, enabled=ping_pong and msa_rows == 2)
         turns.start()
@@ -133,10 +135,11 @@ def _dq_kernel(
         def visit_key_tile(key_tile, dqs):
             dqs = list(dqs)
             slot = ring_slot(key_tile, lb, stages)
+            if dropout is not None:
+                # From GMEM, not the ring: in flight while the step's tiles land.
+                key_words = row_dropout.key_words(key_tile * block_k, block_k)
             plgpu.barrier_wait(produced["step"].at[slot])
             k_smem, v_smem = operand_at(smem["k"], slot, wg), operand_at(smem["v"], slot, wg)
-            if dropout is not None:
-                key_words = row_dropout.key_words(key_tile * block_k, block_k)
             for h in range(pair):
                 dropout_keep = None
                 if dropout is not None:
@@ -229,9 +232,10 @@ def backward_dq(
     dropout = check_dropout(dropout_seeds, dropout_rate, q.shape, skips_masked=skip_masked)
     pieces, (q_in, k, v, do) = split_operands(*tiles_of_head_pairs(pair, q, k, v, do))
     inputs = kernel_operands(
-        q=q_in, k=k, v=v, bias=accumulator_bias(bias, scale), mask=mask, do=do,
-        stats=stats, dropout_seeds=None if dropout is None else dropout_seeds,
+        q=q_in, k=k, v=v, bias=accumulator_bias(bias, scale), mask=mask, do=do, stats=stats
     )
+    if dropout is not None:
+        inputs |= word_operands(dropout_seeds, word_length(n_res, tiles.block_q, tiles.block_k))
     if mask is not None and skip_masked and tile_bounds is None:
         inputs["key_tile_bounds"] = key_tiles.key_tile_bounds(
             mask, n_res, tiles.block_k, msa_rows
