@@ -279,7 +279,7 @@ def test_triton_backward_follows_the_mosaic_forward(seed):
     assert plan.interpret
 
     def op(q, k, v, bias, gate):
-        return fused_attention(q, k, v, bias, mask.astype(jnp.int8), gate, 32**-0.5, plan)
+        return fused_attention(q, k, v, bias, mask.astype(jnp.int8), gate, None, 32**-0.5, plan)
 
     out, pullback = jax.vjp(op, q, k, v, bias, gate)
     result = (out, pullback(dout))
