@@ -173,14 +173,23 @@ def test_linen_and_nnx_identical(preset):
 
 
 def test_attention_dropout():
+    """Attention dropout in the layer: deterministic is no dropout, a key
+    gives one mask, the kernels draw the xla path's (Triton here; every
+    backend in tests/test_dropout.py), and the mean over keys is the
+    undropped output (xla path, 256 keys)."""
     m, z, mask = random_inputs(12)
     layer = MSARowAttentionWithPairBias(msa_dim=32, pair_dim=16, num_heads=4, dropout=0.25,
-                                        implementation="pallas")
-    no_drop = layer.clone(dropout=0.0, implementation="xla")
+                                        implementation="xla")
+    no_drop = layer.clone(dropout=0.0)
     variables = perturbed(no_drop.init(jax.random.key(13), m, z, mask), 14)
-    det = layer.clone(implementation="xla").apply(variables, m, z, mask, deterministic=True)
+    det = layer.apply(variables, m, z, mask, deterministic=True)
     ref = no_drop.apply(variables, m, z, mask)
     np.testing.assert_array_equal(np.asarray(det), np.asarray(ref))
+    key = {"dropout": jax.random.key(1)}
+    kernels = layer.clone(implementation="triton").apply(
+        variables, m, z, mask, deterministic=False, rngs=key)
+    xla = layer.apply(variables, m, z, mask, deterministic=False, rngs=key)
+    assert rel_err(kernels, xla) < 1e-5 and rel_err(xla, ref) > 0.05
 
     keys = jnp.concatenate([jnp.stack([jax.random.key(1), jax.random.key(1)]),
                             jax.random.split(jax.random.key(3), 254)])
