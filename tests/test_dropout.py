@@ -25,6 +25,7 @@ import msa_pallas
 import numpy_reference
 from helpers import compare, random_inputs, rel_err, tolerance
 from msa_pallas import dropout
+from msa_pallas.attention import on_gpu
 
 RATES = (0.1, 0.5)
 
@@ -143,6 +144,10 @@ OP_CASES = {
 }
 
 
+# The op cases the Mosaic GPU interpreter runs on a CPU (all of them on a GPU).
+MOSAIC_CPU_CASES = {("bf16-N40", 0.5), ("d8", 0.1)}
+
+
 def op_fwd_bwd(implementation, rate, key):
     def run(q, k, v, bias, mask, gate, dout):
         def f(q, k, v, bias, gate):
@@ -168,8 +173,9 @@ def reference_with_dropout(inputs, rate, key):
 @pytest.mark.parametrize("case", OP_CASES)
 @pytest.mark.parametrize("rate", RATES)
 def test_op_with_dropout_against_float64(implementation, case, rate, seed):
-    if implementation == "mosaic" and case != "bf16-N40" and rate != 0.1:
-        pytest.skip("the Mosaic GPU interpreter is slow: one rate per float32 case")
+    if implementation == "mosaic" and not on_gpu() and (case, rate) not in MOSAIC_CPU_CASES:
+        pytest.skip("the Mosaic GPU interpreter is slow: tests/kernels/mosaic/test_dropout_* "
+                    "cover its kernels; two op cases here")
     b, s, n, h, d, dtype, kwargs = OP_CASES[case]
     inputs = random_inputs(seed, b, s, n, h, d, dtype, **kwargs)
     key = jax.random.key(seed % 1000)
@@ -184,6 +190,8 @@ def test_op_with_dropout_against_float64(implementation, case, rate, seed):
 
 
 def test_dropout_changes_with_the_key(implementation, seed):
+    if implementation == "mosaic" and not on_gpu():
+        pytest.skip("the Mosaic kernels' seeds: tests/kernels/mosaic/test_dropout_* on a CPU")
     inputs = random_inputs(seed, 1, 2, 24, 2, 16)
     first = op_fwd_bwd(implementation, 0.3, jax.random.key(0))(*inputs.args)[0]
     again = op_fwd_bwd(implementation, 0.3, jax.random.key(0))(*inputs.args)[0]
