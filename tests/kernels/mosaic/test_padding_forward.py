@@ -73,11 +73,11 @@ def check(inputs, tiles, *, interpret):
 CPU_CASES = {
     # Key tile 3 of 4 is padding everywhere; row 1 dead beside a live row 0;
     # rows 4 and 5 (one CTA's pair) dead.
-    "end-padding-dead-rows": dict(shape=(1, 6, 256, 2, 32), bias_dtype=jnp.float32,
+    "end-padding-dead-rows": dict(shape=(1, 6, 256, 1, 32), bias_dtype=jnp.float32,
                                   mask=dict(dead=(1, 4, 5))),
     # Two heads per tile (d = 8), N no whole number of key tiles, keys 64-127
     # masked in the odd rows, the second batch element all padding.
-    "d8-middle-all-padding": dict(shape=(2, 4, 136, 4, 8), bias_dtype=jnp.bfloat16,
+    "d8-middle-all-padding": dict(shape=(2, 4, 136, 2, 8), bias_dtype=jnp.bfloat16,
                                   mask=dict(middle=(64, 128), dead_batch=(1,))),
 }
 
