@@ -36,7 +36,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["row_seeds", "keep_threshold", "query_words", "key_words", "keeps", "keep_mask"]
+__all__ = [
+    "row_seeds", "keep_threshold", "query_words", "key_words", "keeps", "keep_mask",
+    "check_kernel_arguments",
+]
 
 _QUERY_SALT = np.uint32(0x243F6A88)  # distinct salts: query and key words differ
 _KEY_SALT = np.uint32(0x85A308D3)
@@ -109,3 +112,34 @@ def keep_mask(seeds: jax.Array, n_res: int, rate: float) -> jax.Array:
     query = query_words(seed, positions)[..., :, None]
     key = key_words(seed, positions)[..., None, :]
     return keeps(query, key, keep_threshold(rate))
+
+
+def check_kernel_arguments(dropout_seeds, dropout_rate: float, q_shape, *, skips_padding: bool,
+                           skip_keyword: str) -> bool:
+    """Whether a kernel call drops weights, after checking its dropout
+    arguments (every backend's kernels): the rate is in [0, 1); a positive
+    rate needs `dropout_seeds`, uint32 `[B, S, H]` of q's `[B, S, N, H, d]`
+    `q_shape`; and it excludes skipping padding (`skip_keyword`, the
+    kernel's name for it), since a row that keeps no key takes a shortcut
+    (its uniform weights' mean) that dropout would change."""
+    keep_threshold(dropout_rate)  # checks the rate
+    if float(dropout_rate) == 0.0:
+        return False
+    if dropout_seeds is None:
+        raise ValueError(
+            f"dropout_rate={dropout_rate!r} needs dropout_seeds (uint32 [B, S, H]); got None."
+        )
+    if skips_padding:
+        raise ValueError(
+            f"dropout_rate={dropout_rate!r} with {skip_keyword}=True: skipping padding is not "
+            "supported with dropout (a row that keeps no key is given its uniform weights' "
+            f"mean, undropped); pass {skip_keyword}=False."
+        )
+    expected = (q_shape[0], q_shape[1], q_shape[3])
+    if tuple(dropout_seeds.shape) != expected or dropout_seeds.dtype != jnp.uint32:
+        raise ValueError(
+            f"dropout_seeds has shape {tuple(dropout_seeds.shape)} and dtype "
+            f"{dropout_seeds.dtype}; expected uint32 [B, S, H] (for q {tuple(q_shape)}: "
+            f"expected {expected})."
+        )
+    return True

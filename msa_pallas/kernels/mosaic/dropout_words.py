@@ -53,26 +53,12 @@ def check_dropout(dropout_seeds, dropout_rate: float, q_shape, *, skips_masked: 
     `q_shape` `[B, S, N, H, d]`, given when the rate is positive. Padding
     skipping with dropout is refused: a dead row's uniform weights are
     dropped too, so its shortcuts (the mean of v or of `do`) would be wrong."""
-    settings = Dropout.of(dropout_rate)
-    if settings is None:
+    if not dropout.check_kernel_arguments(
+        dropout_seeds, dropout_rate, q_shape, skips_padding=skips_masked,
+        skip_keyword="skip_masked",
+    ):
         return None
-    if dropout_seeds is None:
-        raise ValueError(
-            f"dropout_rate={dropout_rate!r} needs dropout_seeds (uint32 [B, S, H]); got None."
-        )
-    batch, rows, _, heads, _ = q_shape
-    expected = (batch, rows, heads)
-    if tuple(dropout_seeds.shape) != expected or dropout_seeds.dtype != jnp.uint32:
-        raise ValueError(
-            f"dropout_seeds has shape {tuple(dropout_seeds.shape)} and dtype "
-            f"{dropout_seeds.dtype}; expected uint32 {expected} ([B, S, H] of q {tuple(q_shape)})."
-        )
-    if skips_masked:
-        raise ValueError(
-            "dropout with skip_masked=True (padding skipping) is not supported: a dead row's "
-            "uniform weights are dropped too. Pass skip_masked=False."
-        )
-    return settings
+    return Dropout.of(dropout_rate)
 
 
 def word_length(n_res: int, *spans: int) -> int:

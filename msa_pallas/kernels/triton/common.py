@@ -289,26 +289,12 @@ def dropout_operand(dropout_seeds, dropout_rate: float, q_shape, skip_padding: b
       skip_padding: must be False with dropout: a row that keeps no key gets
         its results as a mean over all N keys, which dropout would change.
     """
-    threshold = dropout.keep_threshold(dropout_rate)  # checks the rate
-    if float(dropout_rate) == 0.0:
+    if not dropout.check_kernel_arguments(
+        dropout_seeds, dropout_rate, q_shape, skips_padding=skip_padding,
+        skip_keyword="skip_padding",
+    ):
         return None, None
-    if dropout_seeds is None:
-        raise ValueError(
-            f"dropout_rate={dropout_rate} needs dropout_seeds ([B, S, H] uint32); got None."
-        )
-    if skip_padding:
-        raise ValueError(
-            f"dropout_rate={dropout_rate} with skip_padding=True: skipping padding is not "
-            "supported with dropout (a row that keeps no key is given its uniform weights' "
-            "mean, undropped); pass skip_padding=False."
-        )
-    expected = (q_shape[0], q_shape[1], q_shape[3])
-    if tuple(dropout_seeds.shape) != expected or dropout_seeds.dtype != jnp.uint32:
-        raise ValueError(
-            f"dropout_seeds has shape {tuple(dropout_seeds.shape)} and dtype "
-            f"{dropout_seeds.dtype}; expected {expected} (B, S, H) uint32."
-        )
-    return dropout_seeds[..., None], threshold
+    return dropout_seeds[..., None], dropout.keep_threshold(dropout_rate)
 
 
 def load_dropout_seed(seeds_ref, prefix: tuple):
