@@ -321,15 +321,8 @@ def main(argv=None, prog: str | None = None) -> list[dict]:
                 attention_fn_supported=supports_attention_fn(),
                 xla_flags=os.environ.get("XLA_FLAGS", ""))
     out_dir = Path(args.out) if args.out else None
-    rows: list[dict] = []
-    earlier = None if out_dir is None or args.fresh else runs.read_json(out_dir / "results.json")
-    if earlier is not None:
-        why = runs.same_run(earlier["meta"], meta, SAME_RUN_KEYS)
-        if why is not None:
-            print(f"# {out_dir}/results.json is of another run ({why}): pass --fresh to start "
-                  "over, or another --out", file=sys.stderr)
-            raise SystemExit(2)
-        rows = earlier["rows"]
+    rows = runs.earlier_rows(out_dir, meta, SAME_RUN_KEYS, fresh=args.fresh)
+    if rows:
         print(f"# continuing {out_dir}/results.json: {len(rows)} rows there", flush=True)
 
     def save(table=None):

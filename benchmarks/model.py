@@ -206,15 +206,7 @@ def main(argv=None, prog: str | None = None) -> int:
                 command=" ".join(["python -m benchmarks model",
                                   *runs.portable_argv(sys.argv[1:] if argv is None else argv)]),
                 alphafold="alphafold-colabfold 2.3.27")
-    earlier = None if args.fresh else runs.read_json(out_dir / "results.json")
-    rows = []
-    if earlier is not None:
-        why = runs.same_run(earlier["meta"], meta, SAME_RUN_KEYS)
-        if why is not None:
-            print(f"# {out_dir}/results.json is of another run ({why}): pass --fresh to start "
-                  "over, or another --out", file=sys.stderr)
-            return 2
-        rows = earlier["rows"]
+    rows = runs.earlier_rows(out_dir, meta, SAME_RUN_KEYS, fresh=args.fresh)
     done = {(r["block"], r["N"], r["dtype"], r["mode"], r["variant"]) for r in rows}
     todo = [(block, n, dtype_name, mode)
             for block in args.blocks.split(",")

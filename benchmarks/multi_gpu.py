@@ -307,15 +307,8 @@ def main(argv=None, prog: str | None = None) -> list[dict]:
     )
     print(json.dumps(meta), flush=True)
 
-    earlier = None if args.fresh else runs.read_json(Path(args.out) / "results.json")
-    kept = []
-    if earlier is not None:
-        why = runs.same_run(earlier["meta"], meta, SAME_RUN_KEYS)
-        if why is not None:
-            print(f"# {args.out}/results.json is of another run ({why}): pass --fresh to "
-                  "start over, or another --out", file=sys.stderr)
-            raise SystemExit(2)
-        kept = [row for row in earlier["rows"] if not row.get("skipped")]
+    kept = [row for row in runs.earlier_rows(args.out, meta, SAME_RUN_KEYS, fresh=args.fresh)
+            if not row.get("skipped")]
     done = {(row["shape"], row["variant"], row["axis"]) for row in kept}
 
     # The MSA-row runs first (for every shape and variant), then heads, then batch:

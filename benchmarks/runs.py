@@ -144,3 +144,21 @@ def same_run(earlier: dict, now: dict, keys) -> str | None:
         if earlier.get(key) != now.get(key):
             return f"{key} was {earlier.get(key)!r}, is {now.get(key)!r}"
     return None
+
+
+def earlier_rows(out_dir, meta: dict, keys, *, fresh: bool) -> list[dict]:
+    """The rows of `out_dir/results.json` (`{"meta", "rows"}`) that a run with
+    metadata `meta` continues: none with `fresh`, without an `out_dir` or
+    without the file. A file of another run (`same_run` on `keys`) is not
+    overwritten: the run stops with exit status 2 and says why."""
+    if out_dir is None or fresh:
+        return []
+    earlier = read_json(Path(out_dir) / "results.json")
+    if earlier is None:
+        return []
+    why = same_run(earlier["meta"], meta, keys)
+    if why is not None:
+        print(f"# {out_dir}/results.json is of another run ({why}): pass --fresh to start "
+              "over, or another --out", file=sys.stderr)
+        raise SystemExit(2)
+    return earlier["rows"]
