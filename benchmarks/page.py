@@ -3,11 +3,14 @@
     python -m benchmarks report OUT/results.json                  # the table, on stdout
     python -m benchmarks report OUT/results.json --out DIR        # DIR/results.md, results.png
     python -m benchmarks report --page benchmarks/RESULTS.md --plot benchmarks/results_h200.png
+    python -m benchmarks report --readme README.md
 
-The last one writes benchmarks/RESULTS.md: the current table with its command, commit,
-date and device, and its plot, from the newest complete results file in
-benchmarks/results/ that times msa_pallas against an alternative (or the file named),
-with the index of the dated entries in benchmarks/log/.
+--page writes benchmarks/RESULTS.md: the current table with its command, commit, date and
+device, and its plot, from the newest complete results file in benchmarks/results/ that
+times msa_pallas against an alternative (or the file named), with the index of the dated
+entries in benchmarks/log/. --readme writes README.md's results block from the same file
+(the 16-bit rows against the fastest alternative) between its lines `<!-- results: ... -->`
+and `<!-- /results -->`, and leaves the rest of the file as it was.
 """
 
 from __future__ import annotations
@@ -16,16 +19,22 @@ import argparse
 import json
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 
 from benchmarks.alternatives import OWN_VARIANTS, REFERENCE_POINTS
 from benchmarks.measure import MODES
 from benchmarks import report
-from benchmarks.report import SUBJECT, markdown_table
+from benchmarks.report import (MEMORY_YARDSTICK, SUBJECT, _median, cell_of, fastest_alternative,
+                               fmt_cell, fmt_mb, fmt_ms, fmt_ratio, markdown_table, wrong_output)
+from benchmarks.shapes import HALF_DTYPES
 
 BENCHMARKS_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCHMARKS_DIR / "results"
 LOG_DIR = BENCHMARKS_DIR / "log"
+REPO_DIR = BENCHMARKS_DIR.parent
+README_START = "<!-- results: written by python -m benchmarks report --readme README.md -->"
+README_END = "<!-- /results -->"
 
 
 def last_date(meta: dict) -> str:
@@ -120,6 +129,8 @@ def results_page(results: dict, source: Path, page: Path, plot_path: Path | None
         "    cp OUT/results.json benchmarks/results/DATE-DEVICE-WHAT.json",
         "    python -m benchmarks report --page benchmarks/RESULTS.md "
         "--plot benchmarks/results_h200.png",
+        "    python -m benchmarks report --readme README.md   # README.md's results block, "
+        "from the same file",
         "",
         "`--budget SECONDS` stops the op benchmark before that many seconds and the same "
         "command continues it; `python -m benchmarks compare OLD.json NEW.json` lists the "
@@ -136,6 +147,103 @@ def results_page(results: dict, source: Path, page: Path, plot_path: Path | None
     return "\n".join(lines) + "\n"
 
 
+def _times(case: dict, mode: str, fastest: tuple[str, float] | None,
+           mark: str) -> tuple[str, float | None]:
+    """(`ours / theirs` ms with the faster in bold, their time / ours) of one mode of a
+    case; the ratio is None when either is missing or the subject's output is wrong."""
+    ours = _median(case, SUBJECT, mode)
+    ours_text = "wrong output" if wrong_output(case, SUBJECT) else fmt_cell(
+        cell_of(case, SUBJECT, mode))
+    theirs_text = "–" if fastest is None else fmt_ms(fastest[1]) + mark
+    if fastest is None or ours is None or wrong_output(case, SUBJECT):
+        return f"{ours_text} / {theirs_text}", None
+    ratio = fastest[1] / ours
+    if ratio > 1:
+        ours_text = f"**{ours_text}**"
+    elif ratio < 1:
+        theirs_text = f"**{theirs_text}**"
+    return f"{ours_text} / {theirs_text}", ratio
+
+
+def _range(ratios: list[float]) -> str:
+    """`lowest× to highest×` of the ratios."""
+    return f"{fmt_ratio(min(ratios))}× to {fmt_ratio(max(ratios))}×" if ratios else "no ratio"
+
+
+def readme_results(results: dict, source: Path) -> str:
+    """README.md's results block (ending in a newline): where `results` (read from `source`)
+    was measured; one row per 16-bit case, its shape's cases together, with msa_pallas'
+    time and the fastest alternative's forward and forward+backward, their ratio, and the
+    f+b memory against MEMORY_YARDSTICK's; then in how many rows msa_pallas is ahead."""
+    meta = results["metadata"]
+    cases = [case for case in results["cases"] if case["dtype"] in HALF_DTYPES]
+    shapes = list(dict.fromkeys(case["shape"] for case in cases))
+    cases.sort(key=lambda case: shapes.index(case["shape"]))
+    dtypes = sorted({case["dtype"] for case in cases})
+    fastest = [{mode: fastest_alternative(case, mode) for mode in MODES} for case in cases]
+    counts = Counter(found[0] for row in fastest for found in row.values() if found)
+    named = counts.most_common(1)[0][0] if counts else "none ran"
+    # The header names the alternative of most cells; each other one gets its own mark.
+    marks = {name: "†" * (i + 1) for i, name in enumerate(n for n in counts if n != named)}
+    link = Path(os.path.relpath(source, REPO_DIR)).as_posix()
+    alternatives = [name for name in meta["impls"] if name != SUBJECT]
+    lines = [
+        f"From [{link}]({link}): {meta.get('device_kind', '?')}, commit "
+        f"{meta.get('commit', '?')}, {meta.get('date_utc', '?')}, {' and '.join(dtypes)} "
+        f"inputs; ms, the faster in bold, against the fastest alternative that passed the "
+        f"forward check (of {', '.join(alternatives)}): {named}"
+        + (f" ({', '.join(f'{mark} {name}' for name, mark in marks.items())})" if marks else "")
+        + "; × is its time / msa_pallas'.",
+        "",
+        f"| shape (B, S, N, H, d) | bias | fwd: {SUBJECT} / {named} | fwd × | f+b: {SUBJECT} / "
+        f"{named} | f+b × | f+b memory: {SUBJECT} / {MEMORY_YARDSTICK} |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    ratios: dict[str, list[float]] = {mode: [] for mode in MODES}
+    memory_ratios = []
+    for i, (case, row) in enumerate(zip(cases, fastest)):
+        shape = case["shape"]
+        if i == 0 or cases[i - 1]["shape"] != shape:
+            shape += f" ({', '.join(str(v) for v in case['dims'].values())})"
+        bias = (f"{case['dtype']}, bias " if len(dtypes) > 1 else "") + report.bias_dtype(case)
+        cells = [shape, bias]
+        for mode in MODES:
+            found = row[mode]
+            text, ratio = _times(case, mode, found, marks.get(found[0], "") if found else "")
+            cells += [text, "–" if ratio is None else f"{fmt_ratio(ratio)}×"]
+            if ratio is not None:
+                ratios[mode].append(ratio)
+        memory = [cell_of(case, name, "fwd_bwd") for name in (SUBJECT, MEMORY_YARDSTICK)]
+        cells.append(f"{fmt_mb(memory[0])} / {fmt_mb(memory[1])} MB")
+        if None not in (used := [cell.get("temp_plus_output_bytes") for cell in memory]):
+            memory_ratios.append(used[0] / used[1])
+        lines.append("| " + " | ".join(cells) + " |")
+    ahead = {mode: sum(ratio > 1 for ratio in ratios[mode]) for mode in MODES}
+    lines += [
+        "",
+        f"{SUBJECT} is ahead of the fastest alternative in {ahead['fwd']} of {len(cases)} "
+        f"forward cells ({_range(ratios['fwd'])}) and {ahead['fwd_bwd']} of {len(cases)} "
+        f"forward+backward cells ({_range(ratios['fwd_bwd'])}), in "
+        + (f"{fmt_ratio(min(memory_ratios))} to {fmt_ratio(max(memory_ratios))} of "
+           f"{MEMORY_YARDSTICK}'s f+b memory." if memory_ratios
+           else f"f+b memory not compared with {MEMORY_YARDSTICK}'s."),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def split_readme(text: str) -> tuple[str, str, str]:
+    """(up to and with README_START's line, the block, from README_END's line) of `text`
+    (README.md), every character kept; ValueError unless there is one of each, in order."""
+    lines = text.splitlines(keepends=True)
+    starts = [i for i, line in enumerate(lines) if line.rstrip("\r\n") == README_START]
+    ends = [i for i, line in enumerate(lines) if line.rstrip("\r\n") == README_END]
+    if len(starts) != 1 or len(ends) != 1 or ends[0] < starts[0]:
+        raise ValueError(f"needs one line {README_START!r} and, after it, one line "
+                         f"{README_END!r} around the results block")
+    start, end = starts[0] + 1, ends[0]
+    return "".join(lines[:start]), "".join(lines[start:end]), "".join(lines[end:])
+
+
 def main(argv=None, prog: str | None = None) -> int:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 1)[1],
@@ -149,6 +257,8 @@ def main(argv=None, prog: str | None = None) -> int:
                         help="write the results page (benchmarks/RESULTS.md) here")
     parser.add_argument("--plot", type=Path, default=None,
                         help="with --page: write the page's plot here")
+    parser.add_argument("--readme", type=Path, default=None,
+                        help="write the results block between the markers of this README.md")
     args = parser.parse_args(argv)
     try:
         source = args.results or newest_results()
@@ -157,6 +267,14 @@ def main(argv=None, prog: str | None = None) -> int:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         print(f"report: cannot read the results: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
+    if args.readme is not None:  # before writing anything else, so a refusal writes nothing
+        try:
+            # Bytes, not text: the file's line endings stay as they are.
+            head, _, tail = split_readme(args.readme.read_bytes().decode("utf-8"))
+            readme = head + readme_results(results, source) + tail
+        except (OSError, ValueError) as exc:
+            print(f"report: cannot write {args.readme}'s results block: {exc}", file=sys.stderr)
+            return 2
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "results.md").write_text(table)
@@ -174,6 +292,9 @@ def main(argv=None, prog: str | None = None) -> int:
         args.page.write_text(results_page(results, source, args.page, plot_path))
         print(f"# wrote {args.page} from {source}"
               + (f" and {plot_path}" if plot_path is not None else ""))
-    if args.out is None and args.page is None:
+    if args.readme is not None:
+        args.readme.write_bytes(readme.encode("utf-8"))
+        print(f"# wrote {args.readme}'s results block from {source}")
+    if args.out is None and args.page is None and args.readme is None:
         print(table, end="")
     return 0

@@ -214,3 +214,74 @@ def test_results_page_is_the_one_the_report_writes():
     for entry in (ROOT / "benchmarks" / "log").glob("2*.md"):
         assert f"](log/{entry.name})" in text, entry.name
         assert entry.read_text().startswith("### " + entry.name[:10] + " "), entry.name
+
+
+# --- README.md's results block --------------------------------------------------------------
+
+
+def test_readme_results_are_the_newest_results_files():
+    """README.md's Results block is what `report --readme` writes from the newest results
+    file: a results file added without running it again fails here."""
+    text = (ROOT / "README.md").read_text()
+    source = page.newest_results()
+    _, block, _ = page.split_readme(text)
+    assert block == page.readme_results(json.loads(source.read_text()), source)
+    assert f"[benchmarks/results/{source.name}](benchmarks/results/{source.name})" in block
+    assert len(text.splitlines()) <= 251, "README.md is to stay at most ~250 lines"
+
+
+def test_readme_results_rows_ratios_and_ahead_count(tmp_path, capsys):
+    results = _results("2026-12-02 09:00 UTC", "bbb2222",
+                       impls=("msa_pallas", "cuequivariance", "xla"))
+    train = results["cases"][0]  # msa_pallas 0.1 / 0.4 ms, cuequivariance 0.2 / 0.8, xla 0.3 / 1.2
+    train["impls"]["msa_pallas"]["fwd_bwd"]["temp_plus_output_bytes"] = 5e7
+    bf16_bias = copy.deepcopy(train)
+    bf16_bias["bias_dtype"] = "bf16"
+    bf16_bias["impls"]["xla"]["fwd"]["median_ms"] = 0.05  # faster than msa_pallas' 0.1
+    bf16_bias["impls"]["cuequivariance"]["fwd_bwd"]["median_ms"] = 0.6
+    float32 = copy.deepcopy(train)  # float32 inputs: not in the README's rows
+    float32["dtype"] = float32["bias_dtype"] = "f32"
+    float32["impls"]["msa_pallas"]["fwd"]["median_ms"] = 9.0
+    results["cases"] += [bf16_bias, float32]
+    source = ROOT / "benchmarks" / "results" / "x.json"
+    block = page.readme_results(results, source)
+
+    assert "[benchmarks/results/x.json](benchmarks/results/x.json)" in block
+    assert "commit bbb2222, 2026-12-02 09:00 UTC, bf16 inputs" in block
+    assert "| fwd: msa_pallas / cuequivariance |" in block
+    rows = [line for line in block.splitlines() if line.startswith("| ")][1:]
+    assert len(rows) == 2
+    fwd, fwd_bwd = [0.2 / 0.1, 0.05 / 0.1], [0.8 / 0.4, 0.6 / 0.4]
+    memory = 5e7 / 2e8
+    assert rows[0] == (f"| train (1, 128, 256, 8, 32) | f32 | **0.100** / 0.200 | "
+                       f"{fwd[0]:.2f}× | **0.400** / 0.800 | {fwd_bwd[0]:.2f}× | 50 / 200 MB |")
+    # The other alternative's cell is marked and named; the faster one is in bold.
+    assert rows[1].startswith(f"| train | bf16 | 0.100 / **0.050†** | {fwd[1]:.2f}× | "
+                              f"**0.400** / 0.600 | {fwd_bwd[1]:.2f}× |")
+    assert "cuequivariance († xla)" in block
+    assert block.endswith(
+        f"msa_pallas is ahead of the fastest alternative in 1 of 2 forward cells "
+        f"({min(fwd):.2f}× to {max(fwd):.2f}×) and 2 of 2 forward+backward cells "
+        f"({min(fwd_bwd):.2f}× to {max(fwd_bwd):.2f}×), in {memory:.2f} to {memory:.2f} of "
+        "cuequivariance's f+b memory.\n")
+
+    # The command writes the block between the markers, the rest as it was (line endings too).
+    results_path = tmp_path / "x.json"
+    results_path.write_text(json.dumps(results))
+    head = "# Title\r\n\r\ntext\r\n" + page.README_START + "\r\n"
+    tail = page.README_END + "\r\nmore text, no newline at the end"
+    readme = tmp_path / "README.md"
+    readme.write_bytes((head + "old block\r\n" + tail).encode())
+    assert page.main([str(results_path), "--readme", str(readme)]) == 0
+    assert readme.read_bytes().decode() == (
+        head + page.readme_results(results, results_path) + tail)
+    assert page.main([str(results_path), "--readme", str(readme)]) == 0  # again: the same
+    assert readme.read_bytes().decode() == (
+        head + page.readme_results(results, results_path) + tail)
+    capsys.readouterr()
+    # Without the markers, or with one only: exit 2, the file untouched.
+    for text in ("# Title\n\nno markers\n", "# Title\n" + page.README_START + "\n"):
+        readme.write_text(text)
+        assert page.main([str(results_path), "--readme", str(readme)]) == 2
+        assert readme.read_text() == text
+        assert "results block: needs one line '<!-- results: written by" in capsys.readouterr().err
