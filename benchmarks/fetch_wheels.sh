@@ -72,12 +72,15 @@ WHEELS=(
     immutabledict==4.3.1
     tensorboardx==2.6.5
 )
-# The optional Haiku drop-in's GPU tests (tests/test_haiku.py), into DIR/test:
-# benchmarks/run_gpu.sh installs these for the tests only.
+# The optional Haiku drop-in's GPU tests (tests/layers/test_haiku.py), and
+# pytest-xdist for run_gpu.sh's TEST_WORKERS, into DIR/test: benchmarks/run_gpu.sh
+# installs these for the tests only.
 TEST_WHEELS=(
     dm-haiku==0.0.17
     jmp==0.0.4
     tabulate==0.10.0
+    pytest-xdist==3.8.0
+    execnet==2.1.2
 )
 
 # AlphaFold2 (alphafold.model.modules and its imports), into DIR/alphafold:

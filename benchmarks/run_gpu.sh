@@ -27,15 +27,21 @@
 # OUT_DIR/alternatives_check.log; its verdict is in the summary, it does not
 # change the exit status).
 #
-# The Haiku drop-in's test wheels (WHEEL_DIR/test, also from fetch_wheels.sh)
-# are installed into $TMPDIR/msa_pallas_test_site for the tests only.
+# The tests' wheels (WHEEL_DIR/test: the Haiku drop-in's dependencies and
+# pytest-xdist; WHEEL_DIR/alphafold: AlphaFold2's model for the patch's tests;
+# both from fetch_wheels.sh) are installed into $TMPDIR/msa_pallas_test_site for
+# the tests only. TEST_WORKERS=N (default 0: serial) runs the GPU tests in N
+# pytest-xdist processes, each allocating GPU memory as it needs it
+# (XLA_PYTHON_CLIENT_PREALLOCATE=false for the tests): every gpu-marked test in
+# about 7 minutes with 8 workers, where serially they take longer than one
+# ten-minute call.
 #
 # With COMPARE_WITH set to an earlier run's results.json, `python -m benchmarks compare`
 # lists the cells of msa_pallas whose median time changed by more than 5%
 # against it (COMPARE_ARGS: more arguments, e.g. "--threshold 0.10"); its output
 # is in OUT_DIR/compare.log and in the summary.
 #
-# Environment: PYTHON (default python3), TEST_ARGS (extra pytest arguments,
+# Environment: PYTHON (default python3), TEST_WORKERS, TEST_ARGS (extra pytest arguments,
 # split on spaces, e.g. "-x tests/kernels/triton/test_gpu.py"; TESTS=0 skips the tests), BENCH (0 skips
 # the op benchmark and the comparison, e.g. to run the tests and the layer benchmark
 # in a call of their own), LAYER_BENCH (0 skips the
@@ -73,19 +79,30 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv \
     || echo "python/jax check failed (exit $?)"
 echo "repo $PWD; out $OUT_DIR; XLA_PYTHON_CLIENT_MEM_FRACTION=$XLA_PYTHON_CLIENT_MEM_FRACTION"
 
-section "GPU tests: $PYTHON -m pytest -q -m gpu tests -s --durations=15 ${TEST_ARGS:-}"
+section "GPU tests: $PYTHON -m pytest -q -m gpu tests -s --durations=15 (TEST_WORKERS=${TEST_WORKERS:-0}) ${TEST_ARGS:-}"
 read -r -a TEST_ARGV <<< "${TEST_ARGS:-}"
 if [[ ${TESTS:-1} != 0 ]]; then
-    # The Haiku drop-in's test dependencies (WHEEL_DIR/test), for the tests only.
+    # The tests' own dependencies (WHEEL_DIR/test, WHEEL_DIR/alphafold), for the tests only.
     TEST_PYTHONPATH=$PYTHONPATH
-    test_wheels=("$WHEEL_DIR"/test/*.whl)
-    if [[ -e ${test_wheels[0]} ]] && "$PYTHON" -m pip install -q --no-index --no-deps \
+    test_wheels=()
+    for wheel in "$WHEEL_DIR"/test/*.whl "$WHEEL_DIR"/alphafold/*.whl; do
+        [[ -e $wheel ]] && test_wheels+=("$wheel")
+    done
+    if (( ${#test_wheels[@]} )) && "$PYTHON" -m pip install -q --no-index --no-deps \
             --no-compile --no-cache-dir --upgrade --target "$SCRATCH/msa_pallas_test_site" \
             "${test_wheels[@]}"; then
         TEST_PYTHONPATH=$SCRATCH/msa_pallas_test_site:$PYTHONPATH
     fi
-    PYTHONPATH=$TEST_PYTHONPATH "$PYTHON" -m pytest -q -m gpu tests -s -p no:cacheprovider --durations=15 \
-        ${TEST_ARGV[@]+"${TEST_ARGV[@]}"} 2>&1 | tee "$OUT_DIR/gpu_tests.log"
+    workers=()
+    test_env=()
+    if [[ ${TEST_WORKERS:-0} != 0 ]]; then
+        workers=(-n "$TEST_WORKERS")
+        test_env=(XLA_PYTHON_CLIENT_PREALLOCATE=false)
+    fi
+    env PYTHONPATH="$TEST_PYTHONPATH" ${test_env[@]+"${test_env[@]}"} \
+        "$PYTHON" -m pytest -q -m gpu tests -s -p no:cacheprovider --durations=15 \
+        ${workers[@]+"${workers[@]}"} ${TEST_ARGV[@]+"${TEST_ARGV[@]}"} 2>&1 \
+        | tee "$OUT_DIR/gpu_tests.log"
     test_status=${PIPESTATUS[0]}
 else
     echo "skipped (TESTS=0)" | tee "$OUT_DIR/gpu_tests.log"
