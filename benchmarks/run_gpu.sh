@@ -32,16 +32,22 @@
 # both from fetch_wheels.sh) are installed into $TMPDIR/msa_pallas_test_site for
 # the tests only. TEST_WORKERS=N (default 0: serial) runs the GPU tests in N
 # pytest-xdist processes, each allocating GPU memory as it needs it
-# (XLA_PYTHON_CLIENT_PREALLOCATE=false for the tests): every gpu-marked test in
-# about 7 minutes with 8 workers, where serially they take longer than one
-# ten-minute call.
+# (XLA_PYTHON_CLIENT_PREALLOCATE=false for the tests). The 269 gpu-marked tests
+# take about 9.5 minutes with 8 workers on an H200 (2026-12-04: 235 of them in
+# 480 s; 16 workers were no faster), so a machine lent ten minutes at a time
+# runs them in two calls, e.g. TEST_PATHS=tests/kernels/mosaic and
+# TEST_ARGS=--ignore=tests/kernels/mosaic (TEST_PATHS: what pytest collects,
+# default tests). TEST_TIMEOUT=SECONDS stops
+# the tests after that long as Ctrl-C would (SIGINT; exit status 124): pytest
+# still prints the summary with every failure so far, so a run cut short
+# names what failed.
 #
 # With COMPARE_WITH set to an earlier run's results.json, `python -m benchmarks compare`
 # lists the cells of msa_pallas whose median time changed by more than 5%
 # against it (COMPARE_ARGS: more arguments, e.g. "--threshold 0.10"); its output
 # is in OUT_DIR/compare.log and in the summary.
 #
-# Environment: PYTHON (default python3), TEST_WORKERS, TEST_ARGS (extra pytest arguments,
+# Environment: PYTHON (default python3), TEST_WORKERS, TEST_TIMEOUT, TEST_PATHS, TEST_ARGS (extra pytest arguments,
 # split on spaces, e.g. "-x tests/kernels/triton/test_gpu.py"; TESTS=0 skips the tests), BENCH (0 skips
 # the op benchmark and the comparison, e.g. to run the tests and the layer benchmark
 # in a call of their own), LAYER_BENCH (0 skips the
@@ -79,8 +85,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv \
     || echo "python/jax check failed (exit $?)"
 echo "repo $PWD; out $OUT_DIR; XLA_PYTHON_CLIENT_MEM_FRACTION=$XLA_PYTHON_CLIENT_MEM_FRACTION"
 
-section "GPU tests: $PYTHON -m pytest -q -m gpu tests -s --durations=15 (TEST_WORKERS=${TEST_WORKERS:-0}) ${TEST_ARGS:-}"
+section "GPU tests: $PYTHON -m pytest -q -m gpu ${TEST_PATHS:-tests} -s --durations=15 (TEST_WORKERS=${TEST_WORKERS:-0}) ${TEST_ARGS:-}"
 read -r -a TEST_ARGV <<< "${TEST_ARGS:-}"
+read -r -a TEST_PATHV <<< "${TEST_PATHS:-tests}"
 if [[ ${TESTS:-1} != 0 ]]; then
     # The tests' own dependencies (WHEEL_DIR/test, WHEEL_DIR/alphafold), for the tests only.
     TEST_PYTHONPATH=$PYTHONPATH
@@ -99,8 +106,12 @@ if [[ ${TESTS:-1} != 0 ]]; then
         workers=(-n "$TEST_WORKERS")
         test_env=(XLA_PYTHON_CLIENT_PREALLOCATE=false)
     fi
-    env PYTHONPATH="$TEST_PYTHONPATH" ${test_env[@]+"${test_env[@]}"} \
-        "$PYTHON" -m pytest -q -m gpu tests -s -p no:cacheprovider --durations=15 \
+    limit=()
+    if [[ -n ${TEST_TIMEOUT:-} ]]; then
+        limit=(timeout -s INT -k 60 "$TEST_TIMEOUT")
+    fi
+    ${limit[@]+"${limit[@]}"} env PYTHONPATH="$TEST_PYTHONPATH" ${test_env[@]+"${test_env[@]}"} \
+        "$PYTHON" -m pytest -q -m gpu "${TEST_PATHV[@]}" -s -p no:cacheprovider --durations=15 \
         ${workers[@]+"${workers[@]}"} ${TEST_ARGV[@]+"${TEST_ARGV[@]}"} 2>&1 \
         | tee "$OUT_DIR/gpu_tests.log"
     test_status=${PIPESTATUS[0]}
