@@ -296,6 +296,11 @@ IMPLEMENTATIONS: dict[str, Callable[[Case], Callables]] = {
 REFERENCE_POINTS = ("jax_mha_nobias",)
 # msa_pallas' own variants: checked, timed, never a yardstick.
 OWN_VARIANTS = ("msa_pallas_triton", "msa_pallas_mosaic")
+# What the full table measures unless asked for more: msa_pallas and every
+# alternative (the variants and reference points add half again to its time).
+TABLE_IMPLEMENTATIONS = tuple(
+    name for name in IMPLEMENTATIONS if name not in OWN_VARIANTS + REFERENCE_POINTS
+)
 
 
 # --- attention cores for msa_pallas' Flax layer --------------------------------

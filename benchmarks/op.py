@@ -11,6 +11,7 @@ a lower bound set by the exponentials and the matrix work.
     python -m benchmarks op --shapes 1x128x4096x8x32          # a custom B x S x N x H x d
     python -m benchmarks op --shapes 1x64x256x8x32:padded     # ... padded like train_padded
     python -m benchmarks op --impls msa_pallas,cuequivariance,tokamax_mosaic --out DIR
+    python -m benchmarks op --impls all         # with msa_pallas's own variants (Triton, Mosaic)
 
 Writes `OUT/results.json` (every number and the run's metadata) after every
 measurement, `OUT/results.md` (the Markdown table, with the targets read off the run)
@@ -43,8 +44,12 @@ import jax
 
 import msa_pallas
 from benchmarks import measure, report, runs, shapes
-from benchmarks.alternatives import ALTERNATIVE_PACKAGES, IMPLEMENTATIONS, on_gpu, package_version
+from benchmarks.alternatives import (
+    ALTERNATIVE_PACKAGES, IMPLEMENTATIONS, TABLE_IMPLEMENTATIONS, on_gpu, package_version,
+)
 
+# Names of several implementations at once, for --impls.
+IMPLEMENTATION_GROUPS = {"table": TABLE_IMPLEMENTATIONS, "all": tuple(IMPLEMENTATIONS)}
 DEFAULT_OUT = runs.REPO_ROOT / "benchmarks" / "out" / "op"
 # Metadata a results file must share with this run for the run to continue it.
 SAME_RUN_KEYS = ("commit", "device_kind", "backend", "jax_version", "packages", "iters", "reps",
@@ -112,9 +117,11 @@ def parse_args(argv=None, prog: str | None = None):
     parser.add_argument("--bias-dtypes", default=",".join(shapes.BIAS_DTYPES),
                         help="bias dtypes: f32 and/or input (the q/k/v dtype); float32 inputs "
                              "get one case for both (default %(default)s)")
-    parser.add_argument("--impls", default=",".join(IMPLEMENTATIONS),
-                        help=f"comma-separated, of {', '.join(IMPLEMENTATIONS)} (default: all; "
-                             "those that cannot run here are recorded as skipped)")
+    parser.add_argument("--impls", default="table",
+                        help=f"comma-separated, of {', '.join(IMPLEMENTATIONS)}; `table` "
+                             f"(the default) is {', '.join(TABLE_IMPLEMENTATIONS)}, `all` every "
+                             "one (msa_pallas's own variants and the no-bias reference point "
+                             "too); those that cannot run here are recorded as skipped")
     parser.add_argument("--iters", type=int, default=10 if gpu else 5,
                         help="timed samples per measurement (default 10 on GPU, 5 on CPU)")
     parser.add_argument("--reps", type=int, default=10 if gpu else 1,
@@ -140,7 +147,8 @@ def parse_args(argv=None, prog: str | None = None):
         parser.error(str(exc))
     args.dtypes = split_list(args.dtypes)
     args.bias_dtypes = split_list(args.bias_dtypes)
-    args.impls = split_list(args.impls)
+    args.impls = [name for group in split_list(args.impls)
+                  for name in IMPLEMENTATION_GROUPS.get(group, (group,))]
     for kind, chosen, known in (("dtype", args.dtypes, shapes.DTYPES),
                                 ("bias dtype", args.bias_dtypes, shapes.BIAS_DTYPES),
                                 ("impl", args.impls, IMPLEMENTATIONS)):
