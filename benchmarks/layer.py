@@ -277,13 +277,7 @@ def main(argv=None, prog: str | None = None) -> list[dict]:
                    help="back-to-back calls per sample; default 10 on GPU, 1 elsewhere")
     p.add_argument("--out", default=None,
                    help="directory for results.json (rewritten after every row)")
-    p.add_argument("--budget", type=float, default=None, metavar="SECONDS",
-                   help="stop before a row that would end after this many seconds (exit "
-                        "status 4); the same command continues")
-    p.add_argument("--fresh", action="store_true",
-                   help="start over: ignore the results.json in --out")
-    p.add_argument("--commit", default=None,
-                   help="commit id to record (default $MSA_PALLAS_COMMIT or git)")
+    runs.add_run_options(p, unit="row")
     args = p.parse_args(argv)
 
     on_gpu = jax.default_backend() == "gpu"

@@ -191,18 +191,14 @@ def main(argv=None, prog: str | None = None) -> int:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/out/evoformer")
-    parser.add_argument("--budget", type=float, default=None, metavar="SECONDS",
-                        help="stop before a pair of cells that would end after this many "
-                             "seconds (exit status 4); the same command continues")
-    parser.add_argument("--fresh", action="store_true",
-                        help="start over: ignore the results.json in --out")
+    runs.add_run_options(parser, unit="pair of cells (unpatched, patched)")
     args = parser.parse_args(argv)
     out_dir = Path(args.out)
     settings = dict(msa_depth=args.msa_depth, extra_depth=args.extra_depth, warmup=args.warmup,
                     iters=args.iters, reps=args.reps, chunk_mib=args.inference_chunk_mib)
     meta = dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
-                jax=jax.__version__, python=platform.python_version(), commit=runs.commit_id(),
-                date=runs.utc_now(), settings=settings,
+                jax=jax.__version__, python=platform.python_version(),
+                commit=runs.commit_id(args.commit), date=runs.utc_now(), settings=settings,
                 command=" ".join(["python -m benchmarks model",
                                   *runs.portable_argv(sys.argv[1:] if argv is None else argv)]),
                 alphafold="alphafold-colabfold 2.3.27")

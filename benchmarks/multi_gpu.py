@@ -271,13 +271,8 @@ def main(argv=None, prog: str | None = None) -> list[dict]:
     p.add_argument("--axis-type", default="auto", choices=["auto", "explicit"],
                    help="the mesh axis type: auto (sharding propagated by the compiler, "
                         "the default) or explicit (sharding in types)")
-    p.add_argument("--budget", "--time-budget", dest="time_budget", type=float, default=None,
-                   metavar="SECONDS",
-                   help="start no run that would end after this many seconds (the rest is "
-                        "recorded as skipped; the same command continues); the MSA-row runs "
-                        "go first")
-    p.add_argument("--fresh", action="store_true",
-                   help="start over: ignore the results.json in --out")
+    # What a budget leaves out (recorded as skipped, the MSA-row runs first) is in the epilog.
+    runs.add_run_options(p, unit="run", commit=False)
     p.add_argument("--devices", type=int, default=None, help="use the first N devices (default all)")
     args = p.parse_args(argv)
 
@@ -316,7 +311,7 @@ def main(argv=None, prog: str | None = None) -> list[dict]:
     plan = [(name, dims, variant, axis) for axis in axes for name, dims in shapes
             for variant in variants if (name, variant, axis) not in done]
     rows, cache = list(kept), {}
-    budget = runs.Budget(args.time_budget)
+    budget = runs.Budget(args.budget)
     progress = runs.Progress(len(plan))
     started = time.perf_counter()
     for name, dims, variant, axis in plan:
@@ -324,7 +319,7 @@ def main(argv=None, prog: str | None = None) -> list[dict]:
         if not budget.allows_another():
             rows.append(dict(shape=name, dims=list(dims), variant=variant, axis=axis,
                              devices=len(devices), error=None,
-                             skipped=f"time budget of {args.time_budget:g} s spent"))
+                             skipped=f"time budget of {args.budget:g} s spent"))
             continue
         progress.describe(f"{name} {variant} {axis}")
         try:
@@ -357,7 +352,7 @@ def main(argv=None, prog: str | None = None) -> list[dict]:
         f.write(table)
     print("\n" + table, flush=True)
     if any(row.get("skipped") for row in rows):
-        print(f"# stopped before the budget of {args.time_budget:g} s: the same command "
+        print(f"# stopped before the budget of {args.budget:g} s: the same command "
               "continues", flush=True)
         raise SystemExit(runs.EXIT_UNFINISHED)
     return rows

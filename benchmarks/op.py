@@ -128,17 +128,10 @@ def parse_args(argv=None, prog: str | None = None):
                         help="back-to-back calls per timed sample (default 10 on GPU, 1 on CPU)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls first (default 2)")
     parser.add_argument("--seed", type=int, default=0, help="PRNG seed of the inputs")
-    parser.add_argument("--budget", "--budget-s", dest="budget", type=float, default=None,
-                        metavar="SECONDS",
-                        help="stop before a measurement that would end after this many seconds "
-                             "(exit status 4); the same command continues")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help="directory for results.json, results.md, results.png "
                              "(default benchmarks/out/op); a rerun continues its results.json")
-    parser.add_argument("--fresh", action="store_true",
-                        help="start over: ignore (and replace) the results.json in --out")
-    parser.add_argument("--commit", default=None,
-                        help="commit id to record (default $MSA_PALLAS_COMMIT or git)")
+    runs.add_run_options(parser, unit="case (or, in a case longer than the budget, a cell)")
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:

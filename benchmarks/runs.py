@@ -1,4 +1,5 @@
-"""What every benchmark run shares: its progress line, its time budget, and its results file.
+"""What every benchmark run shares: its progress line, its time budget, its results file,
+and the options that drive them (`add_run_options`).
 
 A results file is written after every measurement (atomically: a run killed while
 writing leaves the previous version), so a run cut short keeps what it measured, and a
@@ -11,6 +12,7 @@ every call measures something); the same command then continues where it stopped
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -83,6 +85,28 @@ class Budget:
     def spent(self, seconds: float, kind: str = "measurement") -> None:
         """Records the duration of one measurement of `kind`."""
         self.longest[kind] = max(self.longest.get(kind, 0.0), seconds)
+
+
+def add_run_options(parser: argparse.ArgumentParser, *, unit: str = "measurement",
+                    commit: bool = True) -> None:
+    """Adds the options of a run that continues to `parser`: `--budget SECONDS`
+    (`args.budget`, None without it; `--budget-s` and `--time-budget` are other
+    spellings of it), `--fresh` (`args.fresh`) and, with `commit`, `--commit`
+    (`args.commit`, None without it: `commit_id` then finds one). `unit` names what
+    the budget stops before ("row", "case or cell", ...). The command adds its own
+    `--out`: the defaults differ."""
+    # --budget-s and --time-budget were the op and multi-gpu spellings; logs and
+    # RESULTS.md record commands with them, which must still run.
+    parser.add_argument("--budget", "--budget-s", "--time-budget", dest="budget", type=float,
+                        default=None, metavar="SECONDS",
+                        help=f"stop before a {unit} that the longest so far says would end "
+                             f"after this many seconds, with exit status {EXIT_UNFINISHED}; "
+                             "the same command continues where it stopped")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start over: ignore (and replace) the results.json in --out")
+    if commit:
+        parser.add_argument("--commit", default=None,
+                            help="the commit id to record (default $MSA_PALLAS_COMMIT or git)")
 
 
 def commit_id(explicit: str | None = None) -> str:

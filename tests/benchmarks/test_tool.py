@@ -6,6 +6,7 @@ measured cell costs a second or two; the times themselves are never judged."""
 
 from __future__ import annotations
 
+import argparse
 import copy
 import importlib.util
 import json
@@ -63,6 +64,28 @@ def test_one_entry_point_and_no_module_edits_sys_path():
 
 
 # --- runs that continue ---------------------------------------------------------------------
+
+
+def test_run_options_are_one_set_in_every_command():
+    """`--budget` and its older spellings set `args.budget`; `--commit` where asked for;
+    each command that continues a run says so in its `--help`."""
+    for spelling in ("--budget", "--budget-s", "--time-budget"):
+        parser = argparse.ArgumentParser()
+        runs.add_run_options(parser)
+        args = parser.parse_args([spelling, "30", "--fresh", "--commit", "abc1234"])
+        assert (args.budget, args.fresh, args.commit) == (30.0, True, "abc1234")
+    parser = argparse.ArgumentParser()
+    runs.add_run_options(parser, commit=False)
+    assert vars(parser.parse_args([])) == {"budget": None, "fresh": False}
+    for command, records_commit in (("op", True), ("layer", True), ("model", True),
+                                    ("multi-gpu", False)):
+        helped = subprocess.run([sys.executable, "-m", "benchmarks", command, "--help"],
+                                cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert helped.returncode == 0, helped.stderr
+        text = " ".join(helped.stdout.split())
+        assert "--budget SECONDS, --budget-s SECONDS, --time-budget SECONDS" in text, text
+        assert f"exit status {runs.EXIT_UNFINISHED}" in text and "--fresh" in text, text
+        assert ("--commit COMMIT" in text) == records_commit, text
 
 
 def test_op_budget_stops_and_the_same_command_continues(tmp_path, capsys):
