@@ -30,7 +30,9 @@ interpret-mode kernels (the programs run in milliseconds), so a CPU-only run
   forward + backward with d = 8 two heads per tile and the mask an argument
   of the jitted function. With it off every one of them runs;
 - runs the Mosaic GPU interpreter's host callbacks without copying their
-  arguments (`interpreter_callbacks.py`): a third of the time of its tests.
+  arguments, and compiles each simulated thread's program once instead of at
+  every kernel launch (`interpreter_callbacks.py`): two thirds of the time of
+  its tests, and the suite's 13 minutes on 2 cores down to under 10.
 
 With a GPU plugin installed, nothing of this applies: GPU runs compile as they
 always did.
