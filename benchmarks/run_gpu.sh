@@ -33,11 +33,12 @@
 # the tests only. TEST_WORKERS=N (default 0: serial) runs the GPU tests in N
 # pytest-xdist processes, each allocating GPU memory as it needs it
 # (XLA_PYTHON_CLIENT_PREALLOCATE=false for the tests). The 269 gpu-marked tests
-# take about 9.5 minutes with 8 workers on an H200 (2026-12-04: 235 of them in
-# 480 s; 16 workers were no faster), so a machine lent ten minutes at a time
-# runs them in two calls, e.g. TEST_PATHS=tests/kernels/mosaic and
-# TEST_ARGS=--ignore=tests/kernels/mosaic (TEST_PATHS: what pytest collects,
-# default tests). TEST_TIMEOUT=SECONDS stops
+# take about 12 minutes with 8 workers on an H200 (2026-12-04: tests/kernels
+# 403 s, the rest 295 s; 16 workers were no faster), so a machine lent ten
+# minutes at a time runs them in two calls, e.g. TEST_PATHS=tests/kernels and
+# TEST_ARGS=--ignore=tests/kernels (TEST_PATHS: what pytest collects, default
+# tests). The workers share the GPU's memory: a test that needs several GiB can
+# fail with RESOURCE_EXHAUSTED among them and pass alone (docs/development.md). TEST_TIMEOUT=SECONDS stops
 # the tests after that long as Ctrl-C would (SIGINT; exit status 124): pytest
 # still prints the summary with every failure so far, so a run cut short
 # names what failed.
