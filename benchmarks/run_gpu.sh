@@ -38,10 +38,10 @@
 # minutes at a time runs them in two calls, e.g. TEST_PATHS=tests/kernels and
 # TEST_ARGS=--ignore=tests/kernels (TEST_PATHS: what pytest collects, default
 # tests). The workers share the GPU's memory: a test that needs several GiB can
-# fail with RESOURCE_EXHAUSTED among them and pass alone (docs/development.md). TEST_TIMEOUT=SECONDS stops
-# the tests after that long as Ctrl-C would (SIGINT; exit status 124): pytest
-# still prints the summary with every failure so far, so a run cut short
-# names what failed.
+# fail with RESOURCE_EXHAUSTED among them and pass alone (docs/development.md).
+# TEST_TIMEOUT=SECONDS stops the tests after that long as Ctrl-C would (SIGINT;
+# exit status 124): pytest still prints the summary with every failure so far,
+# so a run cut short names what failed.
 #
 # With COMPARE_WITH set to an earlier run's results.json, `python -m benchmarks compare`
 # lists the cells of msa_pallas whose median time changed by more than 5%
