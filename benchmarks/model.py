@@ -8,8 +8,8 @@ The block is `alphafold.model.modules.EvoformerIteration` of alphafold-colabfold
 - `patched`: the same block traced inside `msa_pallas.alphafold2.patched()`: its
   MSARowAttentionWithPairBias and both TriangleAttention modules on the fused op
   (the op's default kernels; at inference the rows in chunks of
-  `--inference-chunk-mib` of projections, the patch's default 256), everything
-  else AlphaFold2's.
+  `--inference-chunk-mib` of projections, the patch's default
+  `alphafold2.INFERENCE_CHUNK_BYTES`), everything else AlphaFold2's.
 
 Same random parameters (every weight moved off AF2's zero init) and inputs for
 both. For each block, N, dtype and mode:
@@ -185,7 +185,8 @@ def main(argv=None, prog: str | None = None) -> int:
     parser.add_argument("--blocks", default="evoformer,extra_msa")
     parser.add_argument("--msa-depth", type=int, default=512)
     parser.add_argument("--extra-depth", type=int, default=1024)
-    parser.add_argument("--inference-chunk-mib", type=int, default=256,
+    parser.add_argument("--inference-chunk-mib", type=int,
+                        default=alphafold2.INFERENCE_CHUNK_BYTES // 2**20,
                         help="the patched modules' inference row chunks (0: none)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=5)

@@ -43,7 +43,7 @@ from pathlib import Path
 import jax
 
 import msa_pallas
-from benchmarks import measure, report, runs, shapes
+from benchmarks import measure, report, runs, shapes, timing
 from benchmarks.alternatives import (
     ALTERNATIVE_PACKAGES, IMPLEMENTATIONS, TABLE_IMPLEMENTATIONS, on_gpu, package_version,
 )
@@ -258,6 +258,8 @@ def main(argv=None, prog: str | None = None) -> int:
     meta["runs"].append(this_run)
     settings = measure.Settings(iters=args.iters, warmup=args.warmup, reps=args.reps,
                                 seed=args.seed)
+    if todo:
+        timing.warm_up_device()
     progress = runs.Progress(cells_left * len(measure.MODES))
     stopped = False
     try:

@@ -8,9 +8,11 @@ latency stays out of the number. Every benchmark quotes the median of the sample
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 
 from msa_pallas.timing import batched_times_ms
 
@@ -31,3 +33,19 @@ def median_ms(launch: Callable[[int], object], *, samples: int, reps: int,
               warmup: int = 1) -> float:
     """The median of `times_ms(...)`."""
     return statistics.median(times_ms(launch, samples=samples, reps=reps, warmup=warmup))
+
+
+def warm_up_device(seconds: float = 1.0) -> None:
+    """Keeps a GPU busy with matrix products for `seconds` before a run's first timing.
+
+    An idle GPU starts a run at low clocks: the first sample of the op table's first
+    case read 0.26-0.41 ms where its others read about 0.08 ms (five H200 runs,
+    2026-12-03/04). Nothing to do off a GPU.
+    """
+    if jax.default_backend() != "gpu":
+        return
+    a = jax.random.normal(jax.random.key(0), (4096, 4096), jnp.bfloat16)
+    product = jax.jit(lambda x: x @ x)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        jax.block_until_ready(product(a))
