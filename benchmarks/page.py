@@ -24,7 +24,7 @@ from pathlib import Path
 
 from benchmarks.alternatives import OWN_VARIANTS, REFERENCE_POINTS
 from benchmarks.measure import MODES
-from benchmarks import report
+from benchmarks import report, runs
 from benchmarks.report import (MEMORY_YARDSTICK, SUBJECT, _median, cell_of, fastest_alternative,
                                fmt_cell, fmt_mb, fmt_ms, fmt_ratio, markdown_table, wrong_output)
 from benchmarks.shapes import HALF_DTYPES
@@ -110,8 +110,8 @@ def results_page(results: dict, source: Path, page: Path, plot_path: Path | None
         "",
         f"- Results file: [{relative(source)}]({relative(source)})",
         f"- Command: `{command_line(meta)}`"
-        + (f" (continued in {calls - 1} more calls)" if calls > 1 else ""),
-        f"- Commit {meta.get('commit', '?')}, {meta.get('date_utc', '?')}, "
+        + (f" (continued in {calls - 1} more call{'s' if calls > 2 else ''})" if calls > 1 else ""),
+        f"- Commit {runs.short_commit(meta.get('commit', '?'))}, {meta.get('date_utc', '?')}, "
         f"{meta.get('device_kind', '?')}, jax {meta.get('jax_version', '?')}",
         "",
         markdown_table(results).rstrip("\n"),
@@ -189,7 +189,8 @@ def readme_results(results: dict, source: Path) -> str:
     alternatives = [name for name in meta["impls"] if name != SUBJECT]
     lines = [
         f"From [{link}]({link}): {meta.get('device_kind', '?')}, commit "
-        f"{meta.get('commit', '?')}, {meta.get('date_utc', '?')}, {' and '.join(dtypes)} "
+        f"{runs.short_commit(meta.get('commit', '?'))}, {meta.get('date_utc', '?')}, "
+        f"{' and '.join(dtypes)} "
         f"inputs; ms, the faster in bold, against the fastest alternative that passed the "
         f"forward check (of {', '.join(alternatives)}): {named}"
         + (f" ({', '.join(f'{mark} {name}' for name, mark in marks.items())})" if marks else "")

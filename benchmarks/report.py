@@ -100,8 +100,8 @@ def markdown_table(results: dict) -> str:
         header.append(f"{SUBJECT} fraction of floor fwd / f+b")
     header += [f"{name} f+b mem MB" for name in impls]
     lines = [
-        f"{meta['device_kind']} · jax {meta['jax_version']} · commit {meta['commit']} · "
-        f"{meta['date_utc']} · median of {meta['iters']} samples of "
+        f"{meta['device_kind']} · jax {meta['jax_version']} · "
+        f"commit {runs.short_commit(meta['commit'])} · {meta['date_utc']} · median of {meta['iters']} samples of "
         f"{meta.get('reps', 1)} back-to-back calls",
         "",
     ]
@@ -333,7 +333,7 @@ def plot(results: dict, path: Path) -> str | None:
         ax.legend(fontsize=8)
     meta = results["metadata"]
     fig.suptitle(f"MSA row attention — {meta['device_kind']}, jax {meta['jax_version']}, "
-                 f"commit {meta['commit']}")
+                 f"commit {runs.short_commit(meta['commit'])}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

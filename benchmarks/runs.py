@@ -16,6 +16,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -107,6 +108,11 @@ def add_run_options(parser: argparse.ArgumentParser, *, unit: str = "measurement
     if commit:
         parser.add_argument("--commit", default=None,
                             help="the commit id to record (default $MSA_PALLAS_COMMIT or git)")
+
+
+def short_commit(commit: str) -> str:
+    """A full 40-hex-digit commit id cut to git's short 7 digits (anything else as it is)."""
+    return commit[:7] if re.fullmatch(r"[0-9a-f]{40}", commit or "") else commit
 
 
 def commit_id(explicit: str | None = None) -> str:

@@ -58,7 +58,13 @@ def triangle_from_openfold_state_dict(state_dict: Mapping[str, Any], *, prefix: 
         sd = model.evoformer.blocks[0].pair_stack.tri_att_end.state_dict()
         variables = triangle_from_openfold_state_dict(sd)
         layer = triangle_module_from_variables(variables, starting=False)
-        update = layer.apply(variables, z, pair_mask)   # == tri_att_end(z, pair_mask)
+        update = layer.apply(variables, z, pair_mask)
+
+    `update` is the ending node's update as OpenFold's `PairStack` computes it:
+    it calls `tri_att_end` (built as a starting node) on z and the mask with the
+    two residue axes swapped and swaps the result back, so `tri_att_end(z,
+    pair_mask)` called directly is `starting=True` on the same variables
+    (tests/layers/test_openfold_keys.py checks both).
     """
     what = "OpenFold state_dict of TriangleAttention"
     sd = strip_prefix(state_dict, prefix, what) if prefix else dict(state_dict)

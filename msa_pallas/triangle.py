@@ -24,8 +24,9 @@ the gate and the bias are never transposed.
 
 Masks: OpenFold adds `1e9 * (mask - 1)` to the logits; the op replaces the
 masked logits with -1e9. They agree on every row that keeps a key; a row with
-no key kept gets uniform weights in both (in float32 the -1e9 shift swallows
-the logits), and OpenFold zeroes such padded rows downstream.
+no key kept gets uniform weights here and in OpenFold's float32 (the -1e9 shift
+swallows the logits), the softmax of its unmasked logits in OpenFold's float64;
+OpenFold zeroes such padded rows downstream.
 
 Parameters (linen names; the NNX module has the same tree)::
 

@@ -209,7 +209,7 @@ def test_report_writes_the_page_from_the_newest_complete_results(tmp_path, capsy
                                tmp_path / "plot.png" if has_plot else None, log)
     assert "- Results file: [results/b.json](results/b.json)" in text
     assert ("- Command: `python -m benchmarks op --out OUT_DIR --shapes train --budget 500` "
-            "(continued in 1 more calls)") in text
+            "(continued in 1 more call)") in text
     assert "- Commit bbb2222, 2026-12-02 09:00 UTC, NVIDIA H200, jax 0.11.2" in text
     assert "| train (1,128,256,8,32) | bf16 | f32 | 0.100 | 0.200 | 0.400 | 0.800 |" in text
     assert ("![time and memory against N](plot.png)" in text) == has_plot
