@@ -1,7 +1,8 @@
 """The implementations of MSA row attention that the benchmarks time, one adapter each.
 
-`IMPLEMENTATIONS` maps a name to a builder `build(case) -> Callables`: msa_pallas, xla
-(msa_pallas' plain-jnp path, the reference of the forward check), cudnn
+`IMPLEMENTATIONS` maps a name to a builder `build(case) -> Callables`: msa_pallas (and
+its variants: the Triton or the Mosaic kernels forced, and `msa_pallas.dot_product_attention`
+in tokamax's layouts, msa_pallas_dpa), xla (msa_pallas' plain-jnp path, the reference of the forward check), cudnn
 (`jax.nn.dot_product_attention`), cuequivariance (`cuequivariance_jax.triangle_attention`),
 tokamax_mosaic and tokamax_triton (`tokamax.dot_product_attention`), and jax_mha_nobias,
 a reference point that computes less (no bias, no mask). The other packages are not in
@@ -100,6 +101,20 @@ def build_msa_pallas_mosaic(case: Case) -> Callables:
     if reason is not None:
         raise Unavailable(reason)
     return _msa_pallas_builder("mosaic")(case)
+
+
+def build_msa_pallas_dpa(case: Case) -> Callables:
+    """`msa_pallas.dot_product_attention` called as tokamax's is (`tokamax_op`'s
+    layouts: bias `[B, 1, H, N, N]`, mask `[B, S, 1, 1, N]`), as AlphaFold3-style
+    code calls it: what the swap of one function gives."""
+    chosen = None if on_gpu() else "pallas"  # interpreted off a GPU, as msa_pallas
+
+    def op(q, k, v, bias, mask):
+        return msa_pallas.dot_product_attention(
+            q, k, v, bias=bias[:, None], mask=mask[:, :, None, None, :], scale=case.scale,
+            implementation=chosen)
+
+    return jitted_pair(op, {"layout": "tokamax's: bias [B,1,H,N,N], mask [B,S,1,1,N]"})
 
 
 def build_xla(case: Case) -> Callables:
@@ -284,6 +299,7 @@ IMPLEMENTATIONS: dict[str, Callable[[Case], Callables]] = {
     "msa_pallas": build_msa_pallas,
     "msa_pallas_triton": build_msa_pallas_triton,
     "msa_pallas_mosaic": build_msa_pallas_mosaic,
+    "msa_pallas_dpa": build_msa_pallas_dpa,
     "xla": build_xla,
     "cudnn": build_cudnn,
     "cuequivariance": build_cuequivariance,
@@ -295,7 +311,7 @@ IMPLEMENTATIONS: dict[str, Callable[[Case], Callables]] = {
 # never an alternative to beat, and its output is not checked.
 REFERENCE_POINTS = ("jax_mha_nobias",)
 # msa_pallas' own variants: checked, timed, never a yardstick.
-OWN_VARIANTS = ("msa_pallas_triton", "msa_pallas_mosaic")
+OWN_VARIANTS = ("msa_pallas_triton", "msa_pallas_mosaic", "msa_pallas_dpa")
 # What the full table measures unless asked for more: msa_pallas and every
 # alternative (the variants and reference points add half again to its time).
 TABLE_IMPLEMENTATIONS = tuple(

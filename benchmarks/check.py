@@ -62,6 +62,8 @@ def reference_op(name: str, case: shapes.Case):
     """The op of `name` over its package's portable path (mode `reference`)."""
     if name == "msa_pallas":
         return build_msa_pallas(case)
+    if name == "msa_pallas_dpa":  # the same kernels as msa_pallas (interpreted off a GPU)
+        return IMPLEMENTATIONS[name](case)
     if name == "xla":
         return build_xla(case)
     if name == "cudnn":

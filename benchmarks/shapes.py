@@ -62,6 +62,10 @@ SHAPES: dict[str, Shape] = {shape.name: shape for shape in (
           about="the extra-MSA stack of a short chain and a shallow alignment, padded"),
     Shape("long_padded", (1, 512, 1024, 8, 32), mask="padded",
           about="a long-chain batch padded to N = 1024 and S = 512"),
+    # Triangle attention (AlphaFold2's around a node, AlphaFold3's call through
+    # `dot_product_attention`): the pair's N rows as the MSA rows, H = 4, d = 32.
+    Shape("triangle", (1, 384, 384, 4, 32), about="triangle attention at N = 384"),
+    Shape("triangle_long", (1, 768, 768, 4, 32), about="triangle attention at N = 768"),
 )}
 # (B, S, N, H, d) by name, for scripts that need only the numbers.
 DIMS: dict[str, tuple[int, int, int, int, int]] = {name: s.dims for name, s in SHAPES.items()}
