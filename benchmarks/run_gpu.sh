@@ -38,7 +38,9 @@
 # minutes at a time runs them in two calls, e.g. TEST_PATHS=tests/kernels and
 # TEST_ARGS=--ignore=tests/kernels (TEST_PATHS: what pytest collects, default
 # tests). The workers share the GPU's memory: a test that needs several GiB can
-# fail with RESOURCE_EXHAUSTED among them and pass alone (docs/development.md).
+# fail with RESOURCE_EXHAUSTED among them and pass alone, so the tests that fail out
+# of memory run again, alone (OUT_DIR/gpu_tests_alone.log): the GPU tests pass when
+# those pass alone and nothing else failed (docs/development.md).
 # TEST_TIMEOUT=SECONDS stops the tests after that long as Ctrl-C would (SIGINT;
 # exit status 124): pytest still prints the summary with every failure so far,
 # so a run cut short names what failed.
@@ -116,6 +118,24 @@ if [[ ${TESTS:-1} != 0 ]]; then
         ${workers[@]+"${workers[@]}"} ${TEST_ARGV[@]+"${TEST_ARGV[@]}"} 2>&1 \
         | tee "$OUT_DIR/gpu_tests.log"
     test_status=${PIPESTATUS[0]}
+    # The workers share the GPU's memory: the tests that failed out of memory among them
+    # run again, one process alone; the tests count as passed when those pass alone and
+    # nothing else failed. Both outcomes are in the summary.
+    if [[ ${TEST_WORKERS:-0} != 0 && $test_status == 1 ]]; then
+        mapfile -t oom_tests < <(out_of_memory_failures "$OUT_DIR/gpu_tests.log")
+        failures=$(grep -cE '^(FAILED|ERROR) ' "$OUT_DIR/gpu_tests.log")
+        if (( ${#oom_tests[@]} )); then
+            section "again, alone: ${#oom_tests[@]} of $failures failures were out of GPU memory among the workers"
+            env PYTHONPATH="$TEST_PYTHONPATH" "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider \
+                "${oom_tests[@]}" 2>&1 | tee "$OUT_DIR/gpu_tests_alone.log"
+            alone_status=${PIPESTATUS[0]}
+            alone_verdict="${#oom_tests[@]} out of memory among the workers, alone: $(
+                grep -E '(passed|failed|error)' "$OUT_DIR/gpu_tests_alone.log" | tail -n 1)"
+            if (( alone_status == 0 && failures == ${#oom_tests[@]} )); then
+                test_status=0
+            fi
+        fi
+    fi
 else
     echo "skipped (TESTS=0)" | tee "$OUT_DIR/gpu_tests.log"
     test_status=5
@@ -198,6 +218,7 @@ echo "tests: $test_verdict"
 # pytest's own last line, e.g. "3 failed, 40 passed, 2 skipped in 12.3s".
 grep -E '(passed|failed|error|skipped|deselected|no tests ran)' "$OUT_DIR/gpu_tests.log" | tail -n 1
 grep -E '^(FAILED|ERROR) ' "$OUT_DIR/gpu_tests.log" | head -n 15
+[[ -n ${alone_verdict:-} ]] && echo "$alone_verdict"
 echo "alternatives check: $check_verdict"
 if [[ -s $OUT_DIR/alternatives_check.log ]]; then
     grep -E '  (FAIL: |error: |OOM)|row differs' "$OUT_DIR/alternatives_check.log" | head -n 15

@@ -1,5 +1,5 @@
 # shellcheck shell=bash
-# Sourced by run_gpu.sh and run_multi_gpu.sh:
+# Sourced by run_gpu.sh and run_multi_gpu.sh (and `out_of_memory_failures` by the tests):
 #
 #   source "$(dirname "${BASH_SOURCE[0]}")/script_prelude.sh"
 #   script_prelude run_gpu.sh "$@"
@@ -21,4 +21,11 @@ script_prelude() {
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
     export PYTHONUNBUFFERED=1
     PYTHON=${PYTHON:-python3}
+}
+
+# The pytest node ids of the tests that LOG's short summary lists as failed out of GPU
+# memory (`FAILED id - ...RESOURCE_EXHAUSTED...` or `... out of memory ...`), once each.
+out_of_memory_failures() {
+    grep -E '^(FAILED|ERROR) [^ ]+ - .*(RESOURCE_EXHAUSTED|[Oo]ut of memory|OUT_OF_MEMORY)' "$1" \
+        | sed -E 's/^(FAILED|ERROR) ([^ ]+) - .*/\2/' | sort -u
 }
