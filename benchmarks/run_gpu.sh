@@ -7,7 +7,8 @@
 #
 # Writes OUT_DIR/gpu_tests.log, OUT_DIR/bench.log and the op benchmark's
 # (`python -m benchmarks op`) results.json, results.md and results.png; the layer
-# benchmark's results under OUT_DIR/layer and its log in OUT_DIR/bench_layer.log.
+# benchmark's results under OUT_DIR/layer and its log in OUT_DIR/bench_layer.log;
+# with MODEL_BENCH=1 the model benchmark's under OUT_DIR/model (OUT_DIR/bench_model.log).
 # Both benchmarks continue the results.json they find in their folder (same commit,
 # device and settings): with BENCH_ARGS="--budget SECONDS" a long table is measured
 # over several calls with the same OUT_DIR, each stopping in time (exit status 4
@@ -56,7 +57,9 @@
 # in a call of their own), LAYER_BENCH (0 skips the
 # layer benchmark), BENCH_ARGS (extra arguments of
 # `python -m benchmarks op`, split on spaces), LAYER_ARGS (of
-# `python -m benchmarks layer`), XLA_PYTHON_CLIENT_MEM_FRACTION
+# `python -m benchmarks layer`), MODEL_BENCH (1 runs `python -m benchmarks model`,
+# AlphaFold2's Evoformer iteration, into OUT_DIR/model with WHEEL_DIR/alphafold's
+# packages; default 0), MODEL_ARGS (its arguments), XLA_PYTHON_CLIENT_MEM_FRACTION
 # (default 0.90 here, so that large XLA baselines get their chance), WHEEL_DIR,
 # BENCH_SITE, CHECK_ALTERNATIVES (default 1; 0 skips the check), CHECK_ARGS
 # (arguments of `python -m benchmarks check`, default
@@ -75,6 +78,7 @@ WHEEL_DIR=${WHEEL_DIR:-.whl}
 SCRATCH=${TMPDIR:-/tmp}
 BENCH_SITE=${BENCH_SITE:-$SCRATCH/msa_pallas_bench_site}
 read -r -a LAYER_ARGV <<< "${LAYER_ARGS:-}"
+read -r -a MODEL_ARGV <<< "${MODEL_ARGS:-}"
 read -r -a COMPARE_ARGV <<< "${COMPARE_ARGS:-}"
 CHECK_ALTERNATIVES=${CHECK_ALTERNATIVES:-1}
 read -r -a CHECK_ARGV <<< "${CHECK_ARGS:---shapes 2x3x37x2x8,1x4x128x4x32 --dtypes bf16,f32}"
@@ -91,10 +95,12 @@ echo "repo $PWD; out $OUT_DIR; XLA_PYTHON_CLIENT_MEM_FRACTION=$XLA_PYTHON_CLIENT
 section "GPU tests: $PYTHON -m pytest -q -m gpu ${TEST_PATHS:-tests} -s --durations=15 (TEST_WORKERS=${TEST_WORKERS:-0}) ${TEST_ARGS:-}"
 read -r -a TEST_ARGV <<< "${TEST_ARGS:-}"
 read -r -a TEST_PATHV <<< "${TEST_PATHS:-tests}"
-if [[ ${TESTS:-1} != 0 ]]; then
-    # The tests' own dependencies (WHEEL_DIR/test, WHEEL_DIR/alphafold), for the tests only.
+# The tests' own dependencies (WHEEL_DIR/test, WHEEL_DIR/alphafold), for the tests and the
+# model benchmark only: sets TEST_PYTHONPATH.
+install_test_wheels() {
+    [[ -n ${TEST_PYTHONPATH:-} ]] && return
     TEST_PYTHONPATH=$PYTHONPATH
-    test_wheels=()
+    local wheel test_wheels=()
     for wheel in "$WHEEL_DIR"/test/*.whl "$WHEEL_DIR"/alphafold/*.whl; do
         [[ -e $wheel ]] && test_wheels+=("$wheel")
     done
@@ -103,6 +109,10 @@ if [[ ${TESTS:-1} != 0 ]]; then
             "${test_wheels[@]}"; then
         TEST_PYTHONPATH=$SCRATCH/msa_pallas_test_site:$PYTHONPATH
     fi
+}
+
+if [[ ${TESTS:-1} != 0 ]]; then
+    install_test_wheels
     workers=()
     test_env=()
     if [[ ${TEST_WORKERS:-0} != 0 ]]; then
@@ -206,6 +216,18 @@ run_benchmark LAYER_BENCH "$OUT_DIR/bench_layer.log" layer \
 layer_status=$?
 (( bench_status == 0 )) && bench_status=$layer_status
 
+# AlphaFold2's Evoformer iteration, its own against msa_pallas inside (off by default:
+# its whole table takes about half an hour; MODEL_ARGS="--budget SECONDS" splits it).
+model_status=0
+if [[ ${MODEL_BENCH:-0} != 0 ]]; then
+    section "model benchmark: $PYTHON -m benchmarks model --out $OUT_DIR/model ${MODEL_ARGS:-}"
+    install_test_wheels
+    PYTHONPATH=$TEST_PYTHONPATH "$PYTHON" -m benchmarks model --out "$OUT_DIR/model" \
+        ${MODEL_ARGV[@]+"${MODEL_ARGV[@]}"} 2>&1 | tee "$OUT_DIR/bench_model.log"
+    model_status=${PIPESTATUS[0]}
+    (( bench_status == 0 )) && bench_status=$model_status
+fi
+
 # pytest exits 5 when no test was collected/selected: not a failure.
 case $test_status in
     0) tests_failed=0; test_verdict="passed" ;;
@@ -234,6 +256,10 @@ fi
 echo "layer benchmark: exit $layer_status"
 # The layer table and its notes: from the table's header to the end of the log.
 awk '/^\| shape /{found=1} found' "$OUT_DIR/bench_layer.log" | grep -v '^wrote ' | head -n 20
+if [[ ${MODEL_BENCH:-0} != 0 ]]; then
+    echo "model benchmark: exit $model_status"
+    [[ -s $OUT_DIR/model/results.md ]] && cat "$OUT_DIR/model/results.md"
+fi
 if [[ -n ${COMPARE_WITH:-} && ${BENCH:-1} != 0 ]]; then
     case $compare_status in
         0) echo "comparison with $COMPARE_WITH: no regression" ;;

@@ -1,4 +1,5 @@
-"""benchmarks/run_gpu.sh's handling of tests that run out of GPU memory among xdist workers.
+"""benchmarks/run_gpu.sh: tests that run out of GPU memory among xdist workers, and the
+model benchmark.
 
 The script runs here with `PYTHON` set to a stand-in (a shell script) that answers as
 pytest would: with `-n` (the workers) it fails the tests it is told to fail, printing
@@ -40,18 +41,22 @@ if [[ $1 == -m && $2 == pytest ]]; then
     echo "2 passed in 85.0s"
     exit 0
 fi
+if [[ $1 == -m && $2 == benchmarks ]]; then
+    echo "PYTHONPATH=$PYTHONPATH $*" > "$RECORD_BENCH"; exit 0
+fi
 exit 0
 """
 
 
-def run_script(tmp_path, fail_among_workers, fail_alone=False):
+def run_script(tmp_path, fail_among_workers, fail_alone=False, **env_extra):
     fake = tmp_path / "python"
     fake.write_text(FAKE_PYTHON)
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     env = dict(os.environ, PYTHON=str(fake), TEST_WORKERS="8", BENCH="0", LAYER_BENCH="0",
                CHECK_ALTERNATIVES="0", WHEEL_DIR=str(tmp_path / "no_wheels"),
                FAIL_AMONG_WORKERS=" ".join(fail_among_workers),
-               ALONE_ARGS=str(tmp_path / "alone_args"), PATH=f"{tmp_path}:{os.environ['PATH']}")
+               ALONE_ARGS=str(tmp_path / "alone_args"), RECORD_BENCH=str(tmp_path / "bench_args"),
+               PATH=f"{tmp_path}:{os.environ['PATH']}", **env_extra)
     env.pop("FAIL_ALONE", None)
     if fail_alone:
         env["FAIL_ALONE"] = "1"
@@ -89,3 +94,21 @@ def test_no_out_of_memory_failure_runs_nothing_again(tmp_path):
     assert result.returncode == 1
     assert alone is None
     assert "alone:" not in result.stdout
+
+
+def test_model_benchmark_runs_when_asked(tmp_path):
+    result, _ = run_script(tmp_path, [], MODEL_BENCH="1", TESTS="0",
+                           MODEL_ARGS="--blocks evoformer --budget 500")
+    assert result.returncode == 0, result.stdout[-3000:]
+    recorded = (tmp_path / "bench_args").read_text().split()
+    assert recorded[1:4] == ["-m", "benchmarks", "model"]
+    assert recorded[4:] == ["--out", str(tmp_path / "out" / "model"), "--blocks", "evoformer",
+                            "--budget", "500"]
+    assert "model benchmark: exit 0" in result.stdout
+
+
+def test_model_benchmark_is_off_by_default(tmp_path):
+    result, _ = run_script(tmp_path, [], TESTS="0")
+    assert result.returncode == 0
+    assert not (tmp_path / "bench_args").exists()
+    assert "model benchmark" not in result.stdout
