@@ -1,11 +1,12 @@
 """The implementations of MSA row attention that the benchmarks time, one adapter each.
 
 `IMPLEMENTATIONS` maps a name to a builder `build(case) -> Callables`: msa_pallas (and
-its variants: the Triton or the Mosaic kernels forced, and `msa_pallas.dot_product_attention`
-in tokamax's layouts, msa_pallas_dpa), xla (msa_pallas' plain-jnp path, the reference of the forward check), cudnn
-(`jax.nn.dot_product_attention`), cuequivariance (`cuequivariance_jax.triangle_attention`),
-tokamax_mosaic and tokamax_triton (`tokamax.dot_product_attention`), and jax_mha_nobias,
-a reference point that computes less (no bias, no mask). The other packages are not in
+its variants: the Triton or the Mosaic kernels forced, and msa_pallas_dpa,
+`msa_pallas.dot_product_attention` in tokamax's layouts), xla (msa_pallas' plain-jnp
+path, the reference of the forward check), cudnn (`jax.nn.dot_product_attention`),
+cuequivariance (`cuequivariance_jax.triangle_attention`), tokamax_mosaic and
+tokamax_triton (`tokamax.dot_product_attention`), and jax_mha_nobias, a reference point
+that computes less (no bias, no mask). The other packages are not in
 the GPU image: benchmarks/fetch_wheels.sh fetches their wheels and run_gpu.sh installs
 them; where they are missing, or without a GPU, the builders raise `Unavailable`.
 `python -m benchmarks check` checks each mapping, forward and gradients, against xla.

@@ -101,8 +101,8 @@ def markdown_table(results: dict) -> str:
     header += [f"{name} f+b mem MB" for name in impls]
     lines = [
         f"{meta['device_kind']} · jax {meta['jax_version']} · "
-        f"commit {runs.short_commit(meta['commit'])} · {meta['date_utc']} · median of {meta['iters']} samples of "
-        f"{meta.get('reps', 1)} back-to-back calls",
+        f"commit {runs.short_commit(meta['commit'])} · {meta['date_utc']} · "
+        f"median of {meta['iters']} samples of {meta.get('reps', 1)} back-to-back calls",
         "",
     ]
     installed = [f"{name} {version}" for name, version in meta.get("packages", {}).items()
