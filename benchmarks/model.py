@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import runs, timing
+from benchmarks import report, runs, timing
 from msa_pallas import alphafold2
 
 BLOCKS = {"evoformer": dict(c_m=256, c_z=128, extra_msa=False),
@@ -149,30 +149,6 @@ def run_cell(block, n, dtype_name, mode, variant, args, params_cache, outputs):
     return row
 
 
-def fmt_bytes(b):
-    return "-" if b is None else f"{b / 2**30:.2f}"
-
-
-def markdown(rows) -> str:
-    cells = {}
-    for r in rows:
-        cells.setdefault((r["block"], r["N"], r["dtype"], r["mode"]), {})[r["variant"]] = r
-    lines = ["| block | N | S | dtype | mode | AF2 ms | patched ms | speed-up | AF2 peak GiB "
-             "| patched peak GiB | rel. err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for (block, n, dtype, mode), by in cells.items():
-        u, p = by.get("unpatched", {}), by.get("patched", {})
-        ms = lambda r: f"{r['ms']:.2f}" if r.get("status") == "ok" else r.get("error", "-")[:40]
-        ratio = (f"{u['ms'] / p['ms']:.2f}x" if u.get("status") == p.get("status") == "ok"
-                 else "-")
-        err = p.get("rel_err_vs_unpatched")
-        lines.append(f"| {block} | {n} | {(u or p).get('S', '-')} | {dtype} | {mode} | {ms(u)} "
-                     f"| {ms(p)} | {ratio} | {fmt_bytes(u.get('peak_bytes'))} "
-                     f"| {fmt_bytes(p.get('peak_bytes'))} | "
-                     f"{'-' if err is None else f'{err:.1e}'} |")
-    return "\n".join(lines)
-
-
 # Metadata a results file must share with this run for the run to continue it.
 SAME_RUN_KEYS = ("device", "backend", "jax", "commit", "settings")
 
@@ -231,8 +207,9 @@ def main(argv=None, prog: str | None = None) -> int:
             runs.write_json(out_dir / "results.json", {"meta": meta, "rows": rows})
         budget.spent(time.monotonic() - started)
     progress.close()
+    meta["complete"] = not stopped
     runs.write_json(out_dir / "results.json", {"meta": meta, "rows": rows})
-    table = markdown(rows)
+    table = report.model_table(rows)
     (out_dir / "results.md").write_text(table + "\n")
     print(table)
     if stopped:

@@ -74,6 +74,43 @@ def newest_results(folder: Path = RESULTS_DIR) -> Path:
     return max(found)[2]
 
 
+def newest_model_results(folder: Path = RESULTS_DIR) -> Path | None:
+    """The newest results file of `python -m benchmarks model` in `folder` (by the date it
+    records), or None."""
+    found = []
+    for path in sorted(folder.glob("*.json")):
+        results = json.loads(path.read_text())
+        if "rows" in results and "alphafold" in results.get("meta", {}):
+            found.append((results["meta"].get("date", ""), path.name, path))
+    return max(found)[2] if found else None
+
+
+def model_section(results: dict, source: Path, relative) -> list[str]:
+    """The page's lines on AlphaFold2's Evoformer iteration, from a model results file."""
+    meta = results["meta"]
+    settings = meta.get("settings", {})
+    return [
+        "## AlphaFold2's Evoformer iteration",
+        "",
+        "One iteration of AlphaFold2's own `EvoformerIteration` as it ships (`AF2`) against the "
+        "same block with its row and triangle attention on msa_pallas "
+        "(`msa_pallas.alphafold2.patched()`); inference, and a jitted training step (the "
+        "gradient of a loss of both outputs); random parameters; median ms, XLA's peak memory "
+        "of the compiled program; rel. err: the patched inference outputs against AF2's.",
+        "",
+        f"- Results file: [{relative(source)}]({relative(source)})",
+        f"- Command: `{meta.get('command', '?')}`"
+        + (" (stopped at its budget; the same command measures the rest)"
+           if not meta.get("complete", True) else ""),
+        f"- Commit {runs.short_commit(meta.get('commit', '?'))}, {meta.get('date', '?')}, "
+        f"{meta.get('device', '?')}, jax {meta.get('jax', '?')}, {meta.get('alphafold', '?')}, "
+        f"inference chunks of {settings.get('chunk_mib', '?')} MiB",
+        "",
+        report.model_table(results["rows"]),
+        "",
+    ]
+
+
 def command_line(meta: dict) -> str:
     """The command that measured a results file, as recorded (OUT_DIR for its --out)."""
     first = (meta.get("runs") or [{}])[0].get("argv", meta.get("argv", []))
@@ -91,10 +128,11 @@ def log_entries(folder: Path = LOG_DIR) -> list[tuple[str, str]]:
 
 
 def results_page(results: dict, source: Path, page: Path, plot_path: Path | None,
-                 log_folder: Path = LOG_DIR) -> str:
+                 log_folder: Path = LOG_DIR, model_folder: Path = RESULTS_DIR) -> str:
     """benchmarks/RESULTS.md: the current table of `results` (read from `source`) with
-    its command, commit, date and device, the plot at `plot_path`, and the log's index.
-    Links are relative to `page`."""
+    its command, commit, date and device, the plot at `plot_path`, the newest model
+    results file's table in `model_folder`, and the log's index. Links are relative to
+    `page`."""
     meta = results["metadata"]
     relative = lambda path: Path(os.path.relpath(path, page.parent)).as_posix()  # noqa: E731
     calls = len(meta.get("runs") or [None])
@@ -119,6 +157,9 @@ def results_page(results: dict, source: Path, page: Path, plot_path: Path | None
     ]
     if plot_path is not None:
         lines += [f"![time and memory against N]({relative(plot_path)})", ""]
+    model_source = newest_model_results(model_folder)
+    if model_source is not None:
+        lines += model_section(json.loads(model_source.read_text()), model_source, relative)
     lines += [
         "## Measuring it again",
         "",
@@ -127,6 +168,8 @@ def results_page(results: dict, source: Path, page: Path, plot_path: Path | None
         "    python -m benchmarks op --out OUT      # on the GPU machine (benchmarks/run_gpu.sh "
         "installs the wheels first)",
         "    cp OUT/results.json benchmarks/results/DATE-DEVICE-WHAT.json",
+        "    python -m benchmarks model --out OUT   # AlphaFold2's Evoformer (docs/models.md); "
+        "its results.json goes there too",
         "    python -m benchmarks report --page benchmarks/RESULTS.md "
         "--plot benchmarks/results_h200.png",
         "    python -m benchmarks report --readme README.md   # README.md's results block, "

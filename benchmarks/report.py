@@ -1,4 +1,5 @@
-"""The op benchmark's results as Markdown (a table, the targets, notes) and as a plot.
+"""The op benchmark's results as Markdown (a table, the targets, notes) and as a plot;
+the model benchmark's rows as a Markdown table (`model_table`).
 
 Everything here reads the `results` dict that `python -m benchmarks op` writes to
 results.json, so a table can be rendered again from any run's file
@@ -295,6 +296,36 @@ def targets_table(results: dict) -> str:
 
 
 # --- files ---------------------------------------------------------------------------
+
+
+def fmt_gib(value: int | None) -> str:
+    return "-" if value is None else f"{value / 2**30:.2f}"
+
+
+def model_table(rows: list[dict]) -> str:
+    """The Markdown table of `python -m benchmarks model`'s rows: one line per block, N,
+    dtype and mode, AlphaFold2's own against the patched (speed-up > 1: patched faster)."""
+    cells: dict[tuple, dict] = {}
+    for row in rows:
+        key = (row["block"], row["N"], row["dtype"], row["mode"])
+        cells.setdefault(key, {})[row["variant"]] = row
+    lines = ["| block | N | S | dtype | mode | AF2 ms | patched ms | speed-up | AF2 peak GiB "
+             "| patched peak GiB | rel. err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def ms(row: dict) -> str:
+        return f"{row['ms']:.2f}" if row.get("status") == "ok" else row.get("error", "-")[:40]
+
+    for (block, n, dtype, mode), by in cells.items():
+        plain, patched = by.get("unpatched", {}), by.get("patched", {})
+        both_ok = plain.get("status") == patched.get("status") == "ok"
+        ratio = f"{plain['ms'] / patched['ms']:.2f}x" if both_ok else "-"
+        err = patched.get("rel_err_vs_unpatched")
+        lines.append(f"| {block} | {n} | {(plain or patched).get('S', '-')} | {dtype} | {mode} "
+                     f"| {ms(plain)} | {ms(patched)} | {ratio} "
+                     f"| {fmt_gib(plain.get('peak_bytes'))} | {fmt_gib(patched.get('peak_bytes'))} "
+                     f"| {'-' if err is None else f'{err:.1e}'} |")
+    return "\n".join(lines)
 
 
 def plot(results: dict, path: Path) -> str | None:

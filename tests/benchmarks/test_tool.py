@@ -225,6 +225,41 @@ def test_report_writes_the_page_from_the_newest_complete_results(tmp_path, capsy
     assert page.main([str(tmp_path / "missing.json")]) == 2
 
 
+def _model_results(date, commit, complete=True) -> dict:
+    rows = [dict(block="evoformer", N=256, S=512, dtype="bf16", mode="inference",
+                 variant=variant, ms=ms, peak_bytes=peak, status="ok")
+            for variant, ms, peak in (("unpatched", 18.0, 2**30), ("patched", 12.0, 2**29))]
+    rows[1]["rel_err_vs_unpatched"] = 2.9e-3
+    return {"meta": {"device": "NVIDIA H200", "jax": "0.11.2", "commit": commit, "date": date,
+                     "settings": {"chunk_mib": 64}, "alphafold": "alphafold-colabfold 2.3.27",
+                     "command": "python -m benchmarks model --out OUT_DIR", "complete": complete},
+            "rows": rows}
+
+
+def test_results_page_shows_the_newest_model_results(tmp_path):
+    folder, log = tmp_path / "results", tmp_path / "log"
+    folder.mkdir(), log.mkdir()
+    op_results = _results("2026-12-02 09:00 UTC", "bbb2222")
+    (folder / "op.json").write_text(json.dumps(op_results))
+    page_path = tmp_path / "RESULTS.md"
+    # No model results: no section.
+    text = page.results_page(op_results, folder / "op.json", page_path, None, log, folder)
+    assert "## AlphaFold2" not in text and page.newest_model_results(folder) is None
+    for name, date, commit in (("m1.json", "2026-12-01 10:00 UTC", "aaa1111"),
+                               ("m2.json", "2026-12-03 10:00 UTC", "ccc3333")):
+        (folder / name).write_text(json.dumps(_model_results(date, commit, complete=False)))
+    assert page.newest_model_results(folder) == folder / "m2.json"
+    assert page.newest_results(folder) == folder / "op.json"  # model files are not op tables
+    text = page.results_page(op_results, folder / "op.json", page_path, None, log, folder)
+    assert "- Results file: [results/m2.json](results/m2.json)" in text
+    assert ("- Command: `python -m benchmarks model --out OUT_DIR` (stopped at its budget; "
+            "the same command measures the rest)") in text
+    assert "- Commit ccc3333, 2026-12-03 10:00 UTC, NVIDIA H200" in text
+    assert ("| evoformer | 256 | 512 | bf16 | inference | 18.00 | 12.00 | 1.50x | 1.00 | 0.50 "
+            "| 2.9e-03 |") in text
+    assert text.index("## AlphaFold2's Evoformer iteration") < text.index("## The log")
+
+
 def test_results_page_is_the_one_the_report_writes():
     """benchmarks/RESULTS.md is generated: rendering its results file again gives it
     back, and it lists every entry of benchmarks/log/."""
