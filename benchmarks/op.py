@@ -81,7 +81,9 @@ def metadata(args) -> dict:
         "impls": args.impls,
         "dtypes": args.dtypes,
         "bias_dtypes": args.bias_dtypes,
-        "shapes": {s.name: {"dims": list(s.dims), "mask": s.mask} for s in args.shapes},
+        "shapes": {s.name: {"dims": list(s.dims), "mask": s.mask}
+                   | ({"padding": list(s.padding)} if s.mask == "padded" else {})
+                   for s in args.shapes},
         "iters": args.iters,
         "reps": args.reps,
         "warmup": args.warmup,
@@ -93,7 +95,6 @@ def metadata(args) -> dict:
             "l2_bytes": measure.L2_BYTES, "exps_per_logit": measure.EXPS_PER_LOGIT,
             "matmul_flops_per_logit_and_dim": measure.MATMUL_FLOPS_PER_LOGIT_AND_DIM,
             "masked_fraction": shapes.RANDOM_MASKED_FRACTION,
-            "padding_fraction": shapes.PADDING_FRACTION,
             "note": "floor constants are an H200's; on other devices the fractions are only indicative",
         },
     }

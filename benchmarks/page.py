@@ -272,7 +272,25 @@ def readme_results(results: dict, source: Path) -> str:
            f"{MEMORY_YARDSTICK}'s f+b memory." if memory_ratios
            else f"f+b memory not compared with {MEMORY_YARDSTICK}'s."),
     ]
+    padded = padding_text(meta, shapes)
+    if padded:
+        lines += ["", f"Padding at the end of the MSA rows and of the residues: {padded}."]
     return "\n".join(lines) + "\n"
+
+
+def padding_text(meta: dict, shape_names) -> str:
+    """`name` rows% and residues% padding, of each padded shape among `shape_names` in a
+    results file's metadata (files from before shapes had their own padding recorded
+    one `padding_fraction` for both)."""
+    old = meta.get("constants", {}).get("padding_fraction", 0.25)
+    parts = []
+    for name in shape_names:
+        entry = meta.get("shapes", {}).get(name, {})
+        if entry.get("mask") != "padded":
+            continue
+        rows, residues = entry.get("padding", (old, old))
+        parts.append(f"`{name}` {rows:.0%} of rows and {residues:.0%} of residues")
+    return "; ".join(parts)
 
 
 def split_readme(text: str) -> tuple[str, str, str]:

@@ -12,9 +12,10 @@ width, so q/k/v are `[B, S, N, H, d]`, the pair bias `[B, H, N, N]` and the key 
 `[B, S, N]`. Its `mask` kind says how the benchmark masks keys:
 
 - `"random"`: each key is kept with probability 0.9, independently in every row.
-- `"padded"`: a padded batch as a data loader makes it. The last quarter of the residues
-  are padding, masked in every row; the last quarter of the MSA rows are padding rows
-  whose keys are all masked. Every other key is kept, as in a real alignment.
+- `"padded"`: a padded batch as a data loader makes it. The shape's `padding` gives the
+  fractions (MSA rows, residues) that are padding, at the end: padding residues are
+  masked in every row, padding rows have every key masked. Every other key is kept, as
+  in a real alignment.
 
 A `Case` adds the dtype of q/k/v and the dtype of the bias.
 """
@@ -29,23 +30,29 @@ import jax.numpy as jnp
 
 MASK_KINDS = ("random", "padded")
 RANDOM_MASKED_FRACTION = 0.1  # "random": the fraction of keys masked
-PADDING_FRACTION = 0.25  # "padded": the fraction of residues, and of MSA rows, that is padding
+# "padded": the fractions of MSA rows and of residues that are padding, unless a shape says.
+DEFAULT_PADDING = (0.25, 0.25)
 
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """One attention shape: `dims` = (B, S, N, H, d), and how its keys are masked."""
+    """One attention shape: `dims` = (B, S, N, H, d), and how its keys are masked
+    (`padding`: with `mask="padded"`, the fractions of MSA rows and of residues that
+    are padding)."""
 
     name: str
     dims: tuple[int, int, int, int, int]
     mask: str = "random"
     about: str = ""
+    padding: tuple[float, float] = DEFAULT_PADDING
 
     def __post_init__(self):
         if self.mask not in MASK_KINDS:
             raise ValueError(f"mask={self.mask!r}; expected one of {MASK_KINDS}")
         if len(self.dims) != 5 or min(self.dims) < 1:
             raise ValueError(f"dims={self.dims}; expected five positive (B, S, N, H, d)")
+        if len(self.padding) != 2 or not all(0.0 <= f < 1.0 for f in self.padding):
+            raise ValueError(f"padding={self.padding}; expected (rows, residues) in [0, 1)")
 
 
 SHAPES: dict[str, Shape] = {shape.name: shape for shape in (
@@ -56,12 +63,12 @@ SHAPES: dict[str, Shape] = {shape.name: shape for shape in (
     Shape("extra", (1, 1024, 384, 8, 8), about="extra-MSA stack (small head width)"),
     Shape("long", (1, 512, 1024, 8, 32), about="inference on a long chain"),
     Shape("longer", (1, 128, 2048, 8, 32), about="inference on a longer chain"),
-    Shape("train_padded", (1, 128, 256, 8, 32), mask="padded",
+    Shape("train_padded", (1, 128, 256, 8, 32), mask="padded", padding=(0.25, 0.25),
           about="the training crop of a short chain: a quarter of residues and rows padding"),
-    Shape("extra_padded", (1, 1024, 384, 8, 8), mask="padded",
-          about="the extra-MSA stack of a short chain and a shallow alignment, padded"),
-    Shape("long_padded", (1, 512, 1024, 8, 32), mask="padded",
-          about="a long-chain batch padded to N = 1024 and S = 512"),
+    Shape("extra_padded", (1, 1024, 384, 8, 8), mask="padded", padding=(0.75, 0.0),
+          about="the extra MSA of a protein with few homologues: three quarters of rows padding"),
+    Shape("long_padded", (1, 512, 1024, 8, 32), mask="padded", padding=(0.0, 0.10),
+          about="a long chain padded to N = 1024: a tenth of residues padding"),
     # Triangle attention (AlphaFold2's around a node, AlphaFold3's call through
     # `dot_product_attention`): the pair's N rows as the MSA rows, H = 4, d = 32.
     Shape("triangle", (1, 384, 384, 4, 32), about="triangle attention at N = 384"),
@@ -141,7 +148,8 @@ def bias_dtype_names(dtype_name: str, requested) -> list[str]:
 def padding_sizes(shape: Shape) -> tuple[int, int]:
     """(real MSA rows, real residues) of a `"padded"` shape: the rest is padding."""
     _, s, n, _, _ = shape.dims
-    return s - math.floor(PADDING_FRACTION * s), n - math.floor(PADDING_FRACTION * n)
+    rows, residues = shape.padding
+    return s - math.floor(rows * s), n - math.floor(residues * n)
 
 
 def make_mask(shape: Shape, key: jax.Array) -> jax.Array:

@@ -64,6 +64,20 @@ def test_padded_mask_masks_a_quarter_of_residues_and_of_rows():
     assert 0.88 < random.mean() < 0.92 and random[:, 96:, 192:].any()
 
 
+@pytest.mark.parametrize("name, rows, residues", [
+    ("extra_padded", 256, 384),   # three quarters of the 1,024 rows padding
+    ("long_padded", 512, 922),    # a tenth of the 1,024 residues padding
+])
+def test_padded_shapes_have_their_own_padding(name, rows, residues):
+    shape = shapes.SHAPES[name]
+    assert shapes.padding_sizes(shape) == (rows, residues)
+    mask = np.asarray(shapes.make_mask(shape, measure.input_key(0)))
+    assert mask[:, :rows, :residues].all() and not mask[:, rows:].any()
+    assert not mask[:, :, residues:].any()
+    with pytest.raises(ValueError, match="padding"):
+        shapes.Shape("bad", (1, 2, 8, 1, 8), mask="padded", padding=(1.0, 0.0))
+
+
 def test_bias_dtypes_per_input_dtype():
     assert shapes.bias_dtype_names("bf16", ["f32", "input"]) == ["f32", "bf16"]
     assert shapes.bias_dtype_names("f16", ["input"]) == ["f16"]

@@ -288,6 +288,21 @@ def test_readme_results_are_the_newest_results_files():
     assert len(text.splitlines()) <= 251, "README.md is to stay at most ~250 lines"
 
 
+def test_readme_results_say_each_padded_shape_padding():
+    meta = {"shapes": {"train": {"mask": "random"},
+                       "train_padded": {"mask": "padded", "padding": [0.25, 0.25]},
+                       "extra_padded": {"mask": "padded", "padding": [0.75, 0.0]}},
+            "constants": {}}
+    assert page.padding_text(meta, ["train", "train_padded", "extra_padded"]) == (
+        "`train_padded` 25% of rows and 25% of residues; "
+        "`extra_padded` 75% of rows and 0% of residues")
+    # Files from before each shape recorded its own: one fraction for both.
+    old = {"shapes": {"long_padded": {"mask": "padded"}},
+           "constants": {"padding_fraction": 0.25}}
+    assert page.padding_text(old, ["long_padded"]) == "`long_padded` 25% of rows and 25% of residues"
+    assert page.padding_text(meta, ["train"]) == ""
+
+
 def test_readme_results_rows_ratios_and_ahead_count(tmp_path, capsys):
     results = _results("2026-12-02 09:00 UTC", "bbb2222",
                        impls=("msa_pallas", "cuequivariance", "xla"))
