@@ -46,12 +46,11 @@ def stacked_alphafold2_params(seed: int, n_seq: int, n_res: int) -> dict:
                                                    is_extra_msa=name == "extra_msa_stack",
                                                    name=name)
 
-                def one_layer(x, block=block):
-                    out = block(x, {"msa": msa_mask, "pair": pair_mask}, is_training=False,
-                                safe_key=prng.SafeKey(jax.random.key(0)))
-                    return out
+                def iteration(x, block=block):
+                    return block(x, {"msa": msa_mask, "pair": pair_mask}, is_training=False,
+                                 safe_key=prng.SafeKey(jax.random.key(0)))
 
-                layer_stack.layer_stack(LAYERS)(one_layer)({"msa": msa, "pair": pair})
+                layer_stack.layer_stack(LAYERS)(iteration)({"msa": msa, "pair": pair})
 
     rng = np.random.default_rng(seed)
     inputs = (rng.normal(size=(n_seq, n_res, STACKS["evoformer_iteration"])),
