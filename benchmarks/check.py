@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from benchmarks import measure
 from benchmarks import shapes
 from benchmarks.alternatives import (
-    IMPLEMENTATIONS, REFERENCE_POINTS, Unavailable, build_msa_pallas, build_xla, cudnn_op,
+    IMPLEMENTATIONS, REFERENCE_POINTS, Unavailable, build_xla, cudnn_op,
     cuequivariance_op, import_tokamax, jitted_pair, on_gpu, tokamax_op)
 
 DEFAULT_SHAPES = ("2x3x37x2x8", "2x2x64x2x16", "1x4x128x4x32")  # B x S x N x H x d
@@ -60,9 +60,7 @@ F32_TOLERANCE = {"reference": 1e-4, "kernels": 5e-3}  # kernels: TF32 is expecte
 
 def reference_op(name: str, case: shapes.Case):
     """The op of `name` over its package's portable path (mode `reference`)."""
-    if name == "msa_pallas":
-        return build_msa_pallas(case)
-    if name == "msa_pallas_dpa":  # the same kernels as msa_pallas (interpreted off a GPU)
+    if name in ("msa_pallas", "msa_pallas_dpa"):  # the kernels (interpreted off a GPU)
         return IMPLEMENTATIONS[name](case)
     if name == "xla":
         return build_xla(case)

@@ -61,28 +61,33 @@ def complete(results: dict) -> bool:
                for mode, cell in entry.items() if mode in MODES)
 
 
-def newest_results(folder: Path = RESULTS_DIR) -> Path:
-    """The newest complete op results file in `folder` (by the date it records) that
-    times msa_pallas against an alternative; raises FileNotFoundError when there is none."""
+def _newest(folder: Path, accepts, date_of) -> Path | None:
+    """The results file in `folder` that `accepts` (a predicate of its parsed JSON) with
+    the latest `date_of(results)` (ties: the latest name), or None."""
     found = []
     for path in sorted(folder.glob("*.json")):
         results = json.loads(path.read_text())
-        if "cases" in results and times_against_an_alternative(results) and complete(results):
-            found.append((last_date(results["metadata"]), path.name, path))
-    if not found:
+        if accepts(results):
+            found.append((date_of(results), path.name, path))
+    return max(found)[2] if found else None
+
+
+def newest_results(folder: Path = RESULTS_DIR) -> Path:
+    """The newest complete op results file in `folder` (by the date it records) that
+    times msa_pallas against an alternative; raises FileNotFoundError when there is none."""
+    newest = _newest(folder, lambda results: "cases" in results
+                     and times_against_an_alternative(results) and complete(results),
+                     lambda results: last_date(results["metadata"]))
+    if newest is None:
         raise FileNotFoundError(f"no complete op results file with an alternative in {folder}")
-    return max(found)[2]
+    return newest
 
 
 def newest_model_results(folder: Path = RESULTS_DIR) -> Path | None:
     """The newest results file of `python -m benchmarks model` in `folder` (by the date it
     records), or None."""
-    found = []
-    for path in sorted(folder.glob("*.json")):
-        results = json.loads(path.read_text())
-        if "rows" in results and "alphafold" in results.get("meta", {}):
-            found.append((results["meta"].get("date", ""), path.name, path))
-    return max(found)[2] if found else None
+    return _newest(folder, lambda results: "rows" in results and "alphafold" in results.get(
+        "meta", {}), lambda results: results["meta"].get("date", ""))
 
 
 def model_section(results: dict, source: Path, relative) -> list[str]:

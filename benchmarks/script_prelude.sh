@@ -1,5 +1,5 @@
 # shellcheck shell=bash
-# Sourced by run_gpu.sh and run_multi_gpu.sh (and `out_of_memory_failures` by the tests):
+# Sourced by run_gpu.sh and run_multi_gpu.sh:
 #
 #   source "$(dirname "${BASH_SOURCE[0]}")/script_prelude.sh"
 #   script_prelude run_gpu.sh "$@"
