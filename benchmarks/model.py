@@ -21,6 +21,10 @@ both. For each block, N, dtype and mode:
 the median milliseconds, XLA's memory analysis of the compiled program
 (`peak_bytes` = arguments + outputs + temporaries - aliased; `temp_bytes`), and
 for `patched` the relative error of its inference outputs against `unpatched`.
+The (up to four) cells of a block, N and dtype are compiled together,
+`--compile-threads` at a time, and timed one after the other once all are
+compiled, so that no compile (XLA autotunes on the GPU) runs beside a timing;
+`compile_s` is each compile's own wall time, overlapping the others.
 A cell that fails (e.g. out of memory) is recorded with its error and the run
 goes on.
 
@@ -37,13 +41,14 @@ S = 1024 (max_extra_msa of models 3-5; `--extra-depth 5120` for models 1-2).
 Writes `results.json` in `--out` (meta, rows), rewritten after every cell, and
 prints a Markdown table (time ratio > 1: patched is faster). A rerun with the same
 `--out` (same commit, device and settings) keeps the rows there and measures the rest;
-`--budget SECONDS` stops before a pair of cells (unpatched, patched) that would not end
-in time (exit status 4) and the same command continues.
+`--budget SECONDS` stops before a block, N and dtype that the longest so far says would
+not end in time (exit status 4) and the same command continues.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import platform
 import sys
@@ -105,38 +110,36 @@ def memory(compiled) -> dict:
         return {"peak_bytes": None, "temp_bytes": None}
 
 
-def run_cell(block, n, dtype_name, mode, variant, args, params_cache, outputs):
-    spec = BLOCKS[block]
-    S = args.extra_depth if spec["extra_msa"] else args.msa_depth
-    dtype = DTYPES[dtype_name]
-    training = mode == "train"
-    forward = alphafold2.evoformer_iteration(extra_msa=spec["extra_msa"], is_training=training,
-                                             deterministic=not training)
-    inputs = make_inputs(S, n, spec["c_m"], spec["c_z"], dtype)
-    key = jax.random.key(2)
-    cache_key = (block, n, dtype_name)
-    if cache_key not in params_cache:
-        params_cache.clear()  # one shape's parameters at a time
-        params_cache[cache_key] = randomised(jax.jit(forward.init)(key, *inputs))
-    params = params_cache[cache_key]
-    row = dict(block=block, N=n, S=S, c_m=spec["c_m"], c_z=spec["c_z"], dtype=dtype_name,
-               mode=mode, variant=variant)
+def lower_cell(block, n, dtype_name, mode, variant, args, params, key, inputs):
+    """Traces one cell's jitted step (the patch is global, so tracing stays on one thread)."""
+    forward = alphafold2.evoformer_iteration(extra_msa=BLOCKS[block]["extra_msa"],
+                                             is_training=mode == "train",
+                                             deterministic=mode != "train")
+    step = jax.jit(step_fn(forward, mode))
+    if variant == "patched":
+        chunk = args.inference_chunk_mib * 2**20 if args.inference_chunk_mib else None
+        with alphafold2.patched(inference_chunk_bytes=chunk):
+            return step.lower(params, key, *inputs)
+    return step.lower(params, key, *inputs)
+
+
+def timed_compile(lowered):
+    start = time.perf_counter()
+    compiled = lowered.compile()
+    return compiled, round(time.perf_counter() - start, 1)
+
+
+def measure_cell(row, compiling, args, params, key, inputs, outputs):
+    """Times one compiled cell into `row`; a failure (e.g. out of memory) is recorded."""
     try:
-        start = time.perf_counter()
-        if variant == "patched":
-            chunk = args.inference_chunk_mib * 2**20 if args.inference_chunk_mib else None
-            with alphafold2.patched(inference_chunk_bytes=chunk):
-                compiled = jax.jit(step_fn(forward, mode)).lower(params, key, *inputs).compile()
-        else:
-            compiled = jax.jit(step_fn(forward, mode)).lower(params, key, *inputs).compile()
-        row["compile_s"] = round(time.perf_counter() - start, 1)
+        compiled, row["compile_s"] = compiling.result()
         row.update(memory(compiled))
         out = jax.block_until_ready(compiled(params, key, *inputs))
         row["ms"] = timing.median_ms(lambda i: compiled(params, key, *inputs),
                                      samples=args.iters, reps=args.reps, warmup=args.warmup)
-        if mode == "inference":
-            outputs[variant] = [np.asarray(x, np.float32) for x in out]
-            if variant == "patched" and "unpatched" in outputs:
+        if row["mode"] == "inference":
+            outputs[row["variant"]] = [np.asarray(x, np.float32) for x in out]
+            if row["variant"] == "patched" and "unpatched" in outputs:
                 row["rel_err_vs_unpatched"] = max(
                     float(np.linalg.norm(a - b) / np.linalg.norm(b))
                     for a, b in zip(outputs["patched"], outputs["unpatched"]))
@@ -147,6 +150,40 @@ def run_cell(block, n, dtype_name, mode, variant, args, params_cache, outputs):
         row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
         traceback.print_exc()
     return row
+
+
+def measure_group(block, n, dtype_name, modes, args, progress):
+    """The cells of one block, N and dtype: traced one after the other, compiled
+    `args.compile_threads` at a time, then timed one after the other with nothing else
+    on the GPU (XLA's autotuning runs kernels while it compiles). Yields each row."""
+    spec = BLOCKS[block]
+    S = args.extra_depth if spec["extra_msa"] else args.msa_depth
+    inputs = make_inputs(S, n, spec["c_m"], spec["c_z"], DTYPES[dtype_name])
+    key = jax.random.key(2)
+    init = alphafold2.evoformer_iteration(extra_msa=spec["extra_msa"], is_training=False).init
+    params = randomised(jax.jit(init)(key, *inputs))
+    cells = [(mode, variant) for mode in modes for variant in VARIANTS]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.compile_threads) as pool:
+        compiling = {}
+        for mode, variant in cells:
+            progress.describe(f"{block} N={n} {dtype_name} {mode} {variant}: tracing")
+            try:
+                lowered = lower_cell(block, n, dtype_name, mode, variant, args, params, key,
+                                     inputs)
+                compiling[mode, variant] = pool.submit(timed_compile, lowered)
+            except Exception as exc:  # noqa: BLE001 - recorded by measure_cell
+                failed = concurrent.futures.Future()
+                failed.set_exception(exc)
+                compiling[mode, variant] = failed
+        concurrent.futures.wait(compiling.values())
+    for mode in modes:
+        outputs = {}
+        for variant in VARIANTS:
+            progress.describe(f"{block} N={n} {dtype_name} {mode} {variant}")
+            row = dict(block=block, N=n, S=S, c_m=spec["c_m"], c_z=spec["c_z"],
+                       dtype=dtype_name, mode=mode, variant=variant)
+            yield measure_cell(row, compiling.pop((mode, variant)), args, params, key, inputs,
+                               outputs)
 
 
 # Metadata a results file must share with this run for the run to continue it.
@@ -168,11 +205,14 @@ def main(argv=None, prog: str | None = None) -> int:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/out/evoformer")
-    runs.add_run_options(parser, unit="pair of cells (unpatched, patched)")
+    parser.add_argument("--compile-threads", type=int, default=4,
+                        help="cells of a block, N and dtype compiled at once (1: one by one)")
+    runs.add_run_options(parser, unit="block, N and dtype (up to four cells)")
     args = parser.parse_args(argv)
     out_dir = Path(args.out)
     settings = dict(msa_depth=args.msa_depth, extra_depth=args.extra_depth, warmup=args.warmup,
-                    iters=args.iters, reps=args.reps, chunk_mib=args.inference_chunk_mib)
+                    iters=args.iters, reps=args.reps, chunk_mib=args.inference_chunk_mib,
+                    compile_threads=args.compile_threads)
     meta = dict(device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
                 jax=jax.__version__, python=platform.python_version(),
                 commit=runs.commit_id(args.commit), date=runs.utc_now(), settings=settings,
@@ -181,27 +221,26 @@ def main(argv=None, prog: str | None = None) -> int:
                 alphafold="alphafold-colabfold 2.3.27")
     rows = runs.earlier_rows(out_dir, meta, SAME_RUN_KEYS, fresh=args.fresh)
     done = {(r["block"], r["N"], r["dtype"], r["mode"], r["variant"]) for r in rows}
-    todo = [(block, n, dtype_name, mode)
-            for block in args.blocks.split(",")
-            for n in (int(x) for x in args.sizes.split(","))
-            for dtype_name in args.dtypes.split(",")
-            for mode in args.modes.split(",")
-            if any((block, n, dtype_name, mode, v) not in done for v in VARIANTS)]
+    groups: dict[tuple, list[str]] = {}  # (block, N, dtype) -> modes to measure
+    for block in args.blocks.split(","):
+        for n in (int(x) for x in args.sizes.split(",")):
+            for dtype_name in args.dtypes.split(","):
+                for mode in args.modes.split(","):
+                    if any((block, n, dtype_name, mode, v) not in done for v in VARIANTS):
+                        groups.setdefault((block, n, dtype_name), []).append(mode)
     budget = runs.Budget(args.budget)
-    progress = runs.Progress(len(todo) * len(VARIANTS))
-    params_cache = {}
+    progress = runs.Progress(sum(len(modes) for modes in groups.values()) * len(VARIANTS))
     stopped = False
-    for block, n, dtype_name, mode in todo:
+    for (block, n, dtype_name), modes in groups.items():
         if not budget.allows_another():
             stopped = True
             break
         started = time.monotonic()
-        rows = [r for r in rows if (r["block"], r["N"], r["dtype"], r["mode"]) !=
-                (block, n, dtype_name, mode)]  # the pair is measured together
-        outputs = {}
-        for variant in VARIANTS:
-            progress.describe(f"{block} N={n} {dtype_name} {mode} {variant}")
-            row = run_cell(block, n, dtype_name, mode, variant, args, params_cache, outputs)
+        # A mode's pair (unpatched, patched) is measured together.
+        rows = [r for r in rows
+                if (r["block"], r["N"], r["dtype"]) != (block, n, dtype_name)
+                or r["mode"] not in modes]
+        for row in measure_group(block, n, dtype_name, modes, args, progress):
             rows.append(row)
             progress.result(json.dumps(row))
             runs.write_json(out_dir / "results.json", {"meta": meta, "rows": rows})
