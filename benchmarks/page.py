@@ -27,7 +27,7 @@ from benchmarks.measure import MODES
 from benchmarks import report, runs
 from benchmarks.report import (MEMORY_YARDSTICK, SUBJECT, _median, cell_of, fastest_alternative,
                                fmt_cell, fmt_mb, fmt_ms, fmt_ratio, markdown_table, wrong_output)
-from benchmarks.shapes import HALF_DTYPES
+from benchmarks.shapes import HALF_DTYPES, TRIANGLE_SHAPES
 
 BENCHMARKS_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCHMARKS_DIR / "results"
@@ -72,15 +72,54 @@ def _newest(folder: Path, accepts, date_of) -> Path | None:
     return max(found)[2] if found else None
 
 
+def _shapes(results: dict) -> set[str]:
+    return {case["shape"] for case in results["cases"]}
+
+
 def newest_results(folder: Path = RESULTS_DIR) -> Path:
     """The newest complete op results file in `folder` (by the date it records) that
-    times msa_pallas against an alternative; raises FileNotFoundError when there is none."""
+    times msa_pallas against an alternative on MSA shapes (not triangle shapes alone);
+    raises FileNotFoundError when there is none."""
     newest = _newest(folder, lambda results: "cases" in results
-                     and times_against_an_alternative(results) and complete(results),
+                     and times_against_an_alternative(results) and complete(results)
+                     and bool(_shapes(results) - set(TRIANGLE_SHAPES)),
                      lambda results: last_date(results["metadata"]))
     if newest is None:
         raise FileNotFoundError(f"no complete op results file with an alternative in {folder}")
     return newest
+
+
+def newest_triangle_results(folder: Path = RESULTS_DIR) -> Path | None:
+    """The newest complete op results file in `folder` (by the date it records) that times
+    msa_pallas against an alternative on a triangle shape, or None."""
+    return _newest(folder, lambda results: "cases" in results
+                   and times_against_an_alternative(results) and complete(results)
+                   and bool(_shapes(results) & set(TRIANGLE_SHAPES)),
+                   lambda results: last_date(results["metadata"]))
+
+
+def triangle_section(results: dict, source: Path, relative) -> list[str]:
+    """The page's lines on the triangle-attention shapes, from an op results file."""
+    meta = results["metadata"]
+    triangle = dict(results, cases=[case for case in results["cases"]
+                                    if case["shape"] in TRIANGLE_SHAPES])
+    return [
+        "## Triangle attention",
+        "",
+        "The same op on AlphaFold's triangle attention (the pair's N rows as the MSA rows, "
+        "H = 4, d = 32, one bias shared by all rows); `msa_pallas_dpa` is "
+        "`msa_pallas.dot_product_attention`, called with tokamax's / AlphaFold3's layouts. "
+        "The targets below are the MSA shapes'; for these shapes the aim is to be at least "
+        "as fast as tokamax's Mosaic kernel.",
+        "",
+        f"- Results file: [{relative(source)}]({relative(source)})",
+        f"- Command: `{command_line(meta)}`",
+        f"- Commit {runs.short_commit(meta.get('commit', '?'))}, {meta.get('date_utc', '?')}, "
+        f"{meta.get('device_kind', '?')}, jax {meta.get('jax_version', '?')}",
+        "",
+        markdown_table(triangle).rstrip("\n"),
+        "",
+    ]
 
 
 def newest_model_results(folder: Path = RESULTS_DIR) -> Path | None:
@@ -133,11 +172,11 @@ def log_entries(folder: Path = LOG_DIR) -> list[tuple[str, str]]:
 
 
 def results_page(results: dict, source: Path, page: Path, plot_path: Path | None,
-                 log_folder: Path = LOG_DIR, model_folder: Path = RESULTS_DIR) -> str:
+                 log_folder: Path = LOG_DIR, results_folder: Path = RESULTS_DIR) -> str:
     """benchmarks/RESULTS.md: the current table of `results` (read from `source`) with
-    its command, commit, date and device, the plot at `plot_path`, the newest model
-    results file's table in `model_folder`, and the log's index. Links are relative to
-    `page`."""
+    its command, commit, date and device, the plot at `plot_path`, the newest triangle
+    shapes' and model results files' tables in `results_folder`, and the log's index. Links
+    are relative to `page`."""
     meta = results["metadata"]
     relative = lambda path: Path(os.path.relpath(path, page.parent)).as_posix()  # noqa: E731
     calls = len(meta.get("runs") or [None])
@@ -162,7 +201,11 @@ def results_page(results: dict, source: Path, page: Path, plot_path: Path | None
     ]
     if plot_path is not None:
         lines += [f"![time and memory against N]({relative(plot_path)})", ""]
-    model_source = newest_model_results(model_folder)
+    triangle_source = newest_triangle_results(results_folder)
+    if triangle_source is not None:
+        lines += triangle_section(json.loads(triangle_source.read_text()), triangle_source,
+                                  relative)
+    model_source = newest_model_results(results_folder)
     if model_source is not None:
         lines += model_section(json.loads(model_source.read_text()), model_source, relative)
     lines += [

@@ -314,7 +314,10 @@ def model_table(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def ms(row: dict) -> str:
-        return f"{row['ms']:.2f}" if row.get("status") == "ok" else row.get("error", "-")[:40]
+        if row.get("status") == "ok":
+            return f"{row['ms']:.2f}"
+        error = row.get("error", "-")
+        return "out of memory" if "RESOURCE_EXHAUSTED" in error else error[:40]
 
     for (block, n, dtype, mode), by in cells.items():
         plain, patched = by.get("unpatched", {}), by.get("patched", {})

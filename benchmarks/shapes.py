@@ -79,6 +79,8 @@ DIMS: dict[str, tuple[int, int, int, int, int]] = {name: s.dims for name, s in S
 GPU_DEFAULT_SHAPES = ("train", "finetune", "extra", "long", "longer", "train_padded",
                       "extra_padded", "long_padded")
 CPU_DEFAULT_SHAPES = ("tiny",)
+# Not MSA row attention: a results file of these alone is not the op's table.
+TRIANGLE_SHAPES = ("triangle", "triangle_long")
 
 
 def first_rows(dims: tuple[int, int, int, int, int], rows: int) -> tuple[int, int, int, int, int]:

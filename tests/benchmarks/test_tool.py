@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from benchmarks import layer, measure, op, page, runs
+from benchmarks import layer, measure, op, page, report, runs
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TWO_SHAPES = "1x2x16x2x8,1x2x24x2x8"
@@ -258,6 +258,50 @@ def test_results_page_shows_the_newest_model_results(tmp_path):
     assert ("| evoformer | 256 | 512 | bf16 | inference | 18.00 | 12.00 | 1.50x | 1.00 | 0.50 "
             "| 2.9e-03 |") in text
     assert text.index("## AlphaFold2's Evoformer iteration") < text.index("## The log")
+
+
+def test_model_table_names_what_failed():
+    rows = _model_results("2026-12-03 10:00 UTC", "ccc3333")["rows"]
+    for row in rows:
+        row["mode"] = "train"
+    rows[0].update(status="error", error="JaxRuntimeError: RESOURCE_EXHAUSTED: Out of memory "
+                                         "while trying to allocate 134.38GiB")
+    rows.append(dict(rows[1], mode="inference", status="error", error="ValueError: bad shape"))
+    table = report.model_table(rows)
+    assert ("| evoformer | 256 | 512 | bf16 | train | out of memory | 12.00 | - | 1.00 | 0.50 "
+            "| 2.9e-03 |") in table
+    assert "| inference | - | ValueError: bad shape | - |" in table
+
+
+def test_results_page_shows_the_newest_triangle_results_apart(tmp_path):
+    """A results file of the triangle shapes alone is not the op's table; the page shows
+    it in its own section, its triangle cases only."""
+    folder, log = tmp_path / "results", tmp_path / "log"
+    folder.mkdir(), log.mkdir()
+    op_results = _results("2026-12-02 09:00 UTC", "bbb2222")
+    (folder / "op.json").write_text(json.dumps(op_results))
+    page_path = tmp_path / "RESULTS.md"
+    assert page.newest_triangle_results(folder) is None
+    assert "## Triangle attention" not in page.results_page(
+        op_results, folder / "op.json", page_path, None, log, folder)
+    triangle = _results("2026-12-03 09:00 UTC", "ccc3333")
+    triangle["cases"][0].update(shape="triangle",
+                                dims={"B": 1, "S": 384, "N": 384, "H": 4, "d": 32})
+    (folder / "tri.json").write_text(json.dumps(triangle))
+    assert page.newest_results(folder) == folder / "op.json"
+    assert page.newest_triangle_results(folder) == folder / "tri.json"
+    text = page.results_page(op_results, folder / "op.json", page_path, None, log, folder)
+    section = text.split("## Triangle attention", 1)[1].split("\n## ", 1)[0]
+    assert "- Results file: [results/tri.json](results/tri.json)" in section
+    assert "- Commit ccc3333, 2026-12-03 09:00 UTC, NVIDIA H200" in section
+    assert "| triangle (1,384,384,4,32) | bf16 | f32 | 0.100 | 0.200 |" in section
+    assert "| train (1,128,256,8,32)" not in section
+    # A file with both kinds of shapes is an op table, and its triangle rows are shown too.
+    both = _results("2026-12-04 09:00 UTC", "ddd4444")
+    both["cases"].append(triangle["cases"][0])
+    (folder / "both.json").write_text(json.dumps(both))
+    assert page.newest_results(folder) == page.newest_triangle_results(folder) == (
+        folder / "both.json")
 
 
 def test_results_page_is_the_one_the_report_writes():
