@@ -35,8 +35,8 @@ import numpy as np
 from msa_pallas.layer_core import alphafold2_options
 from msa_pallas.layers import MSARowAttentionWithPairBias
 from msa_pallas.weight_checks import (
-    as_param, check_keys, expect_shape, flatten_haiku, strip_prefix, to_numpy, torch_layer_norm,
-    torch_linear,
+    OPENFOLD_ATTENTION_KEYS, as_param, check_keys, expect_shape, flatten_haiku, openfold_attention,
+    strip_prefix, to_numpy, torch_layer_norm, torch_linear,
 )
 from msa_pallas.convert_triangle import (  # noqa: F401  (re-exported)
     triangle_from_alphafold2_params, triangle_from_openfold_state_dict,
@@ -159,11 +159,8 @@ def from_openfold_state_dict(state_dict: Mapping[str, Any], *, prefix: str = "",
     what = "OpenFold state_dict of MSARowAttentionWithPairBias"
     sd = strip_prefix(state_dict, prefix, what) if prefix else dict(state_dict)
     sd = {k: to_numpy(v, k) for k, v in sd.items()}
-    required = [
-        "layer_norm_m.weight", "layer_norm_m.bias", "layer_norm_z.weight", "layer_norm_z.bias",
-        "linear_z.weight", "mha.linear_q.weight", "mha.linear_k.weight", "mha.linear_v.weight",
-        "mha.linear_g.weight", "mha.linear_g.bias", "mha.linear_o.weight", "mha.linear_o.bias",
-    ]
+    required = ["layer_norm_m.weight", "layer_norm_m.bias", "layer_norm_z.weight",
+                "layer_norm_z.bias", "linear_z.weight", *OPENFOLD_ATTENTION_KEYS]
     check_keys(sd, required, [], what)
     ln_m, ln_z = sd["layer_norm_m.weight"], sd["layer_norm_z.weight"]
     if ln_m.ndim != 1 or ln_z.ndim != 1:
@@ -175,20 +172,11 @@ def from_openfold_state_dict(state_dict: Mapping[str, Any], *, prefix: str = "",
         raise ValueError(f"'linear_z.weight' has shape {wz.shape}; expected [no_heads, c_z].")
     num_heads = wz.shape[0]
     expect_shape("linear_z.weight", wz, (num_heads, c_z), "[no_heads, c_z]")
-    wq = sd["mha.linear_q.weight"]
-    if wq.ndim != 2 or wq.shape[0] % num_heads:
-        raise ValueError(f"'mha.linear_q.weight' has shape {wq.shape}; expected "
-                         f"[no_heads * c_hidden, c_m] with no_heads={num_heads}.")
-    inner = wq.shape[0]
     params = {
         "layer_norm": torch_layer_norm(sd, "layer_norm_m", c_m, dtype, "[c_m]"),
         "pair_layer_norm": torch_layer_norm(sd, "layer_norm_z", c_z, dtype, "[c_z]"),
         "pair_bias": torch_linear(sd, "linear_z", c_z, num_heads, False, dtype, "linear_z: c_z -> H"),
-        "query": torch_linear(sd, "mha.linear_q", c_m, inner, False, dtype, "linear_q: c_m -> H*c_hidden"),
-        "key": torch_linear(sd, "mha.linear_k", c_m, inner, False, dtype, "linear_k: c_m -> H*c_hidden"),
-        "value": torch_linear(sd, "mha.linear_v", c_m, inner, False, dtype, "linear_v: c_m -> H*c_hidden"),
-        "gate": torch_linear(sd, "mha.linear_g", c_m, inner, True, dtype, "linear_g: c_m -> H*c_hidden"),
-        "out_proj": torch_linear(sd, "mha.linear_o", inner, c_m, True, dtype, "linear_o: H*c_hidden -> c_m"),
+        **openfold_attention(sd, c_m, num_heads, dtype, "c_m"),
     }
     return {"params": params}
 

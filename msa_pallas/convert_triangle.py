@@ -25,8 +25,8 @@ import numpy as np
 
 from msa_pallas.triangle import TriangleAttention
 from msa_pallas.weight_checks import (
-    as_param, check_keys, expect_shape, flatten_haiku, strip_prefix, to_numpy, torch_layer_norm,
-    torch_linear,
+    OPENFOLD_ATTENTION_KEYS, as_param, check_keys, expect_shape, flatten_haiku, openfold_attention,
+    strip_prefix, to_numpy, torch_layer_norm, torch_linear,
 )
 
 __all__ = [
@@ -70,9 +70,7 @@ def triangle_from_openfold_state_dict(state_dict: Mapping[str, Any], *, prefix: 
     sd = strip_prefix(state_dict, prefix, what) if prefix else dict(state_dict)
     sd = {k: to_numpy(v, k) for k, v in sd.items()}
     check_keys(sd, ["layer_norm.weight", "layer_norm.bias", "linear.weight",
-                    "mha.linear_q.weight", "mha.linear_k.weight", "mha.linear_v.weight",
-                    "mha.linear_g.weight", "mha.linear_g.bias",
-                    "mha.linear_o.weight", "mha.linear_o.bias"], [], what)
+                    *OPENFOLD_ATTENTION_KEYS], [], what)
     ln = sd["layer_norm.weight"]
     if ln.ndim != 1:
         raise ValueError(f"'layer_norm.weight' has shape {ln.shape}; expected [c_in].")
@@ -82,19 +80,10 @@ def triangle_from_openfold_state_dict(state_dict: Mapping[str, Any], *, prefix: 
         raise ValueError(f"'linear.weight' has shape {wb.shape}; expected [no_heads, c_in].")
     heads = wb.shape[0]
     expect_shape("linear.weight", wb, (heads, c), "[no_heads, c_in]")
-    wq = sd["mha.linear_q.weight"]
-    if wq.ndim != 2 or wq.shape[0] % heads:
-        raise ValueError(f"'mha.linear_q.weight' has shape {wq.shape}; expected "
-                         f"[no_heads * c_hidden, c_in] with no_heads={heads} (from linear.weight).")
-    inner = wq.shape[0]
     params = {
         "layer_norm": torch_layer_norm(sd, "layer_norm", c, dtype, "[c_in]"),
-        "query": torch_linear(sd, "mha.linear_q", c, inner, False, dtype, "linear_q"),
-        "key": torch_linear(sd, "mha.linear_k", c, inner, False, dtype, "linear_k"),
-        "value": torch_linear(sd, "mha.linear_v", c, inner, False, dtype, "linear_v"),
-        "gate": torch_linear(sd, "mha.linear_g", c, inner, True, dtype, "linear_g"),
         "pair_bias": torch_linear(sd, "linear", c, heads, False, dtype, "linear: c_in -> H"),
-        "out_proj": torch_linear(sd, "mha.linear_o", inner, c, True, dtype, "linear_o"),
+        **openfold_attention(sd, c, heads, dtype, "c_in"),
     }
     return {"params": params}
 

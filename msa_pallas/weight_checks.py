@@ -11,7 +11,7 @@ import numpy as np
 
 __all__ = [
     "to_numpy", "as_param", "check_keys", "expect_shape", "strip_prefix", "flatten_haiku",
-    "torch_linear", "torch_layer_norm",
+    "torch_linear", "torch_layer_norm", "OPENFOLD_ATTENTION_KEYS", "openfold_attention",
 ]
 
 
@@ -101,3 +101,31 @@ def torch_layer_norm(sd: dict, name: str, n: int, dtype, what: str):
     expect_shape(f"{name}.weight", w, (n,), what)
     expect_shape(f"{name}.bias", b, (n,), what)
     return {"scale": as_param(w, dtype), "bias": as_param(b, dtype)}
+
+
+# The keys of OpenFold's `Attention` (its `mha` submodule) in a layer's state dict.
+OPENFOLD_ATTENTION_KEYS = (
+    "mha.linear_q.weight", "mha.linear_k.weight", "mha.linear_v.weight",
+    "mha.linear_g.weight", "mha.linear_g.bias", "mha.linear_o.weight", "mha.linear_o.bias",
+)
+
+
+def openfold_attention(sd: dict, c_in: int, num_heads: int, dtype, c_in_name: str) -> dict:
+    """Flax params `query`, `key`, `value`, `gate`, `out_proj` from OpenFold's `Attention`
+    keys (OPENFOLD_ATTENTION_KEYS): `linear_{q,k,v}.weight [H * c_hidden, c_in]` without
+    bias, `linear_g` `[H * c_hidden, c_in]` with bias, `linear_o` `[c_in, H * c_hidden]`
+    with bias; c_hidden is inferred. `c_in_name` names c_in in errors (`c_m`, `c_in`)."""
+    wq = sd["mha.linear_q.weight"]
+    if wq.ndim != 2 or wq.shape[0] % num_heads:
+        raise ValueError(f"'mha.linear_q.weight' has shape {wq.shape}; expected "
+                         f"[no_heads * c_hidden, {c_in_name}] with no_heads={num_heads}.")
+    inner = wq.shape[0]
+    into = f"{c_in_name} -> H*c_hidden"
+    return {
+        "query": torch_linear(sd, "mha.linear_q", c_in, inner, False, dtype, f"linear_q: {into}"),
+        "key": torch_linear(sd, "mha.linear_k", c_in, inner, False, dtype, f"linear_k: {into}"),
+        "value": torch_linear(sd, "mha.linear_v", c_in, inner, False, dtype, f"linear_v: {into}"),
+        "gate": torch_linear(sd, "mha.linear_g", c_in, inner, True, dtype, f"linear_g: {into}"),
+        "out_proj": torch_linear(sd, "mha.linear_o", inner, c_in, True, dtype,
+                                 f"linear_o: H*c_hidden -> {c_in_name}"),
+    }
