@@ -2,6 +2,8 @@
 
 - kernels.py: each Pallas Triton kernel timed alone, default tiles and candidates;
 - forward.py / backward.py: the Triton and Mosaic GPU kernels side by side;
+- variants.py: each Mosaic GPU kernel alone, and the op, plain against padding
+  skipping and against attention dropout;
 - launch.py: a few forward+backward calls at one shape, for a profiler;
 - profile_ncu.sh: Nsight Compute sections and the Mosaic kernels' machine code
   (`bash benchmarks/profiling/profile_ncu.sh OUT_DIR [launch arguments]`);
@@ -19,6 +21,7 @@ COMMANDS = {
     "kernels": (_HERE + "kernels", "each Triton kernel alone: default tiles, candidates"),
     "forward": (_HERE + "forward", "the Triton and Mosaic forward kernels side by side"),
     "backward": (_HERE + "backward", "the Triton and Mosaic backward kernels side by side"),
+    "variants": (_HERE + "variants", "each Mosaic kernel with padding skipping, with dropout"),
     "launch": (_HERE + "launch", "a few forward+backward calls, for a profiler"),
     "durations": (_HERE + "durations", "every launch of one call under Nsight Compute"),
     "stalls": (_HERE + "stall_sources", "where the warps wait (profile_ncu.sh's CSVs)"),

@@ -21,6 +21,7 @@ from benchmarks.profiling import backward as profile_backward
 from benchmarks.profiling import durations as launch_durations
 from benchmarks.profiling import forward as profile_forward
 from benchmarks.profiling import kernels as profile_kernels
+from benchmarks.profiling import variants as profile_variants
 
 CPU_ONLY = pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU smoke shape")
 
@@ -217,6 +218,28 @@ def test_profile_backward_compares_each_mosaic_kernel_with_triton(capsys):
         assert float(row[5]) > 0, row  # a time, not a failure
         if row[3].startswith("mosaic"):
             assert float(row[7]) < 1e-3, row  # the same gradients as the Triton kernels
+
+
+@CPU_ONLY
+def test_profile_variants_times_each_mosaic_kernel_in_each_variant(capsys):
+    """Each Mosaic kernel the op plans, alone, plain, skipping padding and with dropout,
+    in the interpreters; each variant's time with its ratio to plain."""
+    status = profile_variants.main(["--shapes", "tiny", "--bias-dtypes", "f32", "--no-op"])
+    assert status == 0
+    header, _, *lines = capsys.readouterr().out.splitlines()
+    assert header == "| shape | dtype | bias | kernel | plain ms | skip ms | dropout ms |"
+    rows = [[field.strip() for field in line.strip("|").split("|")] for line in lines]
+    assert [row[3] for row in rows] == ["forward", "dkdv", "dq", "dbias"], rows
+    for row in rows:
+        assert row[0].startswith("tiny (kept 0.") and row[1:3] == ["bf16", "f32"], row
+        assert float(row[4]) > 0, row  # a time, not a failure
+        for cell in row[5:]:
+            ms, ratio = cell.split(" (")
+            assert float(ms) > 0 and ratio.endswith("×)"), row
+    with pytest.raises(SystemExit):
+        profile_variants.main(["--dtypes", "f32"])  # the Mosaic forward is 16-bit
+    with pytest.raises(SystemExit):
+        profile_variants.main(["--variants", "skip"])  # plain is the yardstick
 
 
 def test_profile_forward_mosaic_candidates_alone(capsys):
