@@ -9,6 +9,8 @@ by the exponentials and the matrix work.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -121,14 +123,29 @@ def memory_stats(compiled) -> dict[str, int | None]:
     return {"temp_bytes": temp, "output_bytes": output, "temp_plus_output_bytes": total}
 
 
+def compile_timed(jitted: Callable, args: tuple) -> tuple[object, float]:
+    """(`jitted` lowered for `args` and compiled, the seconds that took)."""
+    start = time.perf_counter()
+    compiled = jitted.lower(*args).compile()
+    return compiled, time.perf_counter() - start
+
+
+def _compile_lowered(lowered, lowering_seconds: float) -> tuple[object, float]:
+    start = time.perf_counter()
+    compiled = lowered.compile()
+    return compiled, lowering_seconds + time.perf_counter() - start
+
+
 def measure_callable(
-    jitted: Callable, arg_sets: list[tuple], iters: int, warmup: int, reps: int = 1
+    jitted: Callable, arg_sets: list[tuple], iters: int, warmup: int, reps: int = 1,
+    compiling: concurrent.futures.Future | None = None,
 ) -> tuple[dict, object]:
     """Compiles, reads memory, warms up, then takes `iters` samples rotating `arg_sets`.
 
     A sample is `reps` back-to-back calls, waited for once, divided by `reps`
     (`timing.times_ms`): the host's dispatch latency stays
-    out of the number.
+    out of the number. `compiling`: the compile done ahead (`CaseCompiles`), a future of
+    `compile_timed`'s result, in place of compiling here.
 
     Returns (result dict, output of the first call or None). Failures are
     recorded in the result's `status`, never raised.
@@ -136,9 +153,8 @@ def measure_callable(
     result: dict = {"status": "ok"}
     first_output = None
     try:
-        t0 = time.perf_counter()
-        compiled = jitted.lower(*arg_sets[0]).compile()
-        result["compile_s"] = time.perf_counter() - t0
+        compiled, result["compile_s"] = (compile_timed(jitted, arg_sets[0]) if compiling is None
+                                         else compiling.result())
         result.update(memory_stats(compiled))
         first_output = jax.block_until_ready(compiled(*arg_sets[0]))  # the first warm-up call
         times = timing.times_ms(lambda i: compiled(*arg_sets[i % len(arg_sets)]),
@@ -149,6 +165,51 @@ def measure_callable(
         result["detail"] = f"{type(exc).__name__}: {exc}"[:2000]
         first_output = None
     return result, first_output
+
+
+@dataclasses.dataclass
+class Built:
+    """An implementation made for a case (`IMPLEMENTATIONS[impl](case)`), or why not, and
+    the futures of its modes' compiles when they were started ahead."""
+
+    impl: object | None
+    unavailable: str | None = None
+    compiling: dict[str, concurrent.futures.Future] = dataclasses.field(default_factory=dict)
+
+
+def build(case: Case, impl: str) -> Built:
+    try:
+        return Built(IMPLEMENTATIONS[impl](case))
+    except Unavailable as why:
+        return Built(None, f"skipped: {why}")
+    except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
+        return Built(None, describe_failure(exc))
+
+
+@contextlib.contextmanager
+def compiled_ahead(case: Case, impls: list[str], arg_sets: list[tuple], threads: int):
+    """{impl: Built} of `impls`, each mode's compile started ahead: traced here, one after
+    the other (tracing may read global state), compiled on `threads` threads; the context
+    is entered once every compile has ended, so that none runs beside a timing (XLA
+    autotunes on the GPU while it compiles)."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool:
+        built = {}
+        for impl in impls:
+            built[impl] = build(case, impl)
+            if built[impl].impl is None:
+                continue
+            for mode in MODES:
+                start = time.perf_counter()
+                try:
+                    lowered = getattr(built[impl].impl, mode).lower(*mode_args(mode, arg_sets[0]))
+                except Exception as exc:  # noqa: BLE001 - measure_callable records it
+                    failed = concurrent.futures.Future()
+                    failed.set_exception(exc)
+                    built[impl].compiling[mode] = failed
+                    continue
+                built[impl].compiling[mode] = pool.submit(
+                    _compile_lowered, lowered, time.perf_counter() - start)
+    yield built
 
 
 def relative_error(out, reference, rows=None) -> float | None:
@@ -182,12 +243,16 @@ class Progress(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """How to time: `iters` samples of `reps` calls after `warmup` calls; inputs from `seed`."""
+    """How to time: `iters` samples of `reps` calls after `warmup` calls; inputs from `seed`.
+    `compile_threads` > 1: a case's cells are all traced first and compiled that many at a
+    time, before the first of them is timed (`run_case`); 1: each cell compiled just
+    before it is timed."""
 
     iters: int
     warmup: int
     reps: int
     seed: int = 0
+    compile_threads: int = 1
 
 
 class Budget(Protocol):
@@ -257,49 +322,54 @@ def run_case(case: Case, impls: list[str], settings: Settings, progress: Progres
         except Exception:  # noqa: BLE001 - the check is left out, the timing is not
             reference_out = None
     done = 0
-    for impl in sorted(impls, key=lambda name: name != CHECK_REFERENCE):
-        if budget is not None and not budget.allows_another("cell"):
-            break
-        entry, out = run_impl(case, impl, arg_sets, settings, progress, reference_out,
-                              check_rows)
-        record["impls"][impl] = entry
-        done += 1
-        if budget is not None:  # the first cell's time includes the inputs'
-            budget.spent(time.monotonic() - started, "cell")
-        started = time.monotonic()
-        if impl == CHECK_REFERENCE:
-            reference_out = out
-        del out
-        gc.collect()
+    ordered = sorted(impls, key=lambda name: name != CHECK_REFERENCE)
+    ahead = (compiled_ahead(case, ordered, arg_sets, settings.compile_threads)
+             if settings.compile_threads > 1 else contextlib.nullcontext({}))
+    with ahead as built:
+        if built:
+            started = time.monotonic()  # the compiles ahead count for the case, not a cell
+        for impl in ordered:
+            if budget is not None and not budget.allows_another("cell"):
+                break
+            entry, out = run_impl(case, impl, arg_sets, settings, progress, reference_out,
+                                  check_rows, built.pop(impl, None))
+            record["impls"][impl] = entry
+            done += 1
+            if budget is not None:  # the first cell's time includes the inputs'
+                budget.spent(time.monotonic() - started, "cell")
+            started = time.monotonic()
+            if impl == CHECK_REFERENCE:
+                reference_out = out
+            del out
+            gc.collect()
     del arg_sets, reference_out
     gc.collect()
     return finish_case(record), done
 
 
 def run_impl(case: Case, impl: str, arg_sets: list[tuple], settings: Settings,
-             progress: Progress, reference_out, check_rows=None) -> tuple[dict, object]:
+             progress: Progress, reference_out, check_rows=None,
+             built: Built | None = None) -> tuple[dict, object]:
     """Measures one implementation in both modes; returns (entry, forward output or None).
 
     The forward output is compared with `reference_out` when there is one, over the
-    MSA rows of `check_rows` (`[B, S]` bool; None: all).
+    MSA rows of `check_rows` (`[B, S]` bool; None: all). `built`: the implementation
+    made (and its compiles started) ahead (`compiled_ahead`); None: made here.
     """
     entry: dict = {}
-    try:
-        built = IMPLEMENTATIONS[impl](case)
-        entry["info"] = built.info
-    except Unavailable as why:
-        built, unavailable = None, f"skipped: {why}"
-    except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
-        built, unavailable = None, describe_failure(exc)
+    built = build(case, impl) if built is None else built
+    if built.impl is not None:
+        entry["info"] = built.impl.info
     fwd_out = None
     for mode in MODES:
         progress.describe(f"{case.key} {impl} {MODE_LABELS[mode]}")
-        if built is None:
-            entry[mode] = {"status": unavailable}
+        if built.impl is None:
+            entry[mode] = {"status": built.unavailable}
         else:
             sets = [mode_args(mode, inputs) for inputs in arg_sets]
             entry[mode], out = measure_callable(
-                getattr(built, mode), sets, settings.iters, settings.warmup, settings.reps)
+                getattr(built.impl, mode), sets, settings.iters, settings.warmup, settings.reps,
+                built.compiling.pop(mode, None))
             if mode == "fwd":
                 fwd_out = out
                 if (out is not None and reference_out is not None

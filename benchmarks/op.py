@@ -88,6 +88,7 @@ def metadata(args) -> dict:
         "reps": args.reps,
         "warmup": args.warmup,
         "seed": args.seed,
+        "compile_threads": args.compile_threads,
         "env": {name: os.environ.get(name) for name in (
             "XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE")},
         "constants": {
@@ -129,6 +130,9 @@ def parse_args(argv=None, prog: str | None = None):
                         help="back-to-back calls per timed sample (default 10 on GPU, 1 on CPU)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls first (default 2)")
     parser.add_argument("--seed", type=int, default=0, help="PRNG seed of the inputs")
+    parser.add_argument("--compile-threads", type=int, default=4,
+                        help="a case's cells are compiled this many at a time before the first "
+                             "is timed (1: each just before it is timed; default 4)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
                         help="directory for results.json, results.md, results.png "
                              "(default benchmarks/out/op); a rerun continues its results.json")
@@ -149,8 +153,8 @@ def parse_args(argv=None, prog: str | None = None):
         unknown = [name for name in chosen if name not in known]
         if unknown or not chosen:
             parser.error(f"unknown or no {kind} {', '.join(unknown)}; expected {', '.join(known)}")
-    if args.iters < 1 or args.reps < 1:
-        parser.error("--iters and --reps must be >= 1")
+    if args.iters < 1 or args.reps < 1 or args.compile_threads < 1:
+        parser.error("--iters, --reps and --compile-threads must be >= 1")
     return args
 
 
@@ -258,7 +262,7 @@ def main(argv=None, prog: str | None = None) -> int:
                 "cases": [case.key for case in cases(args)], "impls": args.impls}
     meta["runs"].append(this_run)
     settings = measure.Settings(iters=args.iters, warmup=args.warmup, reps=args.reps,
-                                seed=args.seed)
+                                seed=args.seed, compile_threads=args.compile_threads)
     if todo:
         timing.warm_up_device()
     progress = runs.Progress(cells_left * len(measure.MODES))

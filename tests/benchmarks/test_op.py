@@ -16,7 +16,7 @@ import pytest
 
 import msa_pallas
 from benchmarks import alternatives, measure, report, shapes
-from benchmarks import layer, op
+from benchmarks import layer, op, runs, timing
 from benchmarks.profiling import backward as profile_backward
 from benchmarks.profiling import durations as launch_durations
 from benchmarks.profiling import forward as profile_forward
@@ -151,6 +151,38 @@ def test_measure_times_batches_of_back_to_back_calls():
     assert len(executable.calls) == 2 + 4 * 5
     assert executable.calls[2:8] == [0.0, 1.0, 2.0, 0.0, 1.0, 2.0]
     assert jnp.array_equal(first, arg_sets[0][0] * 2.0)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_case_compiles_every_cell_before_timing_one_when_asked(threads, monkeypatch):
+    """compile_threads > 1: each cell's compile ends before any cell of the case is timed
+    (no compile beside a timing); 1: each cell compiled just before it is timed. The
+    cells come out the same either way."""
+    events = []
+
+    def logged(function, event):
+        def call(*args, **kwargs):
+            result = function(*args, **kwargs)
+            events.append(event)
+            return result
+        return call
+
+    for module, name, event in ((measure, "_compile_lowered", "compile"),
+                                (measure, "compile_timed", "compile"),
+                                (timing, "times_ms", "time")):
+        monkeypatch.setattr(module, name, logged(getattr(module, name), event))
+    case = shapes.Case(shapes.parse_shape("1x2x16x2x8"), "f32", "f32")
+    settings = measure.Settings(iters=1, warmup=1, reps=1, compile_threads=threads)
+    record, done = measure.run_case(case, ["xla", "msa_pallas"], settings,
+                                    runs.Progress(4))
+    assert done == 2
+    cells = [record["impls"][impl][mode] for impl in ("xla", "msa_pallas")
+             for mode in measure.MODES]
+    assert all(cell["status"] == "ok" and cell["compile_s"] > 0 for cell in cells), cells
+    if threads > 1:
+        assert events == ["compile"] * 4 + ["time"] * 4, events
+    else:
+        assert events == ["compile", "time"] * 4, events
 
 
 def test_profile_kernels_runs_every_kernel(capsys):
