@@ -144,8 +144,8 @@ def measure_callable(
 
     A sample is `reps` back-to-back calls, waited for once, divided by `reps`
     (`timing.times_ms`): the host's dispatch latency stays
-    out of the number. `compiling`: the compile done ahead (`CaseCompiles`), a future of
-    `compile_timed`'s result, in place of compiling here.
+    out of the number. `compiling`: a future of the compile started ahead
+    (`compiled_ahead`), (the compiled executable, seconds), in place of compiling here.
 
     Returns (result dict, output of the first call or None). Failures are
     recorded in the result's `status`, never raised.
@@ -335,7 +335,7 @@ def run_case(case: Case, impls: list[str], settings: Settings, progress: Progres
                                   check_rows, built.pop(impl, None))
             record["impls"][impl] = entry
             done += 1
-            if budget is not None:  # the first cell's time includes the inputs'
+            if budget is not None:  # compiled here, the first cell's includes the inputs'
                 budget.spent(time.monotonic() - started, "cell")
             started = time.monotonic()
             if impl == CHECK_REFERENCE:

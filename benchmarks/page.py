@@ -7,8 +7,9 @@
 
 --page writes benchmarks/RESULTS.md: the current table with its command, commit, date and
 device, and its plot, from the newest complete results file in benchmarks/results/ that
-times msa_pallas against an alternative (or the file named), with the index of the dated
-entries in benchmarks/log/. --readme writes README.md's results block from the same file
+times msa_pallas against an alternative on MSA shapes (or the file named), the newest
+such file of the triangle shapes and the newest `model` results below it, and the index
+of the dated entries in benchmarks/log/. --readme writes README.md's results block from the same file
 (the 16-bit rows against the fastest alternative) between its lines `<!-- results: ... -->`
 and `<!-- /results -->`, and leaves the rest of the file as it was.
 """
