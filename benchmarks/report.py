@@ -140,26 +140,54 @@ def markdown_table(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# The padding targets: time ÷ the unpadded shape's within this factor of the fraction of
+# the logits the mask keeps, and this many times faster than the fastest alternative.
+PADDING_PROPORTION_SLACK = 1.15
+PADDING_TARGET_SPEEDUP = 2.5
+
+
 def padding_lines(results: dict) -> list[str]:
     """For each padded case: the keys it keeps, and the subject's time against the same
-    shape with random masks (a padded batch should cost less as less is left to compute)."""
+    shape with random masks (a padded batch should cost less as less is left to compute),
+    judged against the padding targets: that ratio at most PADDING_PROPORTION_SLACK times
+    the kept fraction, and PADDING_TARGET_SPEEDUP times the fastest alternative's speed."""
     lines = []
     for case in results["cases"]:
         if case.get("mask", "random") != "padded":
             continue
+        kept = case.get("kept_fraction")
         text = (f"- {case['shape']} {case['dtype']} bias {bias_dtype(case)}: "
-                f"{case.get('kept_fraction', float('nan')):.0%} of keys kept, "
+                f"{float('nan') if kept is None else kept:.0%} of keys kept, "
                 f"{case.get('fully_masked_rows', '?')} MSA rows fully masked (left out of "
                 "the forward check)")
         full = next((c for c in results["cases"] if c.get("mask", "random") == "random"
                      and c["dims"] == case["dims"] and c["dtype"] == case["dtype"]
                      and bias_dtype(c) == bias_dtype(case)), None)
-        if full is not None and SUBJECT in results["metadata"]["impls"]:
+        if SUBJECT not in results["metadata"]["impls"]:
+            lines.append(text)
+            continue
+        if full is not None:
             ratios = [_median(case, SUBJECT, m) / _median(full, SUBJECT, m)
                       if _median(case, SUBJECT, m) and _median(full, SUBJECT, m) else None
                       for m in MODES]
             text += (f"; {SUBJECT} time / {full['shape']}'s (random masks, 90% kept) "
                      f"fwd / f+b: {fmt_pair(ratios)}")
+            if kept is not None:
+                bound = PADDING_PROPORTION_SLACK * kept
+                text += (f" (target ≤ {PADDING_PROPORTION_SLACK:g} × {kept:.2f} = {bound:.2f}: "
+                         + " / ".join("–" if r is None else "yes" if r <= bound else "no"
+                                      for r in ratios) + ")")
+        speedups = []
+        for mode in MODES:
+            found, ours = fastest_alternative(case, mode), _median(case, SUBJECT, mode)
+            speedups.append(None if found is None or not ours else (found[1] / ours, found[0]))
+        if any(speedups):
+            text += ("; fastest alternative's time / " + SUBJECT + "'s fwd / f+b: "
+                     + " / ".join("–" if x is None else f"{fmt_ratio(x[0])}× ({x[1]})"
+                                  for x in speedups)
+                     + f" (target ≥ {PADDING_TARGET_SPEEDUP:g}×: "
+                     + " / ".join("–" if x is None else "yes" if x[0] >= PADDING_TARGET_SPEEDUP
+                                  else "no" for x in speedups) + ")")
         lines.append(text)
     return ["", "Padded batches:", "", *lines] if lines else []
 

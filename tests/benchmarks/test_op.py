@@ -433,7 +433,20 @@ def test_padding_lines_compare_with_the_same_shape_unpadded():
     assert report.padding_lines(results)[-1] == (
         "- train_padded bf16 bias f32: 56% of keys kept, 32 MSA rows fully masked (left out "
         "of the forward check); msa_pallas time / train's (random masks, 90% kept) "
-        "fwd / f+b: 0.50 / 0.75")
+        "fwd / f+b: 0.50 / 0.75 (target ≤ 1.15 × 0.56 = 0.65: yes / no)")
+
+
+def test_padding_lines_judge_the_speed_up_over_the_fastest_alternative():
+    """The padding targets: at least 2.5× the fastest alternative, per mode."""
+    padded = dict(_case("train_padded", "bf16", {"msa_pallas": (0.04, 0.3),
+                                                 "tokamax_mosaic": (0.1, 0.6),
+                                                 "cuequivariance": (0.2, 0.9)},
+                        bias="f32", mask="padded"), kept_fraction=0.5625, fully_masked_rows=32)
+    results = {"metadata": {"impls": ["msa_pallas", "tokamax_mosaic", "cuequivariance"]},
+               "cases": [padded]}
+    assert report.padding_lines(results)[-1].endswith(
+        "(left out of the forward check); fastest alternative's time / msa_pallas's fwd / f+b: "
+        "2.50× (tokamax_mosaic) / 2.00× (tokamax_mosaic) (target ≥ 2.5×: yes / no)")
 
 
 # --- adapters and the layer benchmark -------------------------------------------------
