@@ -244,10 +244,39 @@ def markdown(rows: list[dict], cores: list[str]) -> str:
         lines += ["", "Forward output against the first core's at the same shape (relative "
                   "error): " + ", ".join(f"{r['shape']} {r['core']} vs {r['reference_core']} "
                                           f"{r['rel_err']:.1e}" for r in checked)]
+    lines += dropout_lines(rows)
     skipped = {f"{r['core']}: {r['status']}" for r in rows if r["status"].startswith("skipped")}
     if skipped:
         lines += ["", *sorted(f"- {text}" for text in skipped)]
     return "\n".join(lines)
+
+
+# The dropout targets: the training step with dropout on the kernels within this factor
+# of the step without dropout, and this many times faster than the XLA path with dropout.
+DROPOUT_STEP_SLACK = 1.15
+DROPOUT_TARGET_SPEEDUP = 2.0
+
+
+def dropout_lines(rows: list[dict]) -> list[str]:
+    """Per shape measured with `default`, `default+dropout` and `xla+dropout`: the
+    step (f+b) with dropout on the kernels against the step without (at most
+    DROPOUT_STEP_SLACK) and against the XLA path's with dropout (at least
+    DROPOUT_TARGET_SPEEDUP times faster)."""
+    lines = []
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        step = {r["core"]: r.get("fwd_bwd_ms") for r in rows
+                if r["shape"] == shape and r.get("status") == "ok"}
+        plain, kernels, xla = (step.get(core) for core in
+                               ("default", "default" + DROPOUT, "xla" + DROPOUT))
+        if not (plain and kernels and xla):
+            continue
+        slower, faster = kernels / plain, xla / kernels
+        lines.append(
+            f"- {shape}: step with dropout / without {slower:.2f} (target ≤ "
+            f"{DROPOUT_STEP_SLACK:g}: {'yes' if slower <= DROPOUT_STEP_SLACK else 'no'}); "
+            f"XLA path with dropout / the kernels' {faster:.2f}× (target ≥ "
+            f"{DROPOUT_TARGET_SPEEDUP:g}×: {'yes' if faster >= DROPOUT_TARGET_SPEEDUP else 'no'})")
+    return ["", "Attention dropout (f+b, the training step):", "", *lines] if lines else []
 
 
 # Metadata a results file must share with this run for the run to continue it.

@@ -521,6 +521,25 @@ def test_layer_core_options():
         layer.core_options("cuequivariance", NoField)
 
 
+def test_layer_table_judges_dropout_against_the_step_without_and_the_xla_path():
+    def row(shape, core, fwd_bwd):
+        return dict(shape=shape, core=core, status="ok", fwd_ms=0.1, fwd_bwd_ms=fwd_bwd, B=1,
+                    S=128, N=256, heads=8, head_dim=32, msa_dim=256, pair_dim=128)
+
+    rows = [row("train", "default", 0.887), row("train", "default+dropout", 1.007),
+            row("train", "xla+dropout", 1.703),
+            row("finetune", "default", 4.322), row("finetune", "default+dropout", 5.595),
+            row("finetune", "xla+dropout", 12.54), row("extra", "default", 1.0)]
+    table = layer.markdown(rows, ["default", "default+dropout", "xla+dropout"])
+    lines = table.split("Attention dropout (f+b, the training step):\n\n")[1].splitlines()
+    assert lines == [
+        "- train: step with dropout / without 1.14 (target ≤ 1.15: yes); XLA path with "
+        "dropout / the kernels' 1.69× (target ≥ 2×: no)",
+        "- finetune: step with dropout / without 1.29 (target ≤ 1.15: no); XLA path with "
+        "dropout / the kernels' 2.24× (target ≥ 2×: yes)"]
+    assert "Attention dropout" not in layer.markdown(rows[:1], ["default"])
+
+
 @CPU_ONLY
 def test_layer_times_each_core(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(alternatives.LAYER_CORES, "xla_swapped", _xla_core)
