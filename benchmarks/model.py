@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import os
 import platform
 import sys
 import time
@@ -218,7 +219,11 @@ def main(argv=None, prog: str | None = None) -> int:
                 commit=runs.commit_id(args.commit), date=runs.utc_now(), settings=settings,
                 command=" ".join(["python -m benchmarks model",
                                   *runs.portable_argv(sys.argv[1:] if argv is None else argv)]),
-                alphafold="alphafold-colabfold 2.3.27")
+                alphafold="alphafold-colabfold 2.3.27",
+                # The allocator's share of the GPU decides which large baselines fit.
+                env={name: os.environ.get(name) for name in (
+                    "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE",
+                    "XLA_FLAGS")})
     rows = runs.earlier_rows(out_dir, meta, SAME_RUN_KEYS, fresh=args.fresh)
     done = {(r["block"], r["N"], r["dtype"], r["mode"], r["variant"]) for r in rows}
     groups: dict[tuple, list[str]] = {}  # (block, N, dtype) -> modes to measure

@@ -149,7 +149,10 @@ def model_section(results: dict, source: Path, relative) -> list[str]:
            if not meta.get("complete", True) else ""),
         f"- Commit {runs.short_commit(meta.get('commit', '?'))}, {meta.get('date', '?')}, "
         f"{meta.get('device', '?')}, jax {meta.get('jax', '?')}, {meta.get('alphafold', '?')}, "
-        f"inference chunks of {settings.get('chunk_mib', '?')} MiB",
+        f"inference chunks of {settings.get('chunk_mib', '?')} MiB"
+        + (f", XLA_PYTHON_CLIENT_MEM_FRACTION "
+           f"{meta['env'].get('XLA_PYTHON_CLIENT_MEM_FRACTION') or 'unset (JAX: 0.75)'}"
+           if "env" in meta else ""),
         "",
         report.model_table(results["rows"]),
         "",

@@ -30,6 +30,7 @@ def test_model_benchmark_measures_each_pair_and_continues_after_its_budget(tmp_p
     assert model.main(argv) == 0
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["meta"]["complete"] is True and saved["meta"]["settings"]["compile_threads"] == 2
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" in saved["meta"]["env"]  # what decides an OOM
     rows = saved["rows"]
     assert [(r["N"], r["variant"]) for r in rows] == [
         (16, "unpatched"), (16, "patched"), (24, "unpatched"), (24, "patched")]

@@ -255,6 +255,14 @@ def test_results_page_shows_the_newest_model_results(tmp_path):
     assert ("- Command: `python -m benchmarks model --out OUT_DIR` (stopped at its budget; "
             "the same command measures the rest)") in text
     assert "- Commit ccc3333, 2026-12-03 10:00 UTC, NVIDIA H200" in text
+    assert "MEM_FRACTION" not in text  # not recorded in this file
+    results = _model_results("2026-12-03 10:00 UTC", "ccc3333")
+    results["meta"]["env"] = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.90"}
+    assert ("inference chunks of 64 MiB, XLA_PYTHON_CLIENT_MEM_FRACTION 0.90"
+            in "\n".join(page.model_section(results, folder / "m.json", str)))
+    results["meta"]["env"] = {"XLA_PYTHON_CLIENT_MEM_FRACTION": None}
+    assert ("XLA_PYTHON_CLIENT_MEM_FRACTION unset (JAX: 0.75)"
+            in "\n".join(page.model_section(results, folder / "m.json", str)))
     assert ("| evoformer | 256 | 512 | bf16 | inference | 18.00 | 12.00 | 1.50x | 1.00 | 0.50 "
             "| 2.9e-03 |") in text
     assert text.index("## AlphaFold2's Evoformer iteration") < text.index("## The log")
