@@ -409,6 +409,22 @@ def test_an_alternative_with_a_wrong_forward_is_no_yardstick():
         "no: 1.33× (≥ 2×); 6.000 vs 8.000 ms tokamax_mosaic")
 
 
+def test_targets_table_triangle_shapes_ask_for_parity():
+    """Triangle attention's target: as fast as the fastest alternative (1×), not 1.5× / 2×."""
+    times = {"msa_pallas": (0.18, 0.88), "tokamax_mosaic": (0.20, 1.43)}
+    triangle = _case("triangle", "bf16", times, n_res=384)
+    msa = _case("train", "bf16", times)
+    results = {"metadata": {"impls": list(times)}, "cases": [triangle, msa]}
+    rows = _target_rows(results)
+    assert rows["triangle", "bf16", "bf16"][:2] == [
+        "yes: 1.11× (≥ 1×); 0.180 vs 0.200 ms tokamax_mosaic",
+        "yes: 1.62× (≥ 1×); 0.880 vs 1.430 ms tokamax_mosaic"]
+    assert rows["train", "bf16", "bf16"][0].startswith("no: 1.11× (≥ 1.5×)")
+    assert "Triangle shapes: forward and f+b at least as fast" in report.targets_table(results)
+    assert "Triangle shapes" not in report.targets_table(
+        {"metadata": results["metadata"], "cases": [msa]})
+
+
 def test_targets_table_long_chain_and_failures():
     """At N = 4096 the forward and backward must run where XLA runs out of memory."""
     case = _case("1x128x4096x8x32", "f32", {"msa_pallas": (50.0, 310.0)}, {"msa_pallas": 2198},
