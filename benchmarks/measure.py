@@ -123,19 +123,6 @@ def memory_stats(compiled) -> dict[str, int | None]:
     return {"temp_bytes": temp, "output_bytes": output, "temp_plus_output_bytes": total}
 
 
-def compile_timed(jitted: Callable, args: tuple) -> tuple[object, float]:
-    """(`jitted` lowered for `args` and compiled, the seconds that took)."""
-    start = time.perf_counter()
-    compiled = jitted.lower(*args).compile()
-    return compiled, time.perf_counter() - start
-
-
-def _compile_lowered(lowered, lowering_seconds: float) -> tuple[object, float]:
-    start = time.perf_counter()
-    compiled = lowered.compile()
-    return compiled, lowering_seconds + time.perf_counter() - start
-
-
 def measure_callable(
     jitted: Callable, arg_sets: list[tuple], iters: int, warmup: int, reps: int = 1,
     compiling: concurrent.futures.Future | None = None,
@@ -144,8 +131,8 @@ def measure_callable(
 
     A sample is `reps` back-to-back calls, waited for once, divided by `reps`
     (`timing.times_ms`): the host's dispatch latency stays
-    out of the number. `compiling`: a future of the compile started ahead
-    (`compiled_ahead`), (the compiled executable, seconds), in place of compiling here.
+    out of the number. `compiling`: the compile started ahead (`compiled_ahead`), a
+    future of (the compiled program, seconds), in place of compiling here.
 
     Returns (result dict, output of the first call or None). Failures are
     recorded in the result's `status`, never raised.
@@ -153,8 +140,9 @@ def measure_callable(
     result: dict = {"status": "ok"}
     first_output = None
     try:
-        compiled, result["compile_s"] = (compile_timed(jitted, arg_sets[0]) if compiling is None
-                                         else compiling.result())
+        compiled, result["compile_s"] = (
+            timing.compile_timed(lambda: jitted.lower(*arg_sets[0])) if compiling is None
+            else compiling.result())
         result.update(memory_stats(compiled))
         first_output = jax.block_until_ready(compiled(*arg_sets[0]))  # the first warm-up call
         times = timing.times_ms(lambda i: compiled(*arg_sets[i % len(arg_sets)]),
@@ -199,16 +187,9 @@ def compiled_ahead(case: Case, impls: list[str], arg_sets: list[tuple], threads:
             if built[impl].impl is None:
                 continue
             for mode in MODES:
-                start = time.perf_counter()
-                try:
-                    lowered = getattr(built[impl].impl, mode).lower(*mode_args(mode, arg_sets[0]))
-                except Exception as exc:  # noqa: BLE001 - measure_callable records it
-                    failed = concurrent.futures.Future()
-                    failed.set_exception(exc)
-                    built[impl].compiling[mode] = failed
-                    continue
-                built[impl].compiling[mode] = pool.submit(
-                    _compile_lowered, lowered, time.perf_counter() - start)
+                jitted, args = getattr(built[impl].impl, mode), mode_args(mode, arg_sets[0])
+                built[impl].compiling[mode] = timing.start_compile(
+                    pool, lambda jitted=jitted, args=args: jitted.lower(*args))
     yield built
 
 
@@ -326,7 +307,7 @@ def run_case(case: Case, impls: list[str], settings: Settings, progress: Progres
     ahead = (compiled_ahead(case, ordered, arg_sets, settings.compile_threads)
              if settings.compile_threads > 1 else contextlib.nullcontext({}))
     with ahead as built:
-        if built:
+        if settings.compile_threads > 1:
             started = time.monotonic()  # the compiles ahead count for the case, not a cell
         for impl in ordered:
             if budget is not None and not budget.allows_another("cell"):

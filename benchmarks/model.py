@@ -124,16 +124,11 @@ def lower_cell(block, n, dtype_name, mode, variant, args, params, key, inputs):
     return step.lower(params, key, *inputs)
 
 
-def timed_compile(lowered):
-    start = time.perf_counter()
-    compiled = lowered.compile()
-    return compiled, round(time.perf_counter() - start, 1)
-
-
 def measure_cell(row, compiling, args, params, key, inputs, outputs):
     """Times one compiled cell into `row`; a failure (e.g. out of memory) is recorded."""
     try:
-        compiled, row["compile_s"] = compiling.result()
+        compiled, seconds = compiling.result()
+        row["compile_s"] = round(seconds, 1)
         row.update(memory(compiled))
         out = jax.block_until_ready(compiled(params, key, *inputs))
         row["ms"] = timing.median_ms(lambda i: compiled(params, key, *inputs),
@@ -168,15 +163,9 @@ def measure_group(block, n, dtype_name, modes, args, progress):
         compiling = {}
         for mode, variant in cells:
             progress.describe(f"{block} N={n} {dtype_name} {mode} {variant}: tracing")
-            try:
-                lowered = lower_cell(block, n, dtype_name, mode, variant, args, params, key,
-                                     inputs)
-                compiling[mode, variant] = pool.submit(timed_compile, lowered)
-            except Exception as exc:  # noqa: BLE001 - recorded by measure_cell
-                failed = concurrent.futures.Future()
-                failed.set_exception(exc)
-                compiling[mode, variant] = failed
-        concurrent.futures.wait(compiling.values())
+            compiling[mode, variant] = timing.start_compile(
+                pool, lambda mode=mode, variant=variant: lower_cell(
+                    block, n, dtype_name, mode, variant, args, params, key, inputs))
     for mode in modes:
         outputs = {}
         for variant in VARIANTS:

@@ -3,13 +3,18 @@
 A sample is `reps` calls queued back to back and waited for once, divided by `reps`
 (`msa_pallas.timing.batched_times_ms`, the autotuner's loop too): the host's dispatch
 latency stays out of the number. Every benchmark quotes the median of the samples.
+
+And the compiles before it: `compile_timed` compiles now, `start_compile` traces now and
+compiles on a thread pool (so that a benchmark compiles many cells at once and times
+them after, never beside a compile); both give the compiled program and its seconds.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import statistics
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -49,3 +54,32 @@ def warm_up_device(seconds: float = 1.0) -> None:
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         jax.block_until_ready(product(a))
+
+
+def compile_lowered(lowered, lowering_seconds: float = 0.0) -> tuple[Any, float]:
+    """(`lowered` compiled, `lowering_seconds` plus the seconds the compile took)."""
+    start = time.perf_counter()
+    compiled = lowered.compile()
+    return compiled, lowering_seconds + time.perf_counter() - start
+
+
+def compile_timed(lower: Callable[[], Any]) -> tuple[Any, float]:
+    """(`lower()` compiled, the seconds of both)."""
+    start = time.perf_counter()
+    lowered = lower()
+    return compile_lowered(lowered, time.perf_counter() - start)
+
+
+def start_compile(pool: concurrent.futures.Executor,
+                  lower: Callable[[], Any]) -> concurrent.futures.Future:
+    """A future of `compile_timed(lower)`: `lower()` (tracing, which may read global
+    state such as a patch or a context) runs now on this thread, the compile on `pool`.
+    A failure of either is the future's exception."""
+    start = time.perf_counter()
+    try:
+        lowered = lower()
+    except Exception as exc:  # noqa: BLE001 - whoever waits for the future gets it
+        failed = concurrent.futures.Future()
+        failed.set_exception(exc)
+        return failed
+    return pool.submit(compile_lowered, lowered, time.perf_counter() - start)
