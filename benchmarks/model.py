@@ -24,7 +24,7 @@ for `patched` the relative error of its inference outputs against `unpatched`.
 The (up to four) cells of a block, N and dtype are compiled together,
 `--compile-threads` at a time, and timed one after the other once all are
 compiled, so that no compile (XLA autotunes on the GPU) runs beside a timing;
-`compile_s` is each compile's own wall time, overlapping the others.
+`compile_s` is each cell's tracing and compile time, the compiles overlapping.
 A cell that fails (e.g. out of memory) is recorded with its error and the run
 goes on.
 

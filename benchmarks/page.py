@@ -77,14 +77,20 @@ def _shapes(results: dict) -> set[str]:
     return {case["shape"] for case in results["cases"]}
 
 
+def _newest_op_table(folder: Path, has_shapes) -> Path | None:
+    """The newest complete op results file in `folder` (by the date it records) that times
+    msa_pallas against an alternative and whose set of shapes `has_shapes`, or None."""
+    return _newest(folder, lambda results: "cases" in results
+                   and times_against_an_alternative(results) and complete(results)
+                   and has_shapes(_shapes(results)),
+                   lambda results: last_date(results["metadata"]))
+
+
 def newest_results(folder: Path = RESULTS_DIR) -> Path:
     """The newest complete op results file in `folder` (by the date it records) that
     times msa_pallas against an alternative on MSA shapes (not triangle shapes alone);
     raises FileNotFoundError when there is none."""
-    newest = _newest(folder, lambda results: "cases" in results
-                     and times_against_an_alternative(results) and complete(results)
-                     and bool(_shapes(results) - set(TRIANGLE_SHAPES)),
-                     lambda results: last_date(results["metadata"]))
+    newest = _newest_op_table(folder, lambda shapes: bool(shapes - set(TRIANGLE_SHAPES)))
     if newest is None:
         raise FileNotFoundError(f"no complete op results file with an alternative in {folder}")
     return newest
@@ -93,10 +99,7 @@ def newest_results(folder: Path = RESULTS_DIR) -> Path:
 def newest_triangle_results(folder: Path = RESULTS_DIR) -> Path | None:
     """The newest complete op results file in `folder` (by the date it records) that times
     msa_pallas against an alternative on a triangle shape, or None."""
-    return _newest(folder, lambda results: "cases" in results
-                   and times_against_an_alternative(results) and complete(results)
-                   and bool(_shapes(results) & set(TRIANGLE_SHAPES)),
-                   lambda results: last_date(results["metadata"]))
+    return _newest_op_table(folder, lambda shapes: bool(shapes & set(TRIANGLE_SHAPES)))
 
 
 def triangle_section(results: dict, source: Path, relative) -> list[str]:

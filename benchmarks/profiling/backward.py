@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from benchmarks.measure import relative_error
 from benchmarks.profiling.forward import INTERPRET, parse_mosaic, profile_cases
 from benchmarks import timing
-from benchmarks.profiling.kernels import make_inputs
+from benchmarks.profiling.kernels import backward_delta, make_inputs
 from msa_pallas import msa_row_attention
 from msa_pallas.block_sizes import default_block_config
 from msa_pallas.kernels.mosaic import backward as mosaic_backward
@@ -76,7 +76,7 @@ def main(argv=None, prog: str | None = None) -> int:
             q, k, v, bias, mask, gate, scale=scale, tiles=config.forward,
             interpret=INTERPRET, save_stats=True,
         )
-        delta = jnp.swapaxes(jnp.sum(do.astype(jnp.float32) * attention, -1), 2, 3)
+        delta = backward_delta(do, attention)
         triton_operands = (q, k, v, bias, mask, do, row_max, row_log2_sum, delta)
         stats = jnp.stack([row_max, row_log2_sum, delta], axis=3)
         mosaic_operands = (q, k, v, bias, mask, do, stats)

@@ -53,6 +53,12 @@ def make_inputs(shape, dtype, seed=0, bias_dtype=None):
     return q, k, v, do, gate, bias, mask
 
 
+def backward_delta(do, attention):
+    """delta = sum over d of `do` · the ungated output, `[B, S, H, N]` float32: the row
+    statistic the backward kernels read beside the forward's max and log2 sum."""
+    return jnp.swapaxes(jnp.sum(do.astype(jnp.float32) * attention, -1), 2, 3)
+
+
 def fused_candidates(n_res: int):
     span = max(16, next_power_of_2(n_res))
     for warps, stages in ((4, 2), (4, 3), (8, 2), (2, 2)):
@@ -117,7 +123,7 @@ def profile(name, shape, dtype_name, args, emit):
         q, k, v, bias, mask, gate, scale=scale, tiles=config.forward, interpret=INTERPRET,
         save_stats=True,
     )
-    delta = jnp.swapaxes(jnp.sum(do.astype(jnp.float32) * attention, -1), 2, 3)
+    delta = backward_delta(do, attention)
     operands = (q, k, v, bias, mask, do, row_max, row_log2_sum, delta)
 
     def kernel_call(kernel, tiles):

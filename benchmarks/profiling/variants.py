@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from benchmarks import timing
 from benchmarks.measure import kept_fraction
+from benchmarks.profiling.kernels import backward_delta, make_inputs
 from benchmarks.shapes import DTYPES, HALF_DTYPES, SHAPES, bias_dtype_names, make_mask
 from msa_pallas import dispatch, dropout, msa_row_attention, skipping_padding
 from msa_pallas.kernels.mosaic import backward as mosaic_backward
@@ -46,15 +47,15 @@ INTERPRET = jax.default_backend() != "gpu"
 
 
 def make_operands(shape_name: str, dtype, bias_dtype, seed: int = 0) -> dict:
-    """q, k, v, the output gradient `do` and the gate `[B, S, N, H, d]` in `dtype`, the bias
-    `[B, H, N, N]` in `bias_dtype`, the shape's bool mask `[B, S, N]` and dropout row seeds."""
+    """`profiling.kernels.make_inputs` at the shape (q, k, v, the output gradient `do` and
+    the gate `[B, S, N, H, d]` in `dtype`, the bias `[B, H, N, N]` in `bias_dtype`), with
+    the shape's own bool mask `[B, S, N]` and dropout row seeds `[B, S, H]`."""
     shape = SHAPES[shape_name]
-    b, s, n, h, d = shape.dims
-    keys = jax.random.split(jax.random.key(seed), 8)
-    q, k, v, do, gate = (jax.random.normal(key, (b, s, n, h, d), dtype) for key in keys[:5])
-    bias = jax.random.normal(keys[5], (b, h, n, n), jnp.float32).astype(bias_dtype)
-    return dict(q=q, k=k, v=v, do=do, gate=gate, bias=bias, mask=make_mask(shape, keys[6]),
-                seeds=dropout.row_seeds(keys[7], b, s, h))
+    b, s, _, h, _ = shape.dims
+    q, k, v, do, gate, bias, _ = make_inputs(shape.dims, dtype, seed, bias_dtype)
+    mask_key, seeds_key = jax.random.split(jax.random.key(seed + 1))
+    return dict(q=q, k=k, v=v, do=do, gate=gate, bias=bias, mask=make_mask(shape, mask_key),
+                seeds=dropout.row_seeds(seeds_key, b, s, h))
 
 
 def kernel_calls(ops: dict, plan, variant: str, rate: float) -> dict:
@@ -77,8 +78,7 @@ def kernel_calls(ops: dict, plan, variant: str, rate: float) -> dict:
     _, attention, row_max, row_log2_sum = mosaic_forward.attention_forward(
         q, k, v, bias, mask, gate, scale=scale, tiles=plan.forward_tiles,
         interpret=plan.interpret, save_stats=True)
-    delta = jnp.swapaxes(jnp.sum(do.astype(jnp.float32) * attention, -1), 2, 3)
-    stats = jnp.stack([row_max, row_log2_sum, delta], axis=3)
+    stats = jnp.stack([row_max, row_log2_sum, backward_delta(do, attention)], axis=3)
     calls = {"forward": lambda: mosaic_forward.attention_forward(
         q, k, v, bias, mask, gate, seeds, tiles=plan.forward_tiles, save_stats=True, **common)}
     turns = {"ping_pong": plan.ping_pong}
