@@ -101,11 +101,15 @@ def mode_args(mode: str, inputs: tuple) -> tuple:
 # --- timing and memory ------------------------------------------------------------
 
 
+def is_out_of_memory(text: str) -> bool:
+    """Whether an error's text says the device ran out of memory."""
+    lowered = text.lower()
+    return "resource_exhausted" in lowered or "out of memory" in lowered
+
+
 def describe_failure(exc: BaseException) -> str:
     """`OOM` for out-of-memory errors, otherwise `error: <first line>`."""
-    text = f"{type(exc).__name__}: {exc}"
-    lowered = text.lower()
-    if "resource_exhausted" in lowered or "out of memory" in lowered:
+    if is_out_of_memory(f"{type(exc).__name__}: {exc}"):
         return "OOM"
     first = next((line for line in str(exc).splitlines() if line.strip()), "")
     return f"error: {type(exc).__name__}: {first.strip()}"[:200]

@@ -14,7 +14,8 @@ import numpy as np
 
 from benchmarks import runs
 from benchmarks.alternatives import OWN_VARIANTS, REFERENCE_POINTS
-from benchmarks.measure import CHECK_REFERENCE, CHECK_TOLERANCE, EXP_PER_S, MODE_LABELS, MODES, ok
+from benchmarks.measure import (CHECK_REFERENCE, CHECK_TOLERANCE, EXP_PER_S, MODE_LABELS, MODES,
+                                is_out_of_memory, ok)
 from benchmarks.shapes import HALF_DTYPES, TRIANGLE_SHAPES
 
 SUBJECT = "msa_pallas"  # the implementation the speed-ups, floor fractions and targets are about
@@ -351,7 +352,7 @@ def model_table(rows: list[dict]) -> str:
         if row.get("status") == "ok":
             return f"{row['ms']:.2f}"
         error = row.get("error", "-")
-        return "out of memory" if "RESOURCE_EXHAUSTED" in error else error[:40]
+        return "out of memory" if is_out_of_memory(error) else error[:40]
 
     for (block, n, dtype, mode), by in cells.items():
         plain, patched = by.get("unpatched", {}), by.get("patched", {})
