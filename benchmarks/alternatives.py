@@ -1,7 +1,8 @@
 """The implementations of MSA row attention that the benchmarks time, one adapter each.
 
 `IMPLEMENTATIONS` maps a name to a builder `build(case) -> Callables`: msa_pallas (and
-its variants: the Triton or the Mosaic kernels forced, and msa_pallas_dpa,
+its variants: the Triton or the Mosaic kernels forced, msa_pallas_skip, traced inside
+`msa_pallas.skipping_padding()`, and msa_pallas_dpa,
 `msa_pallas.dot_product_attention` in tokamax's layouts), xla (msa_pallas' plain-jnp
 path, the reference of the forward check), cudnn (`jax.nn.dot_product_attention`),
 cuequivariance (`cuequivariance_jax.triangle_attention`), tokamax_mosaic and
@@ -64,7 +65,8 @@ def jitted_pair(op: Callable, info: dict | None = None) -> Callables:
 # --- msa_pallas and JAX's own ------------------------------------------------
 
 
-def _msa_pallas_builder(implementation: str | None) -> Callable[[Case], Callables]:
+def _msa_pallas_builder(implementation: str | None, skip_padding: bool = False,
+                        ) -> Callable[[Case], Callables]:
     def build(case: Case) -> Callables:
         _, rows, n, heads, d = case.dims
         # Without a GPU the kernels run in their interpreters.
@@ -74,13 +76,15 @@ def _msa_pallas_builder(implementation: str | None) -> Callable[[Case], Callable
         plan = msa_pallas.explain(q_like, q_like, q_like, bias_like, implementation=chosen)
 
         def op(q, k, v, bias, mask):
-            return msa_pallas.msa_row_attention(
-                q, k, v, bias, mask, scale=case.scale, implementation=chosen
-            )
+            # Read when the call is traced, inside the jitted function.
+            with msa_pallas.skipping_padding(skip_padding):
+                return msa_pallas.msa_row_attention(
+                    q, k, v, bias, mask, scale=case.scale, implementation=chosen
+                )
 
         config = msa_pallas.default_block_config(n, d, case.dtype, case.bias_dtype)
         info = {"interpret": plan.interpret, "implementation": plan.implementation,
-                "forward_kernel": plan.forward,
+                "forward_kernel": plan.forward, "skips_padding": skip_padding,
                 "block_config": dataclasses.asdict(config)}
         return jitted_pair(op, info)
 
@@ -91,6 +95,9 @@ def _msa_pallas_builder(implementation: str | None) -> Callable[[Case], Callable
 build_msa_pallas = _msa_pallas_builder(None)
 # The Triton kernels alone, to see what the Mosaic kernels add.
 build_msa_pallas_triton = _msa_pallas_builder("pallas")
+# What a user gets inside `msa_pallas.skipping_padding()`: the padding the mask
+# removes skipped (`msa_pallas.kernels.key_tiles`).
+build_msa_pallas_skip = _msa_pallas_builder(None, skip_padding=True)
 
 
 def build_msa_pallas_mosaic(case: Case) -> Callables:
@@ -300,6 +307,7 @@ IMPLEMENTATIONS: dict[str, Callable[[Case], Callables]] = {
     "msa_pallas": build_msa_pallas,
     "msa_pallas_triton": build_msa_pallas_triton,
     "msa_pallas_mosaic": build_msa_pallas_mosaic,
+    "msa_pallas_skip": build_msa_pallas_skip,
     "msa_pallas_dpa": build_msa_pallas_dpa,
     "xla": build_xla,
     "cudnn": build_cudnn,
@@ -312,7 +320,7 @@ IMPLEMENTATIONS: dict[str, Callable[[Case], Callables]] = {
 # never an alternative to beat, and its output is not checked.
 REFERENCE_POINTS = ("jax_mha_nobias",)
 # msa_pallas' own variants: checked, timed, never a yardstick.
-OWN_VARIANTS = ("msa_pallas_triton", "msa_pallas_mosaic", "msa_pallas_dpa")
+OWN_VARIANTS = ("msa_pallas_triton", "msa_pallas_mosaic", "msa_pallas_skip", "msa_pallas_dpa")
 # What the full table measures unless asked for more: msa_pallas and every
 # alternative (the variants and reference points add half again to its time).
 TABLE_IMPLEMENTATIONS = tuple(

@@ -28,7 +28,8 @@ from pathlib import Path
 
 METRIC = "gpu__time_duration.sum"
 # Unit of the metric's values, as Nsight Compute's CSV names it, in microseconds.
-UNITS_US = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
+UNITS_US = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6,
+            "ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}
 
 
 def find_ncu() -> str | None:

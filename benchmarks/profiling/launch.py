@@ -6,11 +6,16 @@ Mosaic GPU kernels' PTX is written to DIR as they compile (their SASS too with
 `MOSAIC_GPU_DUMP_SASS=1`, where `nvdisasm` is on PATH):
 
     python -m benchmarks profile launch --shape 1x32x1024x8x32 --implementation mosaic
+    python -m benchmarks profile launch --shape extra_padded --skip   # padding skipped
+
+A shape of shapes.py by name keys its own mask (a padded shape's padding); a
+`BxSxNxHxd` shape keeps 90% of keys at random.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -18,8 +23,8 @@ import jax.numpy as jnp
 
 from benchmarks.profiling.forward import parse_shape
 from benchmarks.profiling.kernels import make_inputs
-from benchmarks.shapes import DTYPES
-from msa_pallas import msa_row_attention
+from benchmarks.shapes import DTYPES, SHAPES, make_mask
+from msa_pallas import msa_row_attention, skipping_padding
 
 
 def main(argv=None, prog: str | None = None) -> int:
@@ -31,11 +36,15 @@ def main(argv=None, prog: str | None = None) -> int:
                         help="msa_row_attention's implementation; default: its own choice")
     parser.add_argument("--calls", type=int, default=2, help="forward+backward calls")
     parser.add_argument("--no-gate", action="store_true")
+    parser.add_argument("--skip", action="store_true",
+                        help="trace inside msa_pallas.skipping_padding()")
     args = parser.parse_args(argv)
     dtype = DTYPES[args.dtype]
     bias_dtype = dtype if args.bias_dtype == "input" else DTYPES[args.bias_dtype]
     q, k, v, do, gate, bias, mask = make_inputs(parse_shape(args.shape), dtype, bias_dtype=bias_dtype)
     gate = None if args.no_gate else gate
+    if args.shape in SHAPES:
+        mask = make_mask(SHAPES[args.shape], jax.random.key(1))
 
     def loss(q, k, v, bias, gate):
         implementation = None if args.implementation == "default" else args.implementation
@@ -45,7 +54,10 @@ def main(argv=None, prog: str | None = None) -> int:
         return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32))
 
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    with skipping_padding() if args.skip else contextlib.nullcontext():
+        grads = grads.lower(q, k, v, bias, gate).compile()
     for _ in range(args.calls):
         jax.block_until_ready(grads(q, k, v, bias, gate))
-    print("ran", args.calls, "forward+backward calls at", args.shape, args.dtype, flush=True)
+    print("ran", args.calls, "forward+backward calls at", args.shape, args.dtype,
+          "skipping padding" if args.skip else "", flush=True)
     return 0

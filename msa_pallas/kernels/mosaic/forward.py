@@ -36,7 +36,11 @@ residuals are the Triton forward's: either backward follows.
 Each item's key loop runs between bounds known at run time (`key_tiles_of`),
 the ring's slots and barrier phases following a running count of the CTA's
 steps; with `skip_masked` and a mask, only the tiles holding its rows' kept
-keys (`kernels.key_tiles`), a row with none taking its mean of v.
+keys (`kernels.key_tiles`), and only the row groups up to the last that
+keeps a key have items (`work_items`). The kernel's results for dead rows
+(no kept key) are left to the wrapper, which writes them in one XLA pass
+(`forward_operands.fill_dead_rows`): a dead row's CTA would spend a work
+item's latency on a mean it need not compute.
 With `dropout_rate` > 0 the weights `dropout` drops (their words read from
 XLA's arrays, `dropout_words`) are zeroed after the row statistics, and the
 output scaled by 1 / (1 - rate).
@@ -45,7 +49,6 @@ output scaled by 1 / (1 - rate).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +58,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2
 from msa_pallas.kernels.mosaic.dropout_words import HeadDropout, check_dropout, kept_sum_scale
-from msa_pallas.kernels.mosaic.forward_operands import forward_operands
+from msa_pallas.kernels.mosaic.forward_operands import fill_dead_rows, forward_operands
 from msa_pallas.kernels.mosaic.heads import (
     combine_head_columns, heads_per_tile, store_own_head_tiles,
 )
@@ -92,8 +95,9 @@ def _kernel(
     `row_views`: the names of `smem` that are pairs of views
     (`smem.unaligned_row_tile`, N % 8 != 0): TMA copies go through the
     first, everything else through the second. `key_bounds`: as in
-    `attention_forward`. `skips_masked`: gmem holds "key_bounds",
-    "row_dead" and "row_mean" (`kernels.key_tiles`, `attention_forward`).
+    `attention_forward`. `skips_masked`: gmem holds "key_bounds" and
+    "row_groups" (`forward_operands.skipping_operands`); dead rows' results
+    are not the op's (`attention_forward` replaces them).
     `dropout` (`dropout_words.Dropout`): gmem holds "query_words", "key_words"."""
     smem_tma, smem = split_row_views(smem, row_views)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
@@ -130,16 +134,10 @@ def _kernel(
         )
 
     def load_row_data(work):
-        """Item `work`'s gate tile and row mean of v, read in the epilogue:
-        the next item's load after it."""
+        """Item `work`'s gate tile, read in the epilogue: the next item's
+        load after it."""
         if has_gate:
             load_own("gate", work)
-        if skips_masked:
-            batch, head, row_group, _ = work
-            plgpu.copy_gmem_to_smem(
-                gmem["row_mean"].at[batch, pl.ds(row_group * msa_rows + wg, 1), head],
-                smem["row_mean"].at[wg, :, pl.ds(0, tile_dim)], produced["q"].at[wg],
-            )
 
     def consume_item(work, steps_before, next_work, has_next):
         """Work item `(batch, head, row_group, q_start)` for consumer `wg`,
@@ -269,7 +267,8 @@ def _kernel(
         accs, row_maxes, row_sums = key_loop()
         if skips_masked:
             # A live row's sum is >= 1 (its max's term); a row that visited
-            # no key tile has 0, and a dead row takes its mean of v below.
+            # no key tile (dead) has 0: finite results, which the wrapper
+            # replaces.
             row_sums = tuple(jnp.maximum(row_sum, 1.0) for row_sum in row_sums)
 
         # Each head's columns of the tile come from its own accumulator.
@@ -278,12 +277,6 @@ def _kernel(
             for acc, row_sum in zip(accs, row_sums)
         ]
         out = combine_head_columns(outs)
-        if skips_masked:
-            dead = gmem["row_dead"][batch, row].astype(jnp.float32)
-            row_mean = plgpu.load(
-                smem["row_mean"].at[wg, 0, pl.ds(0, tile_dim)], layout=WGMMA_COL
-            )
-            out = out * (1.0 - dead) + lax.broadcast_in_dim(row_mean, out.shape, [1]) * dead
         # The previous item's results have left the tiles written below.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         if save_stats:
@@ -295,11 +288,7 @@ def _kernel(
                 if has_mask:
                     row_max_log2 = jnp.where(row_max <= masked, MASKED_LOGIT_LOG2, row_max_log2)
                 smem["row_max"][wg, h] = row_max_log2
-                row_log2_sum = jnp.log2(row_sum)
-                if skips_masked:
-                    # Uniform weights over the N keys (`kernels.key_tiles`).
-                    row_log2_sum = row_log2_sum * (1.0 - dead) + math.log2(n_res) * dead
-                smem["row_log2_sum"][wg, h] = row_log2_sum
+                smem["row_log2_sum"][wg, h] = jnp.log2(row_sum)
         if has_gate:
             out = out * sigmoid(smem["gate"][wg].astype(jnp.float32))
         # With one CTA per item q's tile is free by now and holds the output on
@@ -379,7 +368,10 @@ def _kernel(
             pl.loop(lb + stages, ub)(lambda key_tile: load(key_tile, True))
         return steps_before + (ub - lb)
 
-    items = ForwardItems(grid, heads, block_q, tiles.persistent)
+    items = ForwardItems(
+        grid, heads, block_q, tiles.persistent,
+        row_groups=gmem["row_groups"][0] if skips_masked else None,
+    )
     first_item = items.first
 
     def for_each_item(work):
@@ -389,11 +381,17 @@ def _kernel(
     # leaves the units to the other.
     turns = PingPong(schedule, wg, enabled=ping_pong)
 
+    def load_first_item():
+        load_own("q", first_item)
+        load_row_data(first_item)
+
     @pl.when(wg < msa_rows)
     def _consumer():
         consumer_registers(msa_rows)
-        load_own("q", first_item)
-        load_row_data(first_item)
+        if skips_masked:  # the CTA may have no item
+            pl.when(items.items_here > 0)(load_first_item)
+        else:
+            load_first_item()
         turns.start()
         for_each_item(consume_item)
         turns.finish()
@@ -457,8 +455,10 @@ def attention_forward(
       key_bounds: to test the pipeline, `key_bounds(work, key_tiles) -> (lb,
         ub)`: the key tiles lb <= t < ub that work item `work` = (batch,
         head, row group, first query) visits, leaving the others out.
-      skip_masked: with a mask, visit only the key tiles with kept keys
-        (`kernels.key_tiles`; the op: `skipping_padding`); False, all. Not with dropout.
+      skip_masked: with a mask, visit only the key tiles with kept keys and
+        the row groups up to the last with one (`kernels.key_tiles`; the op:
+        `skipping_padding`), the dead rows' results written after the
+        kernel (`forward_operands.fill_dead_rows`); False, all. Not with dropout.
       dropout_rate: attention dropout on the probabilities (`dropout`'s
         mask, kept ones scaled by 1 / (1 - rate)); the row statistics are
         the undropped ones'. 0: none.
@@ -484,7 +484,7 @@ def attention_forward(
     kernel_plan = forward_plan(
         shape, q.dtype, bias.dtype, tiles, mask_dtype=None if mask is None else mask.dtype,
         gate_dtype=None if gate is None else gate.dtype, save_stats=save_stats,
-        interpret=interpret, skips_masked=skips_masked,
+        interpret=interpret,
     )
     body = functools.partial(
         _kernel, scale=scale, n_res=n_res, tiles=tiles, msa_rows=msa_rows,
@@ -494,7 +494,9 @@ def attention_forward(
     )
     outs = launch(body, kernel_plan, inputs=inputs, out_types=out_types, interpret=interpret)
     outs = tuple(x.reshape(shapes.get(name, x.shape)) for name, x in zip(out_types, outs))
-    if not save_stats:
-        return outs[0]
-    out, attention, row_max, row_log2_sum = outs
-    return out, attention, row_max[..., :n_res], row_log2_sum[..., :n_res]
+    if save_stats:
+        out, attention, row_max, row_log2_sum = outs
+        outs = (out, attention, row_max[..., :n_res], row_log2_sum[..., :n_res])
+    if skips_masked:
+        outs = fill_dead_rows(outs, v, mask, gate, n_res)
+    return outs if save_stats else outs[0]

@@ -136,7 +136,7 @@ def dbias_in_bias_tile(pieces: int, bias_dtype) -> bool:
 
 def forward_plan(
     q_shape, q_dtype, bias_dtype, tiles: MosaicTiles, *, mask_dtype, gate_dtype,
-    save_stats: bool, interpret: bool, skips_masked: bool = False,
+    save_stats: bool, interpret: bool,
 ) -> KernelPlan:
     """The forward kernel's plan for q of `q_shape` `[B, S, N, H, d]` (d = 8
     with an even H: two heads per tile, `heads.pairs_heads`), a mask and a
@@ -147,8 +147,8 @@ def forward_plan(
     tiles; the ring's K, V, bias and mask tiles. The producer's "k" ring
     step copies each consumer's K tile and mask vector and the bias tile of
     each head, its "v" step each consumer's V tile; each consumer loads its
-    own q and gate tiles ("q"), and where it `skips_masked` key tiles
-    (`kernels.key_tiles`) its row's mean of v, a dead row's output.
+    own q and gate tiles ("q"). Padding skipping (`kernels.key_tiles`)
+    takes no shared memory: the kernel reads its bounds from GMEM.
     """
     batch, rows, n_res, heads, head_dim = q_shape
     msa_rows = tiles.msa_rows_for(rows)
@@ -178,11 +178,9 @@ def forward_plan(
         smem["row_log2_sum"] = plgpu.SMEM((msa_rows, pair, block_q), jnp.float32)
     if tiles.persistent:
         smem["out"] = rows_tile((msa_rows, block_q, tile_dim), q_dtype)
-    if skips_masked:
-        smem["row_mean"] = smem_vectors((msa_rows, 1, tile_dim), jnp.float32)
     masks = ("mask",) * msa_rows if mask_dtype is not None else ()
     copies = {
-        "q": ("q",) + ("gate",) * (gate_dtype is not None) + ("row_mean",) * skips_masked,
+        "q": ("q",) + ("gate",) * (gate_dtype is not None),
         "k": ("k",) * msa_rows + masks + ("bias",) * pair,
         "v": ("v",) * msa_rows,
     }

@@ -14,8 +14,11 @@ in 2 of 1,048,576 outputs.
 
 The masks: padded residues at the end of every row (whole key tiles go),
 padding in the middle of a row, dead rows (every key masked) alone in a
-row pair, both rows of a pair dead (the pair's CTA visits no key tile),
-a batch element that is all padding, and masks that change between rows.
+row pair, both rows of a pair dead (the pair's CTA visits no key tile), the
+last row pairs dead (they have no work item), a batch element that is all
+padding, a batch that is all padding (no CTA has an item), and masks that
+change between rows. The dead rows' results come from the wrapper
+(`forward_operands.fill_dead_rows`), the kernel's are replaced.
 """
 
 from __future__ import annotations
@@ -79,6 +82,9 @@ CPU_CASES = {
     # masked in the odd rows, the second batch element all padding.
     "d8-middle-all-padding": dict(shape=(2, 4, 136, 2, 8), bias_dtype=jnp.bfloat16,
                                   mask=dict(middle=(64, 128), dead_batch=(1,))),
+    # Every row dead: no row group has a work item.
+    "all-padding": dict(shape=(1, 4, 64, 2, 16), bias_dtype=jnp.float32,
+                        mask=dict(dead=(0, 1, 2, 3))),
 }
 
 
@@ -95,8 +101,8 @@ def test_skipping_matches_visiting_every_tile(case, seed):
 
 @pytest.mark.parametrize("persistent", [False, True])
 def test_skipping_kernel_lowers_for_the_gpu_on_a_cpu(persistent):
-    """Its scalar loads of the bounds and the dead rows from GMEM and its
-    row-mean copy lower for CUDA, persistent too."""
+    """Its scalar loads of the bounds and of the row groups' count from GMEM
+    lower for CUDA, persistent too."""
     q = jnp.zeros((1, 4, 200, 8, 32), jnp.bfloat16)
     mask = jnp.zeros((1, 4, 200), jnp.int8)
     bias = jnp.zeros((1, 8, 200, 200), jnp.float32)
@@ -105,6 +111,7 @@ def test_skipping_kernel_lowers_for_the_gpu_on_a_cpu(persistent):
     def forward(q, bias, mask):
         return mosaic_forward.attention_forward(
             q, q, q, bias, mask, q, scale=0.2, tiles=tiles, interpret=False, save_stats=True,
+            skip_masked=True,
         )
 
     assert "mosaic_gpu" in mosaic_lowering.lowered_for_cuda(forward, q, bias, mask)

@@ -79,11 +79,13 @@ the ring's slots counted from the loop's first step (`pipeline.produce`,
 hold its row group's kept keys; dk/dv runs its query loop only where a row
 of the group keeps a key of its key tile, and a dead row there takes the
 mean of its `do` as dv (one more XLA pass, over `do`); dbias sums the rows
-between the first and the last that keep a key of its key tile. What is
-left out adds exactly 0, so the results are bitwise those of every tile,
-but for the dead rows' dv (the mean against the uniform weights' sum,
-equal to rounding). `skip_masked=False` visits every tile (the tests'
-unskipped kernels); without a mask nothing of this is traced.
+between the first and the last that keep a key of its key tile, shared out
+among its row chunks. What is left out adds exactly 0, so the results are
+bitwise those of every tile, but for the dead rows' dv (the mean against
+the uniform weights' sum, equal to rounding) and the bias gradient where
+its rows are chunked (the chunks' partial sums group the rows otherwise).
+`skip_masked=False` visits every tile (the tests' unskipped kernels);
+without a mask nothing of this is traced.
 """
 
 from __future__ import annotations

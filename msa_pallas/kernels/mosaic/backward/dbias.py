@@ -49,8 +49,8 @@ def _chunk_batch_and_head(batch_heads: int, heads: int):
 
 def _dbias_kernel(
     gmem, smem, produced, consumed, *, scale: float, tiles: MosaicTiles, consumers: int,
-    rows_per_chunk: int, batch_heads: int, heads: int, heads_per_tile: int, interpret: bool,
-    row_views: tuple[str, ...] = (), dropout=None,
+    chunks: int, rows_per_chunk: int, batch_heads: int, heads: int, heads_per_tile: int,
+    interpret: bool, row_views: tuple[str, ...] = (), dropout=None,
 ):
     """`heads`, `heads_per_tile` and `row_views` as in `dkdv._dkdv_kernel`: with
     two heads per tile the CTA sums one head's gradient over the chunk's
@@ -70,18 +70,20 @@ def _dbias_kernel(
     cta_queries = lax.axis_index("query_tiles") * block_q * consumers
     key_tile = lax.axis_index("key_tiles")
     keys = pl.ds(key_tile * block_k, block_k)
-    chunk_start = chunk * rows_per_chunk
     # The chunk's rows the loop visits, first_row <= row < first_row + visited_rows;
     # the consumers and the producer both read them here, so they agree on
-    # the ring's steps (`visited_rows` per head). With a mask: those between the
-    # first and the last row that keep a key of the tile; a row that keeps
-    # none adds exactly 0.
-    first_row, visited_rows = chunk_start, rows_per_chunk
+    # the ring's steps (`visited_rows` per head).
+    first_row, visited_rows = chunk * rows_per_chunk, rows_per_chunk
     if "row_bounds" in gmem:
-        first, end = (gmem["row_bounds"][batch, key_tile, i] - chunk_start for i in range(2))
-        first = lax.max(first, 0)
-        visited_rows = lax.max(lax.min(end, rows_per_chunk) - first, 0)
-        first_row = chunk_start + first
+        # With a mask, the rows between the first and the last that keep a
+        # key of the tile (a row that keeps none adds exactly 0), shared out
+        # evenly among the chunks: padding rows at the end of the alignment
+        # would otherwise leave the chunks that hold them idle while the
+        # others do every live row.
+        first, end = (gmem["row_bounds"][batch, key_tile, i] for i in range(2))
+        live_rows = end - first
+        first_row = first + lax.div(live_rows * chunk, chunks)
+        visited_rows = first + lax.div(live_rows * (chunk + 1), chunks) - first_row
 
     @pl.when(wg < consumers)
     def _consumer():
@@ -212,7 +214,9 @@ def backward_dbias(
 
     When (tiles x heads x batch) gives too few CTAs to fill the GPU, the rows
     are split into chunks (`block_sizes.row_chunks`), one CTA each, and the
-    chunks' float32 partial sums are added in a fixed order.
+    chunks' float32 partial sums are added in a fixed order. When skipping,
+    the chunks share the rows between the bounds, not all S: the sum is the
+    same up to float32 rounding (its terms grouped otherwise).
 
     float32 q, k, v and do enter as `FLOAT32_PIECES` bfloat16 pieces each
     (`matmul.split_float32`, a pass over them in XLA), and each product is
@@ -251,7 +255,7 @@ def backward_dbias(
     out_types = {"dbias": jax.ShapeDtypeStruct(dbias_shape, jnp.float32)}
     body = functools.partial(
         _dbias_kernel, scale=scale, tiles=tiles, consumers=consumers,
-        rows_per_chunk=rows // chunks, batch_heads=batch * heads // pair,
+        chunks=chunks, rows_per_chunk=rows // chunks, batch_heads=batch * heads // pair,
         heads=heads // pair, heads_per_tile=pair, interpret=interpret,
         row_views=row_view_names(kernel_plan.smem), dropout=dropout,
     )
