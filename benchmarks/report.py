@@ -19,6 +19,8 @@ from benchmarks.measure import (CHECK_REFERENCE, CHECK_TOLERANCE, EXP_PER_S, MOD
 from benchmarks.shapes import HALF_DTYPES, TRIANGLE_SHAPES
 
 SUBJECT = "msa_pallas"  # the implementation the speed-ups, floor fractions and targets are about
+# msa_pallas inside `msa_pallas.skipping_padding()`: judged too on the padded shapes.
+SKIPPING_SUBJECT = "msa_pallas_skip"
 
 # The targets, all read as ratios measured in one run on one GPU (ratio = the
 # other's time or memory / the subject's, so above 1 is better):
@@ -153,7 +155,9 @@ def padding_lines(results: dict) -> list[str]:
     """For each padded case: the keys it keeps, and the subject's time against the same
     shape with random masks (a padded batch should cost less as less is left to compute),
     judged against the padding targets: that ratio at most PADDING_PROPORTION_SLACK times
-    the kept fraction, and PADDING_TARGET_SPEEDUP times the fastest alternative's speed."""
+    the kept fraction, and PADDING_TARGET_SPEEDUP times the fastest alternative's speed.
+    Where the results hold SKIPPING_SUBJECT (the op inside `msa_pallas.skipping_padding()`),
+    it is judged the same way, against the subject's time on the unpadded shape."""
     lines = []
     for case in results["cases"]:
         if case.get("mask", "random") != "padded":
@@ -166,33 +170,40 @@ def padding_lines(results: dict) -> list[str]:
         full = next((c for c in results["cases"] if c.get("mask", "random") == "random"
                      and c["dims"] == case["dims"] and c["dtype"] == case["dtype"]
                      and bias_dtype(c) == bias_dtype(case)), None)
-        if SUBJECT not in results["metadata"]["impls"]:
-            lines.append(text)
-            continue
-        if full is not None:
-            ratios = [_median(case, SUBJECT, m) / _median(full, SUBJECT, m)
-                      if _median(case, SUBJECT, m) and _median(full, SUBJECT, m) else None
-                      for m in MODES]
-            text += (f"; {SUBJECT} time / {full['shape']}'s (random masks, 90% kept) "
-                     f"fwd / f+b: {fmt_pair(ratios)}")
-            if kept is not None:
-                bound = PADDING_PROPORTION_SLACK * kept
-                text += (f" (target ≤ {PADDING_PROPORTION_SLACK:g} × {kept:.2f} = {bound:.2f}: "
-                         + " / ".join("–" if r is None else "yes" if r <= bound else "no"
-                                      for r in ratios) + ")")
-        speedups = []
-        for mode in MODES:
-            found, ours = fastest_alternative(case, mode), _median(case, SUBJECT, mode)
-            speedups.append(None if found is None or not ours else (found[1] / ours, found[0]))
-        if any(speedups):
-            text += ("; fastest alternative's time / " + SUBJECT + "'s fwd / f+b: "
-                     + " / ".join("–" if x is None else f"{fmt_ratio(x[0])}× ({x[1]})"
-                                  for x in speedups)
-                     + f" (target ≥ {PADDING_TARGET_SPEEDUP:g}×: "
-                     + " / ".join("–" if x is None else "yes" if x[0] >= PADDING_TARGET_SPEEDUP
-                                  else "no" for x in speedups) + ")")
+        for subject in (SUBJECT, SKIPPING_SUBJECT):
+            if subject in results["metadata"]["impls"]:
+                text += _padding_verdict(case, full, subject, kept)
         lines.append(text)
     return ["", "Padded batches:", "", *lines] if lines else []
+
+
+def _padding_verdict(case: dict, full: dict | None, subject: str, kept) -> str:
+    """`padding_lines`' judgement of `subject` at padded `case`, against SUBJECT's
+    time at `full` (the same shape with random masks; None: not measured)."""
+    text = ""
+    if full is not None:
+        ratios = [_median(case, subject, m) / _median(full, SUBJECT, m)
+                  if _median(case, subject, m) and _median(full, SUBJECT, m) else None
+                  for m in MODES]
+        text += (f"; {subject} time / {full['shape']}'s {SUBJECT} (random masks, 90% kept) "
+                 f"fwd / f+b: {fmt_pair(ratios)}")
+        if kept is not None:
+            bound = PADDING_PROPORTION_SLACK * kept
+            text += (f" (target ≤ {PADDING_PROPORTION_SLACK:g} × {kept:.2f} = {bound:.2f}: "
+                     + " / ".join("–" if r is None else "yes" if r <= bound else "no"
+                                  for r in ratios) + ")")
+    speedups = []
+    for mode in MODES:
+        found, ours = fastest_alternative(case, mode), _median(case, subject, mode)
+        speedups.append(None if found is None or not ours else (found[1] / ours, found[0]))
+    if any(speedups):
+        text += ("; fastest alternative's time / " + subject + "'s fwd / f+b: "
+                 + " / ".join("–" if x is None else f"{fmt_ratio(x[0])}× ({x[1]})"
+                              for x in speedups)
+                 + f" (target ≥ {PADDING_TARGET_SPEEDUP:g}×: "
+                 + " / ".join("–" if x is None else "yes" if x[0] >= PADDING_TARGET_SPEEDUP
+                              else "no" for x in speedups) + ")")
+    return text
 
 
 def case_notes(case: dict, impls: list[str]) -> list[tuple[str, str]]:

@@ -447,8 +447,31 @@ def test_padding_lines_compare_with_the_same_shape_unpadded():
     ]}
     assert report.padding_lines(results)[-1] == (
         "- train_padded bf16 bias f32: 56% of keys kept, 32 MSA rows fully masked (left out "
-        "of the forward check); msa_pallas time / train's (random masks, 90% kept) "
-        "fwd / f+b: 0.50 / 0.75 (target ≤ 1.15 × 0.56 = 0.65: yes / no)")
+        "of the forward check); msa_pallas time / train's msa_pallas (random masks, 90% "
+        "kept) fwd / f+b: 0.50 / 0.75 (target ≤ 1.15 × 0.56 = 0.65: yes / no)")
+
+
+def test_padding_lines_judge_the_skipping_variant_against_the_op_unpadded():
+    """msa_pallas_skip (the op inside `skipping_padding()`) is judged too, its padded time
+    against msa_pallas' on the unpadded shape, and against the fastest alternative (its
+    own variants are none)."""
+    times = {"msa_pallas": (1.0, 4.0), "msa_pallas_skip": (1.2, 4.4),
+             "tokamax_mosaic": (1.5, 6.0)}
+    padded_times = {"msa_pallas": (1.0, 4.0), "msa_pallas_skip": (0.4, 2.0),
+                    "tokamax_mosaic": (1.5, 6.0)}
+    results = {"metadata": {"impls": list(times)}, "cases": [
+        _case("extra", "bf16", times, bias="f32"),
+        dict(_case("extra_padded", "bf16", padded_times, bias="f32", mask="padded"),
+             kept_fraction=0.25, fully_masked_rows=768),
+    ]}
+    line = report.padding_lines(results)[-1]
+    assert line.endswith(
+        "; msa_pallas_skip time / extra's msa_pallas (random masks, 90% kept) fwd / f+b: "
+        "0.40 / 0.50 (target ≤ 1.15 × 0.25 = 0.29: no / no); fastest alternative's time / "
+        "msa_pallas_skip's fwd / f+b: 3.75× (tokamax_mosaic) / 3.00× (tokamax_mosaic) "
+        "(target ≥ 2.5×: yes / yes)")
+    assert "msa_pallas time / extra's msa_pallas (random masks, 90% kept) fwd / f+b: " \
+        "1.00 / 1.00" in line
 
 
 def test_padding_lines_judge_the_speed_up_over_the_fastest_alternative():
