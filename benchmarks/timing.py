@@ -41,11 +41,15 @@ def median_ms(launch: Callable[[int], object], *, samples: int, reps: int,
 
 
 def warm_up_device(seconds: float = 1.0) -> None:
-    """Keeps a GPU busy with matrix products for `seconds` before a run's first timing.
+    """Keeps a GPU busy with matrix products for `seconds` before a run's first timing,
+    and after compiles that left it idle.
 
     An idle GPU starts a run at low clocks: the first sample of the op table's first
     case read 0.26-0.41 ms where its others read about 0.08 ms (five H200 runs,
-    2026-12-03/04). Nothing to do off a GPU.
+    2026-12-03/04). After a case's cells compiled ahead (several seconds, the GPU idle)
+    the first cell timed, msa_pallas' forward at the training crop, read 0.188 ms
+    against 0.071 at 226eab1, its samples 0.14-0.47 ms (2026-12-04, log entry 08).
+    Nothing to do off a GPU.
     """
     if jax.default_backend() != "gpu":
         return
