@@ -183,10 +183,9 @@ def compiled_ahead(case: Case, impls: list[str], arg_sets: list[tuple], threads:
     """{impl: Built} of `impls`, each mode's compile started ahead: traced here, one after
     the other (tracing may read global state), compiled on `threads` threads; the context
     is entered once every compile has ended, so that none runs beside a timing (XLA
-    autotunes on the GPU while it compiles). The GPU, idle while they compiled, is then
-    warmed up again (`timing.warm_up_device`), so that the first cell timed is not timed
-    at low clocks."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool:
+    autotunes on the GPU while it compiles), and the GPU warmed up again
+    (`timing.compiling_ahead`)."""
+    with timing.compiling_ahead(threads) as pool:
         built = {}
         for impl in impls:
             built[impl] = build(case, impl)
@@ -196,7 +195,6 @@ def compiled_ahead(case: Case, impls: list[str], arg_sets: list[tuple], threads:
                 jitted, args = getattr(built[impl].impl, mode), mode_args(mode, arg_sets[0])
                 built[impl].compiling[mode] = timing.start_compile(
                     pool, lambda jitted=jitted, args=args: jitted.lower(*args))
-    timing.warm_up_device()
     yield built
 
 

@@ -48,7 +48,6 @@ not end in time (exit status 4) and the same command continues.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import os
 import platform
@@ -159,15 +158,13 @@ def measure_group(block, n, dtype_name, modes, args, progress):
     init = alphafold2.evoformer_iteration(extra_msa=spec["extra_msa"], is_training=False).init
     params = randomised(jax.jit(init)(key, *inputs))
     cells = [(mode, variant) for mode in modes for variant in VARIANTS]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=args.compile_threads) as pool:
+    with timing.compiling_ahead(args.compile_threads) as pool:
         compiling = {}
         for mode, variant in cells:
             progress.describe(f"{block} N={n} {dtype_name} {mode} {variant}: tracing")
             compiling[mode, variant] = timing.start_compile(
                 pool, lambda mode=mode, variant=variant: lower_cell(
                     block, n, dtype_name, mode, variant, args, params, key, inputs))
-    # The GPU idled while the cells compiled: its clocks up again before the first timing.
-    timing.warm_up_device()
     for mode in modes:
         outputs = {}
         for variant in VARIANTS:

@@ -263,7 +263,8 @@ def main(argv=None, prog: str | None = None) -> int:
     meta["runs"].append(this_run)
     settings = measure.Settings(iters=args.iters, warmup=args.warmup, reps=args.reps,
                                 seed=args.seed, compile_threads=args.compile_threads)
-    if todo:
+    if todo and args.compile_threads == 1:
+        # Compiled ahead, each case's cells warm the GPU up after their compiles.
         timing.warm_up_device()
     progress = runs.Progress(cells_left * len(measure.MODES))
     stopped = False

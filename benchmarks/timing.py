@@ -5,13 +5,15 @@ A sample is `reps` calls queued back to back and waited for once, divided by `re
 latency stays out of the number. Every benchmark quotes the median of the samples.
 
 And the compiles before it: `compile_timed` compiles now, `start_compile` traces now and
-compiles on a thread pool (so that a benchmark compiles many cells at once and times
-them after, never beside a compile); both give the compiled program and its seconds.
+compiles on a thread pool (`compiling_ahead`'s, so that a benchmark compiles many cells at
+once and times them after, never beside a compile); both give the compiled program and
+its seconds.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import statistics
 import time
 from typing import Any, Callable
@@ -72,6 +74,16 @@ def compile_timed(lower: Callable[[], Any]) -> tuple[Any, float]:
     start = time.perf_counter()
     lowered = lower()
     return compile_lowered(lowered, time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def compiling_ahead(threads: int):
+    """A pool of `threads` threads for `start_compile`. On leaving the block every compile
+    has ended, and the GPU, idle while they ran, has been warmed up again
+    (`warm_up_device`): the first program timed after them is not timed at low clocks."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=threads) as pool:
+        yield pool
+    warm_up_device()
 
 
 def start_compile(pool: concurrent.futures.Executor,
