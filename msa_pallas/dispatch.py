@@ -337,7 +337,7 @@ def plan_call(
             (*kernel_shape[:-1], forward_head_dim), q.dtype, read_bias_dtype,
             save_stats=True, has_gate=gate is not None,
             # The Mosaic GPU interpreter stalls on the persistent grid.
-            persistent=not interpret,
+            persistent=not interpret, dropout=bool(dropout_rate),
         )
     else:
         forward, forward_head_dim, forward_tiles = "triton", head_dim, config.forward
@@ -349,7 +349,8 @@ def plan_call(
         paired = mosaic_backward.tile_heads(kernel_shape, q.dtype) > 1
         backward_head_dim = head_dim if paired else padded_head_dim
         tiles = config.mosaic_backward or mosaic_backward.default_tiles(
-            (*kernel_shape[:-1], backward_head_dim), q.dtype, read_bias_dtype
+            (*kernel_shape[:-1], backward_head_dim), q.dtype, read_bias_dtype,
+            dropout=bool(dropout_rate),
         )
         backward_tiles = (("dkdv", tiles.dkdv), ("dq", tiles.dq), ("dbias", tiles.dbias))
         ping_pong = tiles.ping_pong

@@ -112,6 +112,23 @@ def test_triton_backward_fuses_dq_and_dbias_where_the_defaults_do():
     assert separate.tiles_of("dq_dbias") is None and separate.tiles_of("dq") is not None
 
 
+@pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16])
+def test_dropout_takes_64_key_forward_stages(bias_dtype):
+    """With attention dropout the Mosaic forward takes 64-key stages (the
+    H200 sweep in `tiles.forward_tiles`' docstring); the backward kernels
+    keep their tiles, and without dropout nothing changes."""
+    plain = plan(384, 32, bias_dtype=bias_dtype)
+    dropped = plan(384, 32, bias_dtype=bias_dtype, dropout_rate=0.1,
+                   dropout_rng=jax.random.key(0))
+    assert plain.forward == dropped.forward == "mosaic"
+    assert dropped.forward_tiles.block_k == 64
+    assert dropped.forward_tiles.block_q == plain.forward_tiles.block_q == 128
+    if bias_dtype == jnp.bfloat16:
+        assert plain.forward_tiles.block_k == 128
+    assert dropped.backward_tiles == plain.backward_tiles
+    assert dropped.ping_pong == plain.ping_pong
+
+
 def test_user_tiles_and_round_bias():
     config = msa_pallas.default_block_config(384, 32, jnp.bfloat16, jnp.bfloat16)
     mine = MosaicTiles(block_q=64, block_k=64, num_stages=3, msa_rows=1)

@@ -7,6 +7,7 @@ Mosaic GPU kernels' PTX is written to DIR as they compile (their SASS too with
 
     python -m benchmarks profile launch --shape 1x32x1024x8x32 --implementation mosaic
     python -m benchmarks profile launch --shape extra_padded --skip   # padding skipped
+    python -m benchmarks profile launch --shape finetune --dropout-rate 0.1
 
 A shape of shapes.py by name keys its own mask (a padded shape's padding); a
 `BxSxNxHxd` shape keeps 90% of keys at random.
@@ -38,6 +39,8 @@ def main(argv=None, prog: str | None = None) -> int:
     parser.add_argument("--no-gate", action="store_true")
     parser.add_argument("--skip", action="store_true",
                         help="trace inside msa_pallas.skipping_padding()")
+    parser.add_argument("--dropout-rate", type=float, default=0.0,
+                        help="attention dropout's rate (0: none)")
     args = parser.parse_args(argv)
     dtype = DTYPES[args.dtype]
     bias_dtype = dtype if args.bias_dtype == "input" else DTYPES[args.bias_dtype]
@@ -50,6 +53,8 @@ def main(argv=None, prog: str | None = None) -> int:
         implementation = None if args.implementation == "default" else args.implementation
         out = msa_row_attention(
             q, k, v, bias, mask != 0, gate, implementation=implementation,
+            dropout_rate=args.dropout_rate,
+            dropout_rng=jax.random.key(2) if args.dropout_rate else None,
         )
         return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32))
 
@@ -59,5 +64,6 @@ def main(argv=None, prog: str | None = None) -> int:
     for _ in range(args.calls):
         jax.block_until_ready(grads(q, k, v, bias, gate))
     print("ran", args.calls, "forward+backward calls at", args.shape, args.dtype,
-          "skipping padding" if args.skip else "", flush=True)
+          "skipping padding" if args.skip else "",
+          f"dropout {args.dropout_rate}" if args.dropout_rate else "", flush=True)
     return 0

@@ -9,7 +9,7 @@ and attention dropout save or cost in each.
 For each shape (with its own mask: the padded shapes' padding, the others' random
 10% of keys), 16-bit q dtype and bias dtype, the op's plan (`dispatch.plan_call`,
 the Mosaic backend) names the kernels and their tiles, and each kernel runs alone
-on the same operands in each variant:
+on the same operands in each variant, with the tiles the op plans in that variant:
 
 - `plain`: every tile visited, no dropout (the op's default);
 - `skip`: the key tiles and MSA rows the mask removes skipped (`skip_masked`, what
@@ -17,6 +17,10 @@ on the same operands in each variant:
   means computed inside the timed call as the op computes them;
 - `dropout`: attention dropout at `--dropout-rate`, the words computed inside the
   timed call.
+
+`--tiles "forward=128x64x2x2x1x1;dkdv=64x64x2x2"` also times each named kernel with
+these candidates (`BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT]]`, comma-separated), in
+every variant, as `KERNEL BQxBKxSTAGESxROWS...` rows: which tiles suit a variant.
 
 Then the op itself, forward and forward+backward (`jax.grad` of q, k, v, bias and
 gate), in each variant. A time is the median of `--samples` batches of `--reps`
@@ -35,7 +39,7 @@ import jax.numpy as jnp
 
 from benchmarks import timing
 from benchmarks.measure import kept_fraction
-from benchmarks.profiling.kernels import backward_delta, make_inputs
+from benchmarks.profiling.kernels import backward_delta, make_inputs, parse_mosaic
 from benchmarks.shapes import DTYPES, HALF_DTYPES, SHAPES, bias_dtype_names, make_mask
 from msa_pallas import dispatch, dropout, msa_row_attention, skipping_padding
 from msa_pallas.kernels.mosaic import backward as mosaic_backward
@@ -58,10 +62,32 @@ def make_operands(shape_name: str, dtype, bias_dtype, seed: int = 0) -> dict:
                 seeds=dropout.row_seeds(seeds_key, b, s, h))
 
 
-def kernel_calls(ops: dict, plan, variant: str, rate: float) -> dict:
+MOSAIC_KERNELS = ("forward", "dkdv", "dq", "dbias")
+
+
+def parse_candidates(text: str) -> dict[str, list]:
+    """`"forward=128x64x2x2x1x1;dkdv=64x64x2x2,64x128x2x1"` -> {kernel: [MosaicTiles]}."""
+    candidates = {}
+    for group in filter(None, text.split(";")):
+        kernel, _, tiles = group.partition("=")
+        if kernel not in MOSAIC_KERNELS:
+            raise SystemExit(f"--tiles: unknown kernel {kernel!r}; expected one of "
+                             f"{MOSAIC_KERNELS}")
+        candidates[kernel] = parse_mosaic(tiles)
+    return candidates
+
+
+def tiles_label(tiles) -> str:
+    return "x".join(str(int(x)) for x in (tiles.block_q, tiles.block_k, tiles.num_stages,
+                                          tiles.msa_rows, tiles.ping_pong, tiles.persistent))
+
+
+def kernel_calls(ops: dict, plan, variant: str, rate: float, candidates=None) -> dict:
     """{kernel name: a call of it alone}, each kernel with the plan's tiles and the
     variant's keywords, on operands as the op hands them over (mask int8, d padded as
-    the plan pads it, the backward's statistics from the plain forward)."""
+    the plan pads it, the backward's statistics from the plain forward); then each of
+    `candidates` ({kernel: [MosaicTiles]}) as "KERNEL TILES". A backward candidate's
+    ping_pong field sets the dk/dv and dq kernels' turns."""
     scale = ops["q"].shape[-1] ** -0.5
     q, k, v, do, gate = (ops[name] for name in ("q", "k", "v", "do", "gate"))
     if plan.forward_head_dim > q.shape[-1]:
@@ -79,14 +105,25 @@ def kernel_calls(ops: dict, plan, variant: str, rate: float) -> dict:
         q, k, v, bias, mask, gate, scale=scale, tiles=plan.forward_tiles,
         interpret=plan.interpret, save_stats=True)
     stats = jnp.stack([row_max, row_log2_sum, backward_delta(do, attention)], axis=3)
-    calls = {"forward": lambda: mosaic_forward.attention_forward(
-        q, k, v, bias, mask, gate, seeds, tiles=plan.forward_tiles, save_stats=True, **common)}
-    turns = {"ping_pong": plan.ping_pong}
-    for name, tiles in plan.backward_tiles:
+
+    def forward_call(tiles):
+        return lambda: mosaic_forward.attention_forward(
+            q, k, v, bias, mask, gate, seeds, tiles=tiles, save_stats=True, **common)
+
+    def backward_call(name, tiles, ping_pong):
         kernel = getattr(mosaic_backward, f"backward_{name}")
-        extra = turns if name in ("dkdv", "dq") else {}
-        calls[name] = (lambda kernel=kernel, tiles=tiles, extra=extra: kernel(
-            q, k, v, bias, mask, do, stats, seeds, tiles=tiles, **common, **extra))
+        extra = {"ping_pong": ping_pong} if name in ("dkdv", "dq") else {}
+        return lambda: kernel(q, k, v, bias, mask, do, stats, seeds, tiles=tiles, **common,
+                              **extra)
+
+    calls = {"forward": forward_call(plan.forward_tiles)}
+    for name, tiles in plan.backward_tiles:
+        calls[name] = backward_call(name, tiles, plan.ping_pong)
+    for name, tried in (candidates or {}).items():
+        for tiles in tried:
+            calls[f"{name} {tiles_label(tiles)}"] = (
+                forward_call(tiles) if name == "forward"
+                else backward_call(name, tiles, tiles.ping_pong))
     return calls
 
 
@@ -120,16 +157,24 @@ def profile_case(shape_name, dtype_name, bias_name, args, emit) -> None:
     dtype = DTYPES[dtype_name]
     bias_dtype = DTYPES[bias_name]
     ops = make_operands(shape_name, dtype, bias_dtype)
-    plan = dispatch.plan_call(ops["q"], ops["k"], ops["v"], ops["bias"], ops["mask"],
-                              ops["gate"], implementation="mosaic")
-    if plan.forward != "mosaic" or plan.backward != "mosaic":
-        raise SystemExit(f"{shape_name} {dtype_name}: the op plans {plan.forward} / "
-                         f"{plan.backward} kernels here, not Mosaic's ({plan.reason})")
+
+    def plan_of(variant):
+        """The op's plan in `variant`: with dropout its tiles may differ."""
+        dropout_options = {}
+        if variant == "dropout":
+            dropout_options = dict(dropout_rate=args.dropout_rate, dropout_rng=jax.random.key(3))
+        plan = dispatch.plan_call(ops["q"], ops["k"], ops["v"], ops["bias"], ops["mask"],
+                                  ops["gate"], implementation="mosaic", **dropout_options)
+        if plan.forward != "mosaic" or plan.backward != "mosaic":
+            raise SystemExit(f"{shape_name} {dtype_name}: the op plans {plan.forward} / "
+                             f"{plan.backward} kernels here, not Mosaic's ({plan.reason})")
+        return plan
+
     label = f"{shape_name} (kept {kept_fraction(ops['mask']):.2f}) | {dtype_name} | {bias_name}"
     times: dict[str, dict[str, float | str]] = {}
     for variant in args.variants:
         try:
-            calls = kernel_calls(ops, plan, variant, args.dropout_rate)
+            calls = kernel_calls(ops, plan_of(variant), variant, args.dropout_rate, args.tiles)
             if not args.no_op:
                 calls |= op_calls(ops, variant, args.dropout_rate)
         except Exception as exc:  # noqa: BLE001 - one failed variant must not end the run
@@ -167,6 +212,8 @@ def main(argv=None, prog: str | None = None) -> int:
                         help="comma-separated, of " + ", ".join(VARIANTS))
     parser.add_argument("--dropout-rate", type=float, default=0.1)
     parser.add_argument("--no-op", action="store_true", help="the kernels alone, not the op")
+    parser.add_argument("--tiles", default="", type=parse_candidates,
+                        help='more candidates per kernel: "forward=128x64x2x2x1x1;dkdv=64x64x2x2"')
     parser.add_argument("--reps", type=int, default=1 if INTERPRET else 20)
     parser.add_argument("--samples", type=int, default=1 if INTERPRET else 5)
     args = parser.parse_args(argv)

@@ -275,6 +275,20 @@ def test_profile_variants_times_each_mosaic_kernel_in_each_variant(capsys):
         profile_variants.main(["--variants", "skip"])  # plain is the yardstick
 
 
+@CPU_ONLY
+def test_profile_variants_times_more_tiles_of_a_kernel(capsys):
+    """`--tiles`: a named kernel also runs with each candidate, on rows of its own."""
+    status = profile_variants.main(["--shapes", "tiny", "--bias-dtypes", "f32", "--no-op",
+                                    "--variants", "plain", "--tiles", "dkdv=64x64x2x1x0"])
+    assert status == 0
+    lines = capsys.readouterr().out.splitlines()[2:]
+    kernels = [line.strip("|").split("|")[3].strip() for line in lines]
+    assert kernels == ["forward", "dkdv", "dq", "dbias", "dkdv 64x64x2x1x0x0"], lines
+    assert float(lines[-1].strip("|").split("|")[4]) > 0
+    with pytest.raises(SystemExit):
+        profile_variants.main(["--tiles", "dx=64x64x2x1"])
+
+
 def test_profile_forward_mosaic_candidates_alone(capsys):
     """`--skip-triton`: only the Mosaic candidates, each timed and checked
     against a float32 XLA forward, their residuals against the first's."""

@@ -95,6 +95,25 @@ def load_words(words_ref, batch, row, head, start, length: int, layout):
     )
 
 
+def copy_words_to_ring(words_ref, slot_ref, batch, row, heads, positions, barrier):
+    """Copies the words of `positions` (a `pl.ds`) of one (batch, MSA row)
+    and the heads `heads` (a `pl.ds`) from a `[B, S, H, L]` GMEM ref
+    (`word_operands`) into a ring slot's `[heads, >= length]` shared memory
+    (`smem.smem_vectors`), on `barrier`: the loop step that reads them
+    waits for them with its tiles."""
+    plgpu.copy_gmem_to_smem(
+        words_ref.at[batch, row, heads, positions],
+        slot_ref.at[:, pl.ds(0, positions.size)], barrier,
+    )
+
+
+def load_ring_words(slot_ref, head: int, length: int, layout):
+    """One head's words from a ring slot (`copy_words_to_ring`): uint32
+    `[length]` in `layout`, read where they are used, so that they do not
+    take registers across the step's products."""
+    return plgpu.load(slot_ref.at[head, pl.ds(0, length)], layout=layout)
+
+
 def kept(query_words_vector, key_words_vector, shape, query_axis: int, settings: Dropout):
     """Whether each weight of a `shape` tile (queries along `query_axis`) is
     kept: bool in the wgmma layout, from the two vectors broadcast to the

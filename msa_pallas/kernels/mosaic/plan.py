@@ -217,16 +217,24 @@ def _backward_operand_tiles(q_shape, q_dtype, interpret: bool):
 DKDV_BLOCK_K = (64, 128, 256)
 
 
+def _ring_words(stages: int, copies: int, heads: int, length: int):
+    """A ring's dropout words (`dropout_words.copy_words_to_ring`): per slot,
+    `copies` copies of `heads` heads' `length` words each."""
+    return smem_vectors((stages, copies, heads, length), jnp.uint32)
+
+
 def dkdv_plan(
     q_shape, q_dtype, bias_dtype, tiles: MosaicTiles, *, mask_dtype, interpret: bool,
-    dead_rows: bool = False,
+    dead_rows: bool = False, dropout: bool = False,
 ):
     """The dk/dv kernel's plan for q of `q_shape` `[B, S, N, H, d]` (d = 8
     with an even H and 16 bits: two heads per tile, `heads.tile_heads`;
     float32: bf16 pieces) and a mask of `mask_dtype` (None: none).
     `dead_rows` (with a mask): whether each consumer also loads the dv its
     row takes where the kernel skips the tile of a dead row ("dead_dv",
-    a barrier of its own: it is read after the loop).
+    a barrier of its own: it is read after the loop). `dropout`: with
+    attention dropout, whose words of the step's queries ride the ring, a
+    copy per consumer (`dropout_words.copy_words_to_ring`).
 
     Shared memory: each consumer's K and V tiles (and one copy per head of
     each for two heads per tile), its float32 dK and dV tiles (float32
@@ -265,9 +273,13 @@ def dkdv_plan(
         smem["dv"] = row_tile((msa_rows, block_k, tile_dim), jnp.float32, row_views)
     if mask_dtype is not None:
         smem["mask"] = smem_vectors((msa_rows, 1, block_k), mask_dtype)
+    step_copies = ("q", "do", "stats")
+    if dropout:
+        smem["query_words"] = _ring_words(stages, msa_rows, pair, block_q)
+        step_copies += ("query_words",)
     copies = {
         "kv": ("k", "v", "mask") if mask_dtype is not None else ("k", "v"),
-        "step": ("q", "do", "stats") * msa_rows + ("bias",) * pair,
+        "step": step_copies * msa_rows + ("bias",) * pair,
     }
     produced = {"kv": msa_rows, "step": stages}
     if mask_dtype is not None and dead_rows:
@@ -283,8 +295,12 @@ def dkdv_plan(
     )
 
 
-def dq_plan(q_shape, q_dtype, bias_dtype, tiles: MosaicTiles, *, mask_dtype, interpret: bool):
-    """The dq kernel's plan (arguments as in `dkdv_plan`).
+def dq_plan(
+    q_shape, q_dtype, bias_dtype, tiles: MosaicTiles, *, mask_dtype, interpret: bool,
+    dropout: bool = False,
+):
+    """The dq kernel's plan (arguments as in `dkdv_plan`; with `dropout` the
+    words of the step's keys ride the ring).
 
     Shared memory: each consumer's q and do tiles (and one copy per head of
     each for two heads per tile), statistics and float32 dq tile (float32
@@ -316,6 +332,9 @@ def dq_plan(q_shape, q_dtype, bias_dtype, tiles: MosaicTiles, *, mask_dtype, int
     if mask_dtype is not None:
         smem["mask"] = smem_vectors((stages, msa_rows, 1, block_k), mask_dtype)
         key_copies += ("mask",)
+    if dropout:
+        smem["key_words"] = _ring_words(stages, msa_rows, pair, block_k)
+        key_copies += ("key_words",)
     copies = {"q": ("q", "do", "stats"), "step": key_copies * msa_rows + ("bias",) * pair}
     return KernelPlan(
         name="msa_mosaic_dq", smem=smem, copies=copies,
@@ -326,15 +345,21 @@ def dq_plan(q_shape, q_dtype, bias_dtype, tiles: MosaicTiles, *, mask_dtype, int
     )
 
 
-def dbias_plan(q_shape, q_dtype, bias_dtype, tiles: MosaicTiles, *, mask_dtype, interpret: bool):
+def dbias_plan(
+    q_shape, q_dtype, bias_dtype, tiles: MosaicTiles, *, mask_dtype, interpret: bool,
+    dropout: bool = False,
+):
     """The dbias kernel's plan (arguments as in `dkdv_plan`; `tiles.msa_rows`
-    consumers split the CTA's query tile).
+    consumers split the CTA's query tile); `dropout`: with attention dropout.
 
     Shared memory: each consumer's bias tile and float32 result tile (unless
     `dbias_in_bias_tile`); the ring's q, do and statistics tiles of each
     consumer, and K, V and mask of the step's MSA row. Each consumer loads
     its own bias tile ("bias"); the producer's step copies each consumer's
     q and do tiles and statistics, and the row's K and V tiles and mask.
+    With dropout the step also copies the row's dropout words, each
+    consumer's queries' and the keys' (`dropout_words`): each step is
+    another row, whose words, read from GMEM in the step, would wait there.
     """
     batch, rows, n_res, heads, head_dim = q_shape
     consumers = tiles.msa_rows
@@ -355,12 +380,18 @@ def dbias_plan(q_shape, q_dtype, bias_dtype, tiles: MosaicTiles, *, mask_dtype, 
     if mask_dtype is not None:
         smem["mask"] = smem_vectors((stages, 1, block_k), mask_dtype)
         row_copies += ("mask",)
+    consumer_copies = ("q", "do", "stats")
+    if dropout:
+        smem["query_words"] = _ring_words(stages, consumers, 1, block_q)
+        smem["key_words"] = _ring_words(stages, 1, 1, block_k)
+        consumer_copies += ("query_words",)
+        row_copies += ("key_words",)
     query_tiles = pl.cdiv(n_res, block_q * consumers)
     key_tiles = pl.cdiv(n_res, block_k)
     chunks = block_sizes.row_chunks(query_tiles * key_tiles * batch * heads // pair, rows)
     return KernelPlan(
         name="msa_mosaic_dbias", smem=smem,
-        copies={"bias": ("bias",), "step": ("q", "do", "stats") * consumers + row_copies},
+        copies={"bias": ("bias",), "step": consumer_copies * consumers + row_copies},
         produced_barriers={"bias": consumers, "step": stages},
         consumed_barriers={"step": stages}, consumers=consumers,
         grid=(query_tiles, key_tiles, chunks * batch * heads // pair),

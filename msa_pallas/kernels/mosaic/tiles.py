@@ -85,7 +85,7 @@ class MosaicBackwardTiles:
 
 def forward_tiles(
     q_shape, q_dtype, bias_dtype, save_stats: bool, has_gate: bool = True,
-    persistent: bool = True,
+    persistent: bool = True, dropout: bool = False,
 ):
     """The fastest configuration measured on an H200 that fits in shared memory.
 
@@ -97,13 +97,19 @@ def forward_tiles(
     unless `persistent` is False (the Mosaic GPU interpreter stalls on it
     on a machine with few cores). With d = 8 and an even H (two heads per
     tile, `heads.pairs_heads`) the consumers hold two heads' logits, so
-    64-key stages.
+    64-key stages; with attention `dropout` too, whose key words (one per
+    key of the stage, in every thread) and keep masks do not fit in a
+    consumer's registers beside a 128 x 128 logit tile: measured on the
+    H200 at the fine-tuning crop (bf16, bias bf16), 128-key stages spill
+    and take 1.18 ms against 0.73 ms for 64-key ones
+    (benchmarks/log/2026-12-04-09-dropout-tiles.md).
     """
     *_, heads, head_dim = q_shape
     pair = heads_per_tile(head_dim, heads)
     shapes = ((128, 128, 2, 2), (128, 64, 2, 2), (64, 64, 2, 2), (64, 64, 2, 1))
-    if pair > 1:
-        # Two heads' logit tiles in registers at once: 64 keys.
+    if pair > 1 or dropout:
+        # Two heads' logit tiles, or one and the dropout words, in
+        # registers at once: 64 keys.
         shapes = tuple(shape for shape in shapes if shape[1] == 64)
     preferred = [
         MosaicTiles(*shape, persistent=grid)
@@ -123,7 +129,7 @@ def forward_tiles(
     raise ValueError(f"no Mosaic configuration fits head dim {head_dim} in shared memory")
 
 
-def backward_tiles(q_shape, q_dtype, bias_dtype) -> MosaicBackwardTiles:
+def backward_tiles(q_shape, q_dtype, bias_dtype, dropout: bool = False) -> MosaicBackwardTiles:
     """The backward kernels' tiles for these inputs: per kernel the first
     candidate that fits in shared memory, two MSA rows (consumers) before one.
     The tiles of d <= 32 are the fastest of an H200 sweep (benchmarks/RESULTS.md);
@@ -133,6 +139,11 @@ def backward_tiles(q_shape, q_dtype, bias_dtype) -> MosaicBackwardTiles:
 
     float32 inputs (three bf16 pieces per operand in shared memory, the
     split products' registers) take 64 x 64 tiles, not timed yet.
+
+    With attention `dropout` the tiles are the same: the fastest in a sweep
+    on the H200 (benchmarks/log/2026-12-04-09-dropout-tiles.md) once the
+    kernels read each step's dropout words from its ring slot (the plans'
+    `dropout`, counted here in the shared memory that must fit).
 
     Tiles for d < 16 are chosen for the head dim the kernels see, 16 (for
     d = 8 with two heads per tile, `tile_heads`, with the shared memory
@@ -165,7 +176,8 @@ def backward_tiles(q_shape, q_dtype, bias_dtype) -> MosaicBackwardTiles:
             tiles for tiles in candidates
             # Sized for the candidate's MSA rows, whatever S.
             if plans[kernel](
-                (kernel_shape[0], tiles.msa_rows, *kernel_shape[2:]), q_dtype, bias_dtype, tiles, mask_dtype=jnp.int8, interpret=False
+                (kernel_shape[0], tiles.msa_rows, *kernel_shape[2:]), q_dtype, bias_dtype, tiles,
+                mask_dtype=jnp.int8, interpret=False, dropout=dropout,
             ).shared_memory_bytes <= MAX_SHARED_MEMORY
         ]
         if not fits:

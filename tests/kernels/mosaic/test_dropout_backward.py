@@ -30,6 +30,7 @@ from msa_pallas import dropout
 from msa_pallas.attention import on_hopper
 from msa_pallas.block_sizes import default_block_config
 from msa_pallas.kernels.mosaic import backward as mosaic_backward
+from msa_pallas.kernels.mosaic.plan import dbias_plan, dkdv_plan, dq_plan
 from msa_pallas.kernels.mosaic.tiles import MosaicBackwardTiles, MosaicTiles
 from msa_pallas.kernels.triton import forward as triton_forward
 
@@ -209,13 +210,14 @@ LOWERED = {
 
 @pytest.mark.parametrize("case", list(LOWERED))
 def test_lowers_for_the_gpu_on_a_cpu(case):
-    """With dropout each kernel, with its default tiles, lowers for CUDA on
-    a machine without a GPU (the word vectors' loads from GMEM in both
-    orientations' layouts, the keep mask's uint32 arithmetic)."""
+    """With dropout each kernel, with its default tiles with dropout, lowers
+    for CUDA on a machine without a GPU (the word vectors' loads from GMEM
+    and from shared memory in both orientations' layouts, their copies into
+    the dbias ring, the keep mask's uint32 arithmetic)."""
     shape, dtype, bias_dtype = LOWERED[case]
     operands = mosaic_lowering.backward_operands(shape, dtype, bias_dtype)
     seeds = jax.ShapeDtypeStruct((shape[0], shape[1], shape[3]), jnp.uint32)
-    tiles = mosaic_backward.default_tiles(shape, dtype, bias_dtype)
+    tiles = mosaic_backward.default_tiles(shape, dtype, bias_dtype, dropout=True)
     for kernel, kernel_tiles in zip(KERNELS, (tiles.dkdv, tiles.dq, tiles.dbias)):
         call = getattr(mosaic_backward, kernel)
 
@@ -224,6 +226,34 @@ def test_lowers_for_the_gpu_on_a_cpu(case):
 
         text = mosaic_lowering.lowered_for_cuda(backward, *operands, seeds)
         assert "mosaic_gpu" in text, kernel
+
+
+PLANS = {"dkdv": dkdv_plan, "dq": dq_plan, "dbias": dbias_plan}
+
+
+@pytest.mark.parametrize("kernel", list(PLANS))
+@pytest.mark.parametrize("case", ["d32-N200", "d8-pairs-bias-bf16"])
+def test_plans_with_dropout_are_what_the_lowered_kernels_allocate(case, kernel):
+    """With dropout each backward plan counts its ring's word vectors: its
+    bytes are the lowered kernel's, and its step barrier awaits their
+    copies, one per consumer (dbias: one more, the step row's keys')."""
+    shape, dtype, bias_dtype = LOWERED[case]
+    operands = mosaic_lowering.backward_operands(shape, dtype, bias_dtype)
+    seeds = jax.ShapeDtypeStruct((shape[0], shape[1], shape[3]), jnp.uint32)
+    tiles = getattr(mosaic_backward.default_tiles(shape, dtype, bias_dtype, dropout=True), kernel)
+    call = getattr(mosaic_backward, f"backward_{kernel}")
+    used = mosaic_lowering.lowered_shared_memory(
+        lambda *args: call(*args, scale=0.2, tiles=tiles, interpret=False, dropout_rate=0.1),
+        *operands, seeds,
+    )
+    planned, plain = (
+        PLANS[kernel](shape, dtype, bias_dtype, tiles, mask_dtype=jnp.int8, interpret=False,
+                      dropout=dropout)
+        for dropout in (True, False)
+    )
+    assert used == planned.shared_memory_bytes > plain.shared_memory_bytes
+    word_copies = tiles.msa_rows + (kernel == "dbias")
+    assert planned.arrivals("step") == plain.arrivals("step") + word_copies
 
 
 # (B, S, N, H, d, q dtype): the train crop's N and H at fewer MSA rows, d =

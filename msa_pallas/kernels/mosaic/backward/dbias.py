@@ -18,7 +18,7 @@ from msa_pallas.kernels.mosaic.backward.operands import (
     kernel_operands, load_stats, recompute, split_operands,
 )
 from msa_pallas.kernels.mosaic.dropout_words import (
-    HeadDropout, check_dropout, word_length, word_operands,
+    check_dropout, copy_words_to_ring, kept, load_ring_words, word_length, word_operands,
 )
 from msa_pallas.kernels.mosaic.heads import own_head_columns, tile_heads, tiles_of_head_pairs
 from msa_pallas.kernels.mosaic.logits import accumulator_bias, bias_tile
@@ -60,7 +60,7 @@ def _dbias_kernel(
     no key of the CTA's key tile and are not visited. `dropout`
     (`dropout_words.Dropout`): gmem holds "query_words" and "key_words"
     (`dropout_words.word_operands`); each step's row and head has its own
-    words, so each step loads both vectors."""
+    words, which the producer copies into the step's slot."""
     smem_tma, smem = split_row_views(smem, row_views)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair = heads_per_tile
@@ -126,13 +126,6 @@ def _dbias_kernel(
 
             def visit_msa_row(row, dbias, h=h):
                 slot = lax.rem(h * visited_rows + row, stages)
-                if dropout is not None:
-                    # From GMEM, not the ring: in flight while the step's tiles land.
-                    row_dropout = HeadDropout(
-                        dropout, gmem, batch, first_row + row, head * pair + h, 1
-                    )
-                    query_words = row_dropout.query_words(queries.start, block_q)
-                    key_words = row_dropout.key_words(keys.start, block_k)
                 plgpu.barrier_wait(produced["step"].at[slot])
                 s, dp = logit_products(h, slot)
                 stats = load_stats(smem["stats"].at[slot, wg], WGMMA_ROW)
@@ -141,10 +134,16 @@ def _dbias_kernel(
                     keep = plgpu.load(
                         smem["mask"].at[slot, 0, pl.ds(0, block_k)], layout=WGMMA_COL
                     ) != 0
-                plgpu.barrier_arrive(consumed["step"].at[slot])
                 dropout_keep = None
                 if dropout is not None:
-                    dropout_keep = row_dropout.keep(0, query_words, key_words, s.shape)
+                    # Read after the products: the words' registers are not
+                    # held across them.
+                    dropout_keep = kept(
+                        load_ring_words(smem["query_words"].at[slot, wg], 0, block_q, WGMMA_ROW),
+                        load_ring_words(smem["key_words"].at[slot, 0], 0, block_k, WGMMA_COL),
+                        s.shape, 0, dropout,
+                    )
+                plgpu.barrier_arrive(consumed["step"].at[slot])
                 _, ds = recompute(
                     s, dp, keep, stats, scale=scale, query_axis=0, with_p=False,
                     dropout_keep=dropout_keep,
@@ -192,6 +191,17 @@ def _dbias_kernel(
                     gmem["mask"].at[batch, pl.ds(row, 1), keys],
                     smem["mask"].at[slot, :, pl.ds(0, block_k)], barrier,
                 )
+            if dropout is not None:
+                words_head = pl.ds(head * pair + h, 1)
+                for w in range(consumers):
+                    copy_words_to_ring(
+                        gmem["query_words"], smem["query_words"].at[slot, w], batch, row,
+                        words_head, pl.ds(cta_queries + w * block_q, block_q), barrier,
+                    )
+                copy_words_to_ring(
+                    gmem["key_words"], smem["key_words"].at[slot, 0], batch, row, words_head, keys,
+                    barrier,
+                )
 
         produce(0, pair * visited_rows, stages, issue_copies, consumed["step"])
 
@@ -234,6 +244,7 @@ def backward_dbias(
     kernel_plan = dbias_plan(
         q.shape, q.dtype, bias.dtype, tiles,
         mask_dtype=None if mask is None else mask.dtype, interpret=interpret,
+        dropout=dropout is not None,
     )
     chunks = kernel_plan.grid[-1] // (batch * heads // pair)
     _, (q, k, v, do) = split_operands(*tiles_of_head_pairs(pair, q, k, v, do))

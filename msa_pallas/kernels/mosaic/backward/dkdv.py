@@ -23,7 +23,8 @@ from msa_pallas.kernels.mosaic.backward.operands import (
     kernel_operands, load_stats, recompute, split_operands,
 )
 from msa_pallas.kernels.mosaic.dropout_words import (
-    HeadDropout, check_dropout, word_length, word_operands,
+    HeadDropout, check_dropout, copy_words_to_ring, kept, load_ring_words, word_length,
+    word_operands,
 )
 from msa_pallas.kernels.mosaic.heads import (
     combine_head_columns, held_tiles_per_head, tile_heads, tiles_of_head_pairs,
@@ -59,7 +60,8 @@ def _dkdv_kernel(
     (`[B, S, heads, tile width]` float32: a dead row's dv per key, 0 for
     the other rows), as `backward_dkdv` makes them. `dropout`
     (`dropout_words.Dropout`): gmem holds "query_words" and "key_words"
-    (`dropout_words.word_operands`)."""
+    (`dropout_words.word_operands`); each consumer reads its keys' words
+    once, and the producer copies each step's query words into its slot."""
     smem_tma, smem = split_row_views(smem, row_views)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair = heads_per_tile
@@ -120,9 +122,6 @@ def _dkdv_kernel(
         def visit_query_tile(query_tile, carry):
             dks, dvs = (list(c) for c in carry)
             slot = ring_slot(query_tile, lb, stages)
-            if dropout is not None:
-                # From GMEM, not the ring: in flight while the step's tiles land.
-                query_words = row_dropout.query_words(query_tile * block_q, block_q)
             plgpu.barrier_wait(produced["step"].at[slot])
             q_smem, do_smem = operand_at(smem["q"], slot, wg), operand_at(smem["do"], slot, wg)
             # One head after the other, each a full turn: the registers hold
@@ -137,7 +136,11 @@ def _dkdv_kernel(
                 stats = load_stats(smem["stats"].at[slot, wg, h], WGMMA_COL)
                 dropout_keep = None
                 if dropout is not None:
-                    dropout_keep = row_dropout.keep(h, query_words, key_words, s_t.shape)
+                    # The step's query words from its slot, read after the products.
+                    query_words = load_ring_words(
+                        smem["query_words"].at[slot, wg], h, block_q, WGMMA_COL
+                    )
+                    dropout_keep = kept(query_words, key_words[h], s_t.shape, 1, dropout)
                 # With dropout p_t is p keep, the weights dv takes.
                 p_t, ds_t = recompute(
                     s_t, dp_t, keep, stats, scale=scale, query_axis=1, with_p=True,
@@ -198,6 +201,11 @@ def _dkdv_kernel(
                     gmem["stats"].at[batch, row, pl.ds(head * pair, pair), :, queries],
                     smem["stats"].at[slot, r], barrier,
                 )
+                if dropout is not None:
+                    copy_words_to_ring(
+                        gmem["query_words"], smem["query_words"].at[slot, r], batch, row,
+                        pl.ds(head * pair, pair), queries, barrier,
+                    )
             for h in range(pair):
                 plgpu.copy_gmem_to_smem(
                     gmem["bias_t"].at[batch, head * pair + h, keys, queries],
@@ -270,6 +278,7 @@ def backward_dkdv(
     kernel_plan = dkdv_plan(
         q.shape, q.dtype, bias.dtype, tiles,
         mask_dtype=None if mask is None else mask.dtype, interpret=interpret, dead_rows=skips,
+        dropout=dropout is not None,
     )
     body = functools.partial(
         _dkdv_kernel, scale=scale, n_res=n_res, tiles=tiles,

@@ -18,7 +18,8 @@ from msa_pallas.kernels.mosaic.backward.operands import (
     kernel_operands, load_stats, recompute, split_operands,
 )
 from msa_pallas.kernels.mosaic.dropout_words import (
-    HeadDropout, check_dropout, word_length, word_operands,
+    HeadDropout, check_dropout, copy_words_to_ring, kept, load_ring_words, word_length,
+    word_operands,
 )
 from msa_pallas.kernels.mosaic.heads import (
     combine_head_columns, held_tiles_per_head, tile_heads, tiles_of_head_pairs,
@@ -40,9 +41,10 @@ from msa_pallas.kernels.mosaic.support import check_kernel_inputs
 from msa_pallas.kernels.mosaic.tiles import MosaicTiles
 
 
-def _copy_key_tiles(gmem, smem_tma, smem, rows, batch, keys, head, slot, barrier):
+def _copy_key_tiles(gmem, smem_tma, smem, rows, batch, keys, head, pair, slot, barrier):
     """The producer's copies of one key step of the dq kernel's loop: each of
-    `rows`' K and V tiles (and key-mask vector, where there is a mask) into
+    `rows`' K and V tiles (and key-mask vector, where there is a mask, and
+    the keys' dropout words of the tile's `pair` heads, with dropout) into
     the consumer slots `(slot, 0..)`, all arriving on `barrier`."""
     for consumer, row in enumerate(rows):
         copy_tiles(
@@ -52,6 +54,11 @@ def _copy_key_tiles(gmem, smem_tma, smem, rows, batch, keys, head, slot, barrier
             plgpu.copy_gmem_to_smem(
                 gmem["mask"].at[batch, pl.ds(row, 1), keys],
                 smem["mask"].at[slot, consumer, :, pl.ds(0, keys.size)], barrier,
+            )
+        if "key_words" in smem:
+            copy_words_to_ring(
+                gmem["key_words"], smem["key_words"].at[slot, consumer], batch, row,
+                pl.ds(head * pair, pair), keys, barrier,
             )
 
 
@@ -63,8 +70,9 @@ def _query_major_ds(
     (`_dq_kernel`): `s = q k^T + bias` and `dp = do v^T`
     from shared memory, then `ds` from the row statistics. `mask_ref` is the
     consumer's `[1, >= block_k]` int8 key-mask slot, or None;
-    `dropout_keep` the tile's dropout keep mask, or None
-    (`operands.recompute`)."""
+    `dropout_keep` None, or a function giving the tile's dropout keep mask
+    (`operands.recompute`), called after the products: the mask does not
+    take registers across them."""
     s, dp = smem_products(
         ((q_smem, transposed(k_smem)), (do_smem, transposed(v_smem))),
         turns.hand_over, inits=(bias_tile(bias, scale), None), interpret=interpret,
@@ -73,7 +81,8 @@ def _query_major_ds(
     if mask_ref is not None:
         keep = plgpu.load(mask_ref.at[0, pl.ds(0, block_k)], layout=WGMMA_COL) != 0
     _, ds = recompute(
-        s, dp, keep, stats, scale=scale, query_axis=0, with_p=False, dropout_keep=dropout_keep
+        s, dp, keep, stats, scale=scale, query_axis=0, with_p=False,
+        dropout_keep=None if dropout_keep is None else dropout_keep(),
     )
     if keep is None and n_res % block_k:
         # Keys past N read zeros, whose probability is not 0: their ds must
@@ -89,7 +98,9 @@ def _dq_kernel(
     row_views: tuple[str, ...] = (), tile_bounds=None, dropout=None,
 ):
     """`heads`, `heads_per_tile`, `row_views` and `dropout` as in
-    `dkdv._dkdv_kernel`; `tile_bounds` as in `backward_dq`."""
+    `dkdv._dkdv_kernel` (here the queries' words are the consumer's for
+    good, and the producer copies each step's key words into its slot);
+    `tile_bounds` as in `backward_dq`."""
     smem_tma, smem = split_row_views(smem, row_views)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair = heads_per_tile
@@ -135,16 +146,16 @@ def _dq_kernel(
         def visit_key_tile(key_tile, dqs):
             dqs = list(dqs)
             slot = ring_slot(key_tile, lb, stages)
-            if dropout is not None:
-                # From GMEM, not the ring: in flight while the step's tiles land.
-                key_words = row_dropout.key_words(key_tile * block_k, block_k)
             plgpu.barrier_wait(produced["step"].at[slot])
             k_smem, v_smem = operand_at(smem["k"], slot, wg), operand_at(smem["v"], slot, wg)
             for h in range(pair):
                 dropout_keep = None
                 if dropout is not None:
-                    shape = (block_q, block_k)
-                    dropout_keep = row_dropout.keep(h, query_words, key_words, shape)
+                    def dropout_keep(h=h, slot=slot):
+                        key_words = load_ring_words(
+                            smem["key_words"].at[slot, wg], h, block_k, WGMMA_COL
+                        )
+                        return kept(query_words[h], key_words, (block_q, block_k), 0, dropout)
                 ds = _query_major_ds(
                     queries_of_head[h], douts_of_head[h], k_smem, v_smem,
                     smem["bias"][slot, h], smem["mask"].at[slot, wg] if has_mask else None,
@@ -185,7 +196,7 @@ def _dq_kernel(
             barrier = produced["step"].at[slot]
             _copy_key_tiles(
                 gmem, smem_tma, smem, [first_row + r for r in range(msa_rows)],
-                batch, keys, head, slot, barrier,
+                batch, keys, head, pair, slot, barrier,
             )
             for h in range(pair):
                 plgpu.copy_gmem_to_smem(
@@ -244,6 +255,7 @@ def backward_dq(
     kernel_plan = dq_plan(
         q.shape, q.dtype, bias.dtype, tiles,
         mask_dtype=None if mask is None else mask.dtype, interpret=interpret,
+        dropout=dropout is not None,
     )
     body = functools.partial(
         _dq_kernel, scale=scale, n_res=n_res, tiles=tiles,

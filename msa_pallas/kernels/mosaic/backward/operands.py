@@ -45,14 +45,18 @@ def recompute(
             masked = per_query((MASKED_LOGIT_LOG2 - row_max) - row_log2_sum)
             x = jnp.where(keep, x, masked)
     p = jnp.exp2(x)
-    if dropout_keep is not None:
-        dp = jnp.where(dropout_keep, dp, 0.0)
-    ds = p * (dp - per_query(delta))
+    if dropout_keep is None:
+        ds = p * (dp - per_query(delta))
+    elif with_p:
+        # `p keep` serves dv and ds alike: one select per weight, not two.
+        kept_p = jnp.where(dropout_keep, p, 0.0)
+        ds = kept_p * dp - p * per_query(delta)
+        p = kept_p
+    else:
+        ds = p * (jnp.where(dropout_keep, dp, 0.0) - per_query(delta))
     if keep is not None:
         # A masked key's logit is a constant: no gradient flows through it.
         ds = jnp.where(keep, ds, 0.0)
-    if dropout_keep is not None and with_p:
-        p = jnp.where(dropout_keep, p, 0.0)
     return (p if with_p else None), ds
 
 
