@@ -1,18 +1,26 @@
 """Attention dropout inside the Mosaic GPU kernels (`msa_pallas.dropout`'s
 random bits): the operands' checks, the word arrays the wrappers compute in
-XLA, a tile's words loaded from them as a vector in a wgmma layout, and a
-tile's keep mask from the two broadcast vectors.
+XLA, a tile's words loaded from them as a vector in a wgmma layout (from
+GMEM, or through a pipeline's ring), and a tile's keep mask from the two
+broadcast vectors.
 
 The words hash the GLOBAL residue positions, so the mask does not depend on
 tile sizes: the forward and each backward kernel, whatever their tiles and
 orientation (queries along the wgmma rows or columns), draw the same mask.
 No kernel hashes: each wrapper computes every row's query and key words
 once per call in XLA (`word_operands`, uint32 `[B, S, H, N]` each, N
-padded to whole tiles), and a kernel reads a tile's vector of words with
-one load from GMEM, in the layout it broadcasts in (in the wgmma layouts a
-column vector is replicated: hashed in the kernel, every thread would hash
-a quarter of the tile's words). Per weight only `dropout.keeps` and a
-select run.
+padded to whole tiles), and a kernel reads a tile's vector of words in the
+layout it broadcasts in (in the wgmma layouts a column vector is
+replicated: hashed in the kernel, every thread would hash a quarter of the
+tile's words). Per weight only `dropout.keeps` and a select run.
+
+The words a consumer uses for its whole loop are loaded from GMEM once
+(`HeadDropout`). Those of each loop step ride the ring: the producer copies
+them into the step's slot with its tiles (`copy_words_to_ring`) and the
+consumer reads them after the step's products (`load_ring_words`), so they
+take no registers across the products; loaded from GMEM at the start of
+the step, they made the backward kernels spill (measured on the H200,
+benchmarks/log/2026-12-04-09-dropout-tiles.md).
 """
 
 from __future__ import annotations
@@ -132,12 +140,14 @@ class HeadDropout:
     """The dropout of one consumer's tiles of one MSA row and `heads`
     consecutive heads (2 where a tile holds two heads of d = 8, each with
     its own words), queries along the tiles' axis `query_axis` (0 in the
-    forward, dq and dbias, 1 in dk/dv). `gmem` holds "query_words" and
+    forward and dq, 1 in dk/dv). `gmem` holds "query_words" and
     "key_words" (`word_operands`).
 
     A kernel loads the words of the positions it holds across its loop once
-    (`query_words` / `key_words`: one vector per head) and the others per
-    loop step, before the step's products so that the loads' latency hides
+    (`query_words` / `key_words`: one vector per head). The backward
+    kernels take each step's others through the ring (`load_ring_words`);
+    the forward, whose 64-key stages leave room for them, loads them per
+    step, before the step's products so that the loads' latency hides
     behind them, then `drop`s each step's tiles."""
 
     def __init__(self, settings: Dropout, gmem, batch, row, first_head, heads: int,
