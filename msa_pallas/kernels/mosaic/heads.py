@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from msa_pallas.kernels.mosaic.matmul import WGMMA
+from msa_pallas.kernels.mosaic.pipeline import run_when
 
 
 # The head dim the forward takes as it is, two heads to a 16-wide tile
@@ -98,13 +99,20 @@ def store_own_head_tiles(tile_ref, head_refs, index) -> tuple:
     return tuple(ref.at[index] for ref in head_refs)
 
 
-def held_tiles_per_head(smem, tiles: dict, wg, pair: int) -> list:
+def held_tiles_per_head(smem, tiles: dict, wg, pair: int, when=True) -> list:
     """For each named tile a consumer holds across its loop, one view per
     head of the tile: the tile itself for one head per tile; for `pair`
     heads, copies with the other heads' columns zeroed, written to
-    `smem[name + "_heads"]` (`heads.store_own_head_tiles`) and committed."""
+    `smem[name + "_heads"]` (`heads.store_own_head_tiles`) and committed,
+    where `when` holds (True, or a traced bool: a consumer whose loop runs
+    no step writes none)."""
     if pair == 1:
         return [(tile,) for tile in tiles.values()]
-    views = [store_own_head_tiles(tile, smem[f"{name}_heads"], wg) for name, tile in tiles.items()]
-    plgpu.commit_smem()
-    return views
+
+    def store():
+        for name, tile in tiles.items():
+            store_own_head_tiles(tile, smem[f"{name}_heads"], wg)
+        plgpu.commit_smem()
+
+    run_when(when, store)
+    return [tuple(ref.at[wg] for ref in smem[f"{name}_heads"]) for name in tiles]

@@ -117,6 +117,15 @@ def copy_tiles(gmem, smem, names, source_index, destination_index, barrier) -> N
             plgpu.copy_gmem_to_smem(gmem[name].at[source], destination.at[destination_index], barrier)
 
 
+def run_when(condition, body) -> None:
+    """Runs `body()` where `condition` holds: at once for a Python True (the
+    trace as if unconditional), under `pl.when` for a traced bool."""
+    if condition is True:
+        body()
+    else:
+        pl.when(condition)(body)
+
+
 def ring_slot(index, lower, stages: int):
     """The ring slot of tile `index` of a loop that starts at tile `lower`:
     its step `index - lower` modulo `stages`."""

@@ -35,7 +35,7 @@ from msa_pallas.kernels.mosaic.matmul import (
 )
 from msa_pallas.kernels.mosaic.pipeline import (
     PingPong, batch_head_and_warpgroup, consumer_registers, copy_tiles, launch, produce,
-    producer_registers, ring_slot,
+    producer_registers, ring_slot, run_when,
 )
 from msa_pallas.kernels.mosaic.plan import dkdv_plan
 from msa_pallas.kernels.mosaic.smem import (
@@ -84,33 +84,40 @@ def _dkdv_kernel(
         # would fail the slice's bounds check.
         lb = jnp.int32(0)
         ub = gmem["visited"][batch, row_group, lax.axis_index("key_tiles")] * query_tiles
+    visits = True if isinstance(lb, int) else lb < ub
 
     @pl.when(wg < msa_rows)
     def _consumer():
         consumer_registers(msa_rows)
         row = row_group * msa_rows + wg
         k_smem, v_smem = operand_at(smem["k"], wg), operand_at(smem["v"], wg)
-        copy_tiles(
-            gmem, smem_tma, ("k", "v"), (batch, row, keys, head), wg, produced["kv"].at[wg]
-        )
-        keep = None
-        if has_mask:
-            plgpu.copy_gmem_to_smem(
-                gmem["mask"].at[batch, pl.ds(row, 1), keys],
-                smem["mask"].at[wg, :, pl.ds(0, block_k)], produced["kv"].at[wg],
+
+        def load_keys():
+            copy_tiles(
+                gmem, smem_tma, ("k", "v"), (batch, row, keys, head), wg, produced["kv"].at[wg]
             )
+            if has_mask:
+                plgpu.copy_gmem_to_smem(
+                    gmem["mask"].at[batch, pl.ds(row, 1), keys],
+                    smem["mask"].at[wg, :, pl.ds(0, block_k)], produced["kv"].at[wg],
+                )
+
+        # A CTA whose loop runs no step loads no K, V or mask: its dk is 0,
+        # its dv 0 or a dead row's (`dead_dv`).
+        run_when(visits, load_keys)
+        keep = None
         if "dead_dv" in gmem:
             plgpu.copy_gmem_to_smem(
                 gmem["dead_dv"].at[batch, pl.ds(row, 1), head],
                 smem["dead_dv"].at[wg, :, pl.ds(0, tile_dim)], produced["dead_dv"].at[wg],
             )
-        plgpu.barrier_wait(produced["kv"].at[wg])
+        run_when(visits, lambda: plgpu.barrier_wait(produced["kv"].at[wg]))
         if has_mask:
             keep = plgpu.load(smem["mask"].at[wg, 0, pl.ds(0, block_k)], layout=WGMMA_ROW) != 0
         # A product of a head's K or V with q or do tiles of both heads
         # sums over that head's columns alone.
         keys_of_head, values_of_head = held_tiles_per_head(
-            smem, {"k": k_smem, "v": v_smem}, wg, pair
+            smem, {"k": k_smem, "v": v_smem}, wg, pair, when=visits
         )
         if dropout is not None:
             # Keys along the tiles' rows; their words are the CTA's for good.
@@ -231,8 +238,8 @@ def backward_dkdv(
     `backward_dbias`).
 
     With a mask, a CTA whose rows keep no key of its key tile runs no
-    query loop (`key_tiles.kept_key_tiles`, an int32 input): it writes
-    dk = 0, and dv = 0 but for a dead row, whose uniform weights give every
+    query loop and loads no K, V or mask (`key_tiles.kept_key_tiles`, an
+    int32 input): it writes dk = 0, and dv = 0 but for a dead row, whose uniform weights give every
     key the mean of its `do` over the N queries (`key_tiles.row_means`, one
     XLA pass over `do`). Rows that keep a key there, and dead rows beside
     them, are computed as without the mask's help.

@@ -30,7 +30,7 @@ from msa_pallas.kernels.mosaic.matmul import (
 )
 from msa_pallas.kernels.mosaic.pipeline import (
     PingPong, batch_head_and_warpgroup, consumer_registers, copy_tiles, launch, produce,
-    producer_registers, ring_slot,
+    producer_registers, ring_slot, run_when,
 )
 from msa_pallas.kernels.mosaic.plan import dq_plan
 from msa_pallas.kernels.mosaic.smem import (
@@ -118,23 +118,31 @@ def _dq_kernel(
         lb, ub = tile_bounds((batch, head, row_group, queries.start), key_tile_count)
     elif "key_tile_bounds" in gmem:
         lb, ub = (gmem["key_tile_bounds"][batch, row_group, i] for i in range(2))
+    # A CTA whose loop runs no step (a group of dead rows) loads nothing:
+    # its dq is 0.
+    visits = True if isinstance(lb, int) else lb < ub
 
     @pl.when(wg < msa_rows)
     def _consumer():
         consumer_registers(msa_rows)
         row = row_group * msa_rows + wg
         q_smem, do_smem = operand_at(smem["q"], wg), operand_at(smem["do"], wg)
-        copy_tiles(
-            gmem, smem_tma, ("q", "do"), (batch, row, queries, head), wg, produced["q"].at[wg]
-        )
-        plgpu.copy_gmem_to_smem(
-            gmem["stats"].at[batch, row, pl.ds(head * pair, pair), :, queries],
-            smem["stats"].at[wg], produced["q"].at[wg],
-        )
-        plgpu.barrier_wait(produced["q"].at[wg])
+
+        def load_queries():
+            copy_tiles(
+                gmem, smem_tma, ("q", "do"), (batch, row, queries, head), wg,
+                produced["q"].at[wg],
+            )
+            plgpu.copy_gmem_to_smem(
+                gmem["stats"].at[batch, row, pl.ds(head * pair, pair), :, queries],
+                smem["stats"].at[wg], produced["q"].at[wg],
+            )
+            plgpu.barrier_wait(produced["q"].at[wg])
+
+        run_when(visits, load_queries)
         stats = [load_stats(smem["stats"].at[wg, h], WGMMA_ROW) for h in range(pair)]
         queries_of_head, douts_of_head = held_tiles_per_head(
-            smem, {"q": q_smem, "do": do_smem}, wg, pair
+            smem, {"q": q_smem, "do": do_smem}, wg, pair, when=visits
         )
         if dropout is not None:
             # The CTA's queries' words, for good.
@@ -224,7 +232,8 @@ def backward_dq(
 
     With a mask, each CTA's key loop runs over the key tiles that hold its
     rows' kept keys alone (`key_tiles.key_tile_bounds`, an int32 input):
-    the tiles it leaves out would add exactly 0.
+    the tiles it leaves out would add exactly 0. A CTA of dead rows runs
+    no step and loads none of its q, do and statistics: it writes dq = 0.
 
     Args:
       tile_bounds: None, or, to test the pipeline's runtime bounds,
