@@ -239,9 +239,9 @@ def backward_dkdv(
 
     With a mask, a CTA whose rows keep no key of its key tile runs no
     query loop and loads no K, V or mask (`key_tiles.kept_key_tiles`, an
-    int32 input): it writes dk = 0, and dv = 0 but for a dead row, whose uniform weights give every
-    key the mean of its `do` over the N queries (`key_tiles.row_means`, one
-    XLA pass over `do`). Rows that keep a key there, and dead rows beside
+    int32 input): it writes dk = 0, and dv = 0 but for a dead row, whose
+    uniform weights give every key the mean of its `do` over the N queries
+    (`key_tiles.row_means`, one XLA pass over `do`). Rows that keep a key there, and dead rows beside
     them, are computed as without the mask's help.
 
     Args:
