@@ -84,6 +84,13 @@ def parse_mosaic(text: str) -> list[MosaicTiles]:
     return tiles
 
 
+def mosaic_text(tiles: MosaicTiles) -> str:
+    """One candidate as `parse_mosaic` reads it, every field given:
+    `BQxBKxSTAGESxROWSxPING_PONGxPERSISTENT`."""
+    return "x".join(str(int(x)) for x in (tiles.block_q, tiles.block_k, tiles.num_stages,
+                                          tiles.msa_rows, tiles.ping_pong, tiles.persistent))
+
+
 def parse_tiles(text: str) -> dict[str, list[tuple[KernelTiles, bool]]]:
     """`"dkdv=32x64x4x2,64x64x4x3;dq=64x32x4x2:bf16x6"` -> {kernel: [(KernelTiles,
     whether the float32 products were given), ...]}

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 
 from benchmarks import timing
 from benchmarks.measure import kept_fraction
-from benchmarks.profiling.kernels import backward_delta, make_inputs, parse_mosaic
+from benchmarks.profiling.kernels import backward_delta, make_inputs, mosaic_text, parse_mosaic
 from benchmarks.shapes import DTYPES, HALF_DTYPES, SHAPES, bias_dtype_names, make_mask
 from msa_pallas import dispatch, dropout, msa_row_attention, skipping_padding
 from msa_pallas.kernels.mosaic import backward as mosaic_backward
@@ -75,11 +75,6 @@ def parse_candidates(text: str) -> dict[str, list]:
                              f"{MOSAIC_KERNELS}")
         candidates[kernel] = parse_mosaic(tiles)
     return candidates
-
-
-def tiles_label(tiles) -> str:
-    return "x".join(str(int(x)) for x in (tiles.block_q, tiles.block_k, tiles.num_stages,
-                                          tiles.msa_rows, tiles.ping_pong, tiles.persistent))
 
 
 def kernel_calls(ops: dict, plan, variant: str, rate: float, candidates=None) -> dict:
@@ -121,7 +116,7 @@ def kernel_calls(ops: dict, plan, variant: str, rate: float, candidates=None) ->
         calls[name] = backward_call(name, tiles, plan.ping_pong)
     for name, tried in (candidates or {}).items():
         for tiles in tried:
-            calls[f"{name} {tiles_label(tiles)}"] = (
+            calls[f"{name} {mosaic_text(tiles)}"] = (
                 forward_call(tiles) if name == "forward"
                 else backward_call(name, tiles, tiles.ping_pong))
     return calls

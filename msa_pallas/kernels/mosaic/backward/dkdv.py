@@ -92,6 +92,12 @@ def _dkdv_kernel(
         row = row_group * msa_rows + wg
         k_smem, v_smem = operand_at(smem["k"], wg), operand_at(smem["v"], wg)
 
+        if "dead_dv" in gmem:
+            plgpu.copy_gmem_to_smem(
+                gmem["dead_dv"].at[batch, pl.ds(row, 1), head],
+                smem["dead_dv"].at[wg, :, pl.ds(0, tile_dim)], produced["dead_dv"].at[wg],
+            )
+
         def load_keys():
             copy_tiles(
                 gmem, smem_tma, ("k", "v"), (batch, row, keys, head), wg, produced["kv"].at[wg]
@@ -101,17 +107,12 @@ def _dkdv_kernel(
                     gmem["mask"].at[batch, pl.ds(row, 1), keys],
                     smem["mask"].at[wg, :, pl.ds(0, block_k)], produced["kv"].at[wg],
                 )
+            plgpu.barrier_wait(produced["kv"].at[wg])
 
         # A CTA whose loop runs no step loads no K, V or mask: its dk is 0,
         # its dv 0 or a dead row's (`dead_dv`).
         run_when(visits, load_keys)
         keep = None
-        if "dead_dv" in gmem:
-            plgpu.copy_gmem_to_smem(
-                gmem["dead_dv"].at[batch, pl.ds(row, 1), head],
-                smem["dead_dv"].at[wg, :, pl.ds(0, tile_dim)], produced["dead_dv"].at[wg],
-            )
-        run_when(visits, lambda: plgpu.barrier_wait(produced["kv"].at[wg]))
         if has_mask:
             keep = plgpu.load(smem["mask"].at[wg, 0, pl.ds(0, block_k)], layout=WGMMA_ROW) != 0
         # A product of a head's K or V with q or do tiles of both heads
@@ -241,8 +242,9 @@ def backward_dkdv(
     query loop and loads no K, V or mask (`key_tiles.kept_key_tiles`, an
     int32 input): it writes dk = 0, and dv = 0 but for a dead row, whose
     uniform weights give every key the mean of its `do` over the N queries
-    (`key_tiles.row_means`, one XLA pass over `do`). Rows that keep a key there, and dead rows beside
-    them, are computed as without the mask's help.
+    (`key_tiles.row_means`, one XLA pass over `do`). Rows that keep a key
+    there, and dead rows beside them, are computed as without the mask's
+    help.
 
     Args:
       tile_bounds: None, or, to test the pipeline's runtime bounds,
