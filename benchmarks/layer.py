@@ -146,6 +146,42 @@ def meta_layer(preset: str) -> str:
     return "MSARowAttentionWithPairBias.alphafold2(zero_init_output=False)"
 
 
+class LayerProgram:
+    """The layer's jitted forward and training step at one shape, and their arguments.
+
+    The step is `jax.value_and_grad` of `sum(forward * cot)` w.r.t. the parameters and
+    both inputs; with `rate > 0` both run with `deterministic=False` and a `"dropout"`
+    key, which `args` carries (unused without dropout).
+    """
+
+    def __init__(self, shape: dict, preset: str, rate: float, dtype, input_dtype,
+                 options: dict):
+        self.rate = rate
+        self.layer = make_layer(shape, preset, rate, dtype, options)
+        m, z, mask, cot = make_inputs(shape, input_dtype)
+        # The parameters depend on the channels only: one MSA row and one residue
+        # initialise them in a small program, whatever the shape.
+        params = jax.jit(self.layer.init)(
+            jax.random.key(1, impl="rbg"), m[:, :1, :1], z[:, :1, :1], mask[:, :1, :1])["params"]
+        self.args = (params, m, z, mask, cot, jax.random.key(2))
+
+    def forward(self, params, m, z, mask, key):
+        if not self.rate:
+            return self.layer.apply({"params": params}, m, z, mask, deterministic=True)
+        return self.layer.apply({"params": params}, m, z, mask, deterministic=False,
+                                rngs={"dropout": key})
+
+    def loss(self, params, m, z, mask, cot, key):
+        return jnp.sum(self.forward(params, m, z, mask, key).astype(jnp.float32) * cot)
+
+    def compile(self):
+        """(forward, step), compiled for `args`: `forward(*args[:4], args[5])`, `step(*args)`."""
+        params, m, z, mask, cot, key = self.args
+        forward = jax.jit(self.forward).lower(params, m, z, mask, key).compile()
+        step = jax.jit(jax.value_and_grad(self.loss, argnums=(0, 1, 2)))
+        return forward, step.lower(*self.args).compile()
+
+
 def bench_one(shape_name: str, core: str, dtype, input_dtype, warmup: int, iters: int,
               reps: int, reference=None, preset: str = "alphafold2",
               dropout: float = 0.1) -> tuple[dict, object]:
@@ -165,29 +201,11 @@ def bench_one(shape_name: str, core: str, dtype, input_dtype, warmup: int, iters
         return row, None
     rate = dropout if core.endswith(DROPOUT) else 0.0
     row["dropout"] = rate
-    layer = make_layer(shape, preset, rate, dtype, options)
-    m, z, mask, cot = make_inputs(shape, input_dtype)
-    dropout_key = jax.random.key(2)
-
-    def forward(params, m, z, mask, key=dropout_key):
-        if not rate:
-            return layer.apply({"params": params}, m, z, mask, deterministic=True)
-        return layer.apply({"params": params}, m, z, mask, deterministic=False,
-                           rngs={"dropout": key})
-
-    def loss(params, m, z, mask, cot, key=dropout_key):
-        return jnp.sum(forward(params, m, z, mask, key).astype(jnp.float32) * cot)
-
     out = None
     try:
-        # The parameters depend on the channels only: one MSA row and one residue
-        # initialise them in a small program, whatever the shape.
-        params = jax.jit(layer.init)(
-            jax.random.key(1, impl="rbg"), m[:, :1, :1], z[:, :1, :1], mask[:, :1, :1])["params"]
-        key = dropout_key
-        fwd_c = jax.jit(forward).lower(params, m, z, mask, key).compile()
-        step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
-        step_c = step.lower(params, m, z, mask, cot, key).compile()
+        program = LayerProgram(shape, preset, rate, dtype, input_dtype, options)
+        fwd_c, step_c = program.compile()
+        params, m, z, mask, cot, key = program.args
         row["temp_bytes"] = temp_bytes(step_c)
         row["fwd_ms"] = time_fn(fwd_c, (params, m, z, mask, key), warmup, iters, reps)
         row["fwd_bwd_ms"] = time_fn(step_c, (params, m, z, mask, cot, key), warmup, iters, reps)

@@ -8,6 +8,7 @@
 - profile_ncu.sh: Nsight Compute sections and the Mosaic kernels' machine code
   (`bash benchmarks/profiling/profile_ncu.sh OUT_DIR [launch arguments]`);
 - durations.py: every kernel launch of one call under Nsight Compute;
+- timeline.py: one call's GPU kernels and the gaps between them, from a jax trace;
 - stall_sources.py: where a kernel's warps wait, from profile_ncu.sh's source CSVs;
 - memory_breakdown.py: the largest buffers of the compiled forward+backward.
 """
@@ -24,6 +25,7 @@ COMMANDS = {
     "variants": (_HERE + "variants", "each Mosaic kernel with padding skipping, with dropout"),
     "launch": (_HERE + "launch", "a few forward+backward calls, for a profiler"),
     "durations": (_HERE + "durations", "every launch of one call under Nsight Compute"),
+    "timeline": (_HERE + "timeline", "one call's kernels and gaps, from a jax trace"),
     "stalls": (_HERE + "stall_sources", "where the warps wait (profile_ncu.sh's CSVs)"),
     "memory": (_HERE + "memory_breakdown", "the largest buffers of the compiled f+b"),
 }

@@ -8,7 +8,10 @@ Mosaic GPU kernels' PTX is written to DIR as they compile (their SASS too with
     python -m benchmarks profile launch --shape 1x32x1024x8x32 --implementation mosaic
     python -m benchmarks profile launch --shape extra_padded --skip   # padding skipped
     python -m benchmarks profile launch --shape finetune --dropout-rate 0.1
+    python -m benchmarks profile launch --layer reference --shape train --dropout-rate 0.1
 
+`--layer PRESET` runs the Flax layer's training step instead (benchmarks/layer.py's,
+`--implementation` its core: default, mosaic, pallas or xla) at one of its shapes.
 A shape of shapes.py by name keys its own mask (a padded shape's padding); a
 `BxSxNxHxd` shape keeps 90% of keys at random.
 """
@@ -22,26 +25,29 @@ import jax
 import jax.numpy as jnp
 
 
+from benchmarks.layer import PRESETS, LayerProgram, core_options, layer_shape
 from benchmarks.profiling.forward import parse_shape
 from benchmarks.profiling.kernels import make_inputs
 from benchmarks.shapes import DTYPES, SHAPES, make_mask
 from msa_pallas import msa_row_attention, skipping_padding
 
 
-def main(argv=None, prog: str | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="1x32x1024x8x32", help="a name of shapes.py or BxSxNxHxd")
-    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    parser.add_argument("--bias-dtype", default="input", help="input (q's dtype) or a dtype name")
-    parser.add_argument("--implementation", default="mosaic",
-                        help="msa_row_attention's implementation; default: its own choice")
-    parser.add_argument("--calls", type=int, default=2, help="forward+backward calls")
-    parser.add_argument("--no-gate", action="store_true")
-    parser.add_argument("--skip", action="store_true",
-                        help="trace inside msa_pallas.skipping_padding()")
-    parser.add_argument("--dropout-rate", type=float, default=0.0,
-                        help="attention dropout's rate (0: none)")
-    args = parser.parse_args(argv)
+def layer_step_call(args):
+    """The layer's training step (`args.layer`'s preset, bf16 compute): a call without
+    arguments that runs it, the compiled program, and a line saying what it runs."""
+    options = core_options(args.implementation)
+    program = LayerProgram(layer_shape(args.shape), args.layer, args.dropout_rate,
+                           jnp.bfloat16, DTYPES[args.dtype], options)
+    with skipping_padding() if args.skip else contextlib.nullcontext():
+        _, step = program.compile()
+    return (lambda: step(*program.args)), step, (
+        f"training steps of the {args.layer} layer at {args.shape}, core "
+        f"{args.implementation}" + (f", dropout {args.dropout_rate}" if args.dropout_rate else ""))
+
+
+def op_call(args):
+    """The op's forward+backward: a call without arguments that runs it, the compiled
+    program, and a line saying what it runs."""
     dtype = DTYPES[args.dtype]
     bias_dtype = dtype if args.bias_dtype == "input" else DTYPES[args.bias_dtype]
     q, k, v, do, gate, bias, mask = make_inputs(parse_shape(args.shape), dtype, bias_dtype=bias_dtype)
@@ -61,9 +67,40 @@ def main(argv=None, prog: str | None = None) -> int:
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
     with skipping_padding() if args.skip else contextlib.nullcontext():
         grads = grads.lower(q, k, v, bias, gate).compile()
+    return (lambda: grads(q, k, v, bias, gate)), grads, (
+        f"forward+backward calls at {args.shape} {args.dtype}"
+        + (" skipping padding" if args.skip else "")
+        + (f", dropout {args.dropout_rate}" if args.dropout_rate else ""))
+
+
+def make_parser(prog: str | None = None, description: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description or __doc__.splitlines()[0])
+    parser.add_argument("--shape", default="1x32x1024x8x32", help="a name of shapes.py or BxSxNxHxd")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--bias-dtype", default="input", help="input (q's dtype) or a dtype name")
+    parser.add_argument("--implementation", default="mosaic",
+                        help="msa_row_attention's implementation; default: its own choice")
+    parser.add_argument("--calls", type=int, default=2, help="forward+backward calls")
+    parser.add_argument("--no-gate", action="store_true")
+    parser.add_argument("--skip", action="store_true",
+                        help="trace inside msa_pallas.skipping_padding()")
+    parser.add_argument("--dropout-rate", type=float, default=0.0,
+                        help="attention dropout's rate (0: none)")
+    parser.add_argument("--layer", choices=PRESETS, default=None,
+                        help="run the layer's training step (this preset) instead of the op's")
+    return parser
+
+
+def make_call(args):
+    """(a call without arguments that runs one step, the compiled step, what it runs)
+    for parsed `args`."""
+    return layer_step_call(args) if args.layer else op_call(args)
+
+
+def main(argv=None, prog: str | None = None) -> int:
+    args = make_parser(prog).parse_args(argv)
+    call, _, what = make_call(args)
     for _ in range(args.calls):
-        jax.block_until_ready(grads(q, k, v, bias, gate))
-    print("ran", args.calls, "forward+backward calls at", args.shape, args.dtype,
-          "skipping padding" if args.skip else "",
-          f"dropout {args.dropout_rate}" if args.dropout_rate else "", flush=True)
+        jax.block_until_ready(call())
+    print("ran", args.calls, what, flush=True)
     return 0

@@ -21,6 +21,8 @@ from benchmarks.profiling import backward as profile_backward
 from benchmarks.profiling import durations as launch_durations
 from benchmarks.profiling import forward as profile_forward
 from benchmarks.profiling import kernels as profile_kernels
+from benchmarks.profiling import launch as profile_launch
+from benchmarks.profiling import timeline as profile_timeline
 from benchmarks.profiling import variants as profile_variants
 
 CPU_ONLY = pytest.mark.skipif(jax.default_backend() == "gpu", reason="the CPU smoke shape")
@@ -671,3 +673,46 @@ def test_launch_durations_reads_the_last_call_from_ncu_csv():
     last = launch_durations.last_call(parsed, calls=2)
     assert [name for name, _ in last] == ["forward", "input_reduce_fusion", "dq"]
     assert [us for _, us in last] == [58.688, 19.392, 72.256]
+
+
+def test_timeline_reads_the_gpu_streams_of_a_trace(tmp_path):
+    """`profile timeline` keeps the GPU stream threads' complete events (not the
+    host's, not the GPU's derived "XLA Ops" line), orders them by start, and
+    reports each gap and the busy share of the span."""
+    meta = lambda ph_name, pid, tid, name: dict(ph="M", name=ph_name, pid=pid, tid=tid,
+                                                args=dict(name=name))
+    events = [
+        meta("process_name", 1, 0, "/host:CPU"), meta("thread_name", 1, 5, "python"),
+        meta("process_name", 2, 0, "/device:GPU:0"),
+        meta("thread_name", 2, 7, "Stream #7(Compute)"), meta("thread_name", 2, 9, "XLA Ops"),
+        dict(ph="X", pid=2, tid=7, name="dq", ts=130.0, dur=20.0),
+        dict(ph="X", pid=2, tid=7, name="forward", ts=100.0, dur=10.0),
+        dict(ph="X", pid=2, tid=7, name="dq", ts=160.0, dur=40.0),
+        dict(ph="X", pid=2, tid=9, name="fusion.1", ts=100.0, dur=10.0),
+        dict(ph="X", pid=1, tid=5, name="PjitFunction", ts=90.0, dur=200.0),
+    ]
+    folder = tmp_path / "plugins" / "profile" / "run"
+    folder.mkdir(parents=True)
+    import gzip
+    with gzip.open(folder / "host.trace.json.gz", "wt") as f:
+        json.dump(dict(traceEvents=events), f)
+    kernels = profile_timeline.gpu_kernels(profile_timeline.read_trace(tmp_path))
+    assert [(k["name"], k["ts"]) for k in kernels] == [("forward", 100.0), ("dq", 130.0),
+                                                       ("dq", 160.0)]
+    lines = profile_timeline.summarise(kernels, top=5)
+    assert lines[2] == "| 0 | 0.0 | 10.0 | 0.0 | forward |"
+    assert lines[3] == "| 1 | 30.0 | 20.0 | 20.0 | dq |"
+    assert lines[4] == "| 2 | 60.0 | 40.0 | 10.0 | dq |"
+    summary = next(line for line in lines if line.startswith("3 kernels"))
+    assert "span 100.0 µs" in summary and "busy 70.0 µs (70% of the span)" in summary
+    assert "| 60.0 | 86% | 2 | dq |" in lines
+
+
+@CPU_ONLY
+def test_launch_runs_the_layer_training_step(capsys):
+    """`profile launch --layer` runs the layer's step (the tools built on it, durations
+    and timeline, pass their arguments to it)."""
+    assert profile_launch.main(["--layer", "reference", "--shape", "tiny", "--implementation",
+                                "xla", "--dropout-rate", "0.1", "--calls", "1"]) == 0
+    assert "training steps of the reference layer at tiny, core xla, dropout 0.1" in (
+        capsys.readouterr().out)
