@@ -397,10 +397,12 @@ def test_attention_dropout_training_step_stays_on_the_kernels_gpu():
             assert rel_err(np.asarray(got, np.float32), want) < 6e-2, name
 
 
+@pytest.mark.parametrize("missing_biases", [(), (1, 2)], ids=["one-product", "separate"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_fused_projections_equal_one_dense_each(dtype):
-    """q, k, v and the gate from one product equal four `nn.Dense` applications
-    (same parameters; a missing bias adds nothing), in the compute dtype."""
+def test_fused_projections_equal_one_dense_each(dtype, missing_biases):
+    """q, k, v and the gate equal four `nn.Dense` applications with the same
+    parameters, in the compute dtype: one product where every projection has a
+    bias, one product each where some have none."""
     from flax import linen as nn
     from msa_pallas.layer_core import fused_projections
 
@@ -408,11 +410,15 @@ def test_fused_projections_equal_one_dense_each(dtype):
     x = jnp.asarray(rng.standard_normal((2, 3, 7, 16)), jnp.float32)
     projections = [
         (jnp.asarray(rng.standard_normal((16, 12)), jnp.float32),
-         None if i in (1, 2) else jnp.asarray(rng.standard_normal(12), jnp.float32))
+         None if i in missing_biases else jnp.asarray(rng.standard_normal(12), jnp.float32))
         for i in range(4)
     ]
     precision = jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
     fused = fused_projections(x, projections, dtype=dtype, precision=precision)
+    products = [eqn for eqn in jax.make_jaxpr(
+        lambda x: fused_projections(x, projections, dtype=dtype, precision=precision))(x).eqns
+        if eqn.primitive.name == "dot_general"]
+    assert len(products) == (4 if missing_biases else 1)
     for out, (kernel, bias) in zip(fused, projections, strict=True):
         params = {"kernel": kernel} if bias is None else {"kernel": kernel, "bias": bias}
         dense = nn.Dense(12, use_bias=bias is not None, dtype=dtype, precision=precision)
