@@ -41,14 +41,20 @@ def read_trace(log_dir: str | Path) -> dict:
         return json.load(f)
 
 
-def gpu_kernels(trace: dict) -> list[dict]:
-    """The complete events ("ph": "X") on the GPU devices' stream threads, by start
-    time: each a dict with name, ts and dur (microseconds), and the thread's name."""
-    events = trace.get("traceEvents", [])
+def _names(events: list[dict]) -> tuple[dict, dict]:
+    """(process name by pid, thread name by (pid, tid)) from a trace's metadata events."""
     processes = {e["pid"]: e["args"]["name"] for e in events
                  if e.get("ph") == "M" and e.get("name") == "process_name"}
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
                if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    return processes, threads
+
+
+def gpu_kernels(trace: dict) -> list[dict]:
+    """The complete events ("ph": "X") on the GPU devices' stream threads, by start
+    time: each a dict with name, ts and dur (microseconds), and the thread's name."""
+    events = trace.get("traceEvents", [])
+    processes, threads = _names(events)
     kernels = [
         dict(name=e.get("name", "?"), ts=float(e["ts"]), dur=float(e.get("dur", 0.0)),
              stream=threads.get((e["pid"], e.get("tid")), ""))
@@ -62,11 +68,8 @@ def gpu_kernels(trace: dict) -> list[dict]:
 def describe_threads(trace: dict) -> str:
     """The trace's processes and threads, one line each (to see why nothing matched)."""
     events = trace.get("traceEvents", [])
-    processes = {e["pid"]: e["args"]["name"] for e in events
-                 if e.get("ph") == "M" and e.get("name") == "process_name"}
+    processes, threads = _names(events)
     counts = collections.Counter((e.get("pid"), e.get("tid")) for e in events if e.get("ph") == "X")
-    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
     return "\n".join(f"  {processes.get(pid, pid)} / {threads.get((pid, tid), tid)}: {n} events"
                      for (pid, tid), n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
