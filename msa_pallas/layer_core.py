@@ -202,7 +202,9 @@ def fused_projections(x, projections, *, dtype=None, precision=None):
             dt = dtype or jnp.result_type(x, kernel, *(() if bias is None else (bias,)))
             y = jax.lax.dot_general(jnp.asarray(x, dt), jnp.asarray(kernel, dt), contract,
                                     precision=precision)
-            outputs.append(y if bias is None else y + jnp.asarray(bias, dt))
+            if bias is not None:  # leading axes spelled out, as rank promotion "raise" wants
+                y = y + jnp.asarray(bias, dt).reshape((1,) * (y.ndim - 1) + (-1,))
+            outputs.append(y)
         return tuple(outputs)
     kernels = [kernel for kernel, _ in projections]
     biases = [bias for _, bias in projections]
@@ -211,7 +213,8 @@ def fused_projections(x, projections, *, dtype=None, precision=None):
     y = jax.lax.dot_general(jnp.asarray(x, dt), kernel, contract, precision=precision)
     # [..., n, F] + [n, F]: one pass over the product writes every slice.
     y = y.reshape(*y.shape[:-1], len(projections), kernels[0].shape[-1])
-    y = y + jnp.stack([jnp.asarray(b, dt) for b in biases])
+    bias = jnp.stack([jnp.asarray(b, dt) for b in biases])
+    y = y + bias.reshape((1,) * (y.ndim - 2) + bias.shape)
     return tuple(y[..., i, :] for i in range(len(projections)))
 
 
