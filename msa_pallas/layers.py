@@ -8,10 +8,11 @@ variant (Algorithm 7 of the AF2 supplement).
 
 The projections produce `[*batch, S, N, H, d]` directly (`nn.Dense` parameters
 per projection, q, k, v and the gate computed by `layer_core.fused_projections`:
-one product where all four have biases; a free reshape to heads), and the gate logits are handed to
-`msa_pallas.msa_row_attention`, which applies `sigmoid(gate)` inside the
-kernel: no transposes of q, k, v, gate or output. The only transpose is of the
-small pair projection `[*batch, N, N, H] -> [*batch, H, N, N]`.
+one product where all four have biases; a free reshape to heads), and the gate
+logits are handed to `msa_pallas.msa_row_attention`, which applies
+`sigmoid(gate)` inside the kernel: no transposes of q, k, v, gate or output.
+The only transpose is of the small pair projection
+`[*batch, N, N, H] -> [*batch, H, N, N]`.
 
 Example::
 
