@@ -175,18 +175,12 @@ class HeadDropout:
         """Per head, the words of keys start <= j < start + length."""
         return self._words("key_words", start, length, self.key_layout)
 
-    def keep(self, head: int, query_words_per_head, key_words_per_head, shape):
-        """Head `head`'s keep mask of a `shape` tile (`kept`)."""
-        return kept(
-            query_words_per_head[head], key_words_per_head[head], shape, self.query_axis,
-            self.settings,
-        )
-
     def keeps(self, query_words_per_head, key_words_per_head, shape) -> tuple:
         """Per head, the `shape` tile's keep mask (`kept`)."""
         return tuple(
-            self.keep(h, query_words_per_head, key_words_per_head, shape)
-            for h in range(self.heads)
+            kept(query_words, key_words, shape, self.query_axis, self.settings)
+            for query_words, key_words in zip(query_words_per_head, key_words_per_head,
+                                              strict=True)
         )
 
     def drop(self, tiles, query_words_per_head, key_words_per_head) -> tuple:
