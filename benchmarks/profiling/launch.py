@@ -35,6 +35,9 @@ from msa_pallas import msa_row_attention, skipping_padding
 def layer_step_call(args):
     """The layer's training step (`args.layer`'s preset, bf16 compute): a call without
     arguments that runs it, the compiled program, and a line saying what it runs."""
+    if args.no_gate or args.bias_dtype != "input":
+        raise ValueError("--no-gate and --bias-dtype are the op's: the layer has its gate, "
+                         "and its bias takes the compute dtype")
     options = core_options(args.implementation)
     program = LayerProgram(layer_shape(args.shape), args.layer, args.dropout_rate,
                            jnp.bfloat16, DTYPES[args.dtype], options)
