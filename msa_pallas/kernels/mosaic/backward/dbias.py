@@ -164,7 +164,10 @@ def _dbias_kernel(
             plgpu.copy_smem_to_gmem(
                 out_smem, gmem["dbias"].at[chunk, batch, head * pair + h, queries, keys]
             )
-        plgpu.wait_smem_to_gmem(0)
+        # The CTA may end once its stores have read shared memory: their
+        # writes land before the kernel completes, and the next CTA on the
+        # SM need not wait for them.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     @pl.when(wg == consumers)
     def _producer():

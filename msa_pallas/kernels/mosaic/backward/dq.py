@@ -192,7 +192,10 @@ def _dq_kernel(
         copy_row_tile_to_gmem(
             row_tile_at(smem_tma[out_name], wg), gmem["dq"].at[batch, row, queries, head]
         )
-        plgpu.wait_smem_to_gmem(0)
+        # The CTA may end once its stores have read shared memory: their
+        # writes land before the kernel completes, and the next CTA on the
+        # SM need not wait for them.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     @pl.when(wg == msa_rows)
     def _producer():
