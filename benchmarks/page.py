@@ -7,7 +7,7 @@
 
 --page writes benchmarks/RESULTS.md: the current table with its command, commit, date and
 device, and its plot, from the newest complete results file in benchmarks/results/ that
-times msa_pallas against an alternative on MSA shapes (or the file named), the newest
+times msa_pallas against an alternative on the most MSA shapes (or the file named), the newest
 such file of the triangle shapes and the newest `model` results below it, and the index
 of the dated entries in benchmarks/log/. --readme writes README.md's results block from the same file
 (the 16-bit rows against the fastest alternative) between its lines `<!-- results: ... -->`
@@ -87,10 +87,18 @@ def _newest_op_table(folder: Path, has_shapes) -> Path | None:
 
 
 def newest_results(folder: Path = RESULTS_DIR) -> Path:
-    """The newest complete op results file in `folder` (by the date it records) that
-    times msa_pallas against an alternative on MSA shapes (not triangle shapes alone);
-    raises FileNotFoundError when there is none."""
-    newest = _newest_op_table(folder, lambda shapes: bool(shapes - set(TRIANGLE_SHAPES)))
+    """The current table: of the complete op results files in `folder` that time
+    msa_pallas against an alternative on MSA shapes (not triangle shapes alone), those
+    with the most MSA shapes, and of them the newest (by the date it records). A run of a
+    few shapes beside the table does not replace it. Raises FileNotFoundError when there
+    is none."""
+    def msa_shapes(results):
+        return len(_shapes(results) - set(TRIANGLE_SHAPES))
+
+    newest = _newest(folder, lambda results: "cases" in results
+                     and times_against_an_alternative(results) and complete(results)
+                     and msa_shapes(results) > 0,
+                     lambda results: (msa_shapes(results), last_date(results["metadata"])))
     if newest is None:
         raise FileNotFoundError(f"no complete op results file with an alternative in {folder}")
     return newest

@@ -199,6 +199,16 @@ def test_report_writes_the_page_from_the_newest_complete_results(tmp_path, capsy
         (folder / name).write_text(json.dumps(results))
     # An unfinished run and one without an alternative are not the current table.
     assert page.newest_results(folder) == folder / "b.json"
+    # Nor is a newer run of fewer shapes than the table.
+    two_shapes = _results("2026-12-01 08:00 UTC", "eee5555")
+    two_shapes["cases"].append(dict(copy.deepcopy(two_shapes["cases"][0]), shape="extra"))
+    (folder / "e.json").write_text(json.dumps(two_shapes))
+    assert page.newest_results(folder) == folder / "e.json"
+    fewer = _results("2026-12-05 09:00 UTC", "fff6666")
+    (folder / "f.json").write_text(json.dumps(fewer))
+    assert page.newest_results(folder) == folder / "e.json"
+    for name in ("e.json", "f.json"):
+        (folder / name).unlink()
     for name, heading in (("2026-12-01-01-first.md", "### 2026-12-01 · H200 — first"),
                           ("2026-12-02-01-second.md", "### 2026-12-02 · H200 — second")):
         (log / name).write_text(heading + "\n\ntext\n")
