@@ -23,67 +23,59 @@ def round_to_bf16(x):
     return lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
 
 
-def delta_now(dout, att, gate, row_max, row_log2_sum):
+def gate_terms(dout, att, gate):
+    """(float32 do before rounding, the gate's gradient) as the op's backward makes them."""
     s = jax.nn.sigmoid(gate.astype(jnp.float32))
     dout32 = dout.astype(jnp.float32)
-    do32 = dout32 * s
-    dgate = (dout32 * att * s * (1.0 - s)).astype(gate.dtype)
+    return dout32 * s, (dout32 * att * s * (1.0 - s)).astype(gate.dtype)
+
+
+def stacked(row_max, row_log2_sum, delta):
+    return jnp.stack([row_max, row_log2_sum, delta], axis=3)
+
+
+def delta_now(dout, att, gate, row_max, row_log2_sum):
+    do32, dgate = gate_terms(dout, att, gate)
     do32 = round_to_bf16(do32)
-    do = do32.astype(jnp.bfloat16)
     delta = jnp.sum(do32 * att, axis=-1)
     delta, dgate = lax.optimization_barrier((delta, dgate))
-    delta = jnp.swapaxes(delta, 2, 3)
-    return do, dgate, jnp.stack([row_max, row_log2_sum, delta], axis=3)
+    return do32.astype(jnp.bfloat16), dgate, stacked(row_max, row_log2_sum,
+                                                     jnp.swapaxes(delta, 2, 3))
 
 
 def delta_split(dout, att, gate, row_max, row_log2_sum):
-    s = jax.nn.sigmoid(gate.astype(jnp.float32))
-    dout32 = dout.astype(jnp.float32)
-    dgate = (dout32 * att * s * (1.0 - s)).astype(gate.dtype)
-    do = (dout32 * s).astype(jnp.bfloat16)
-    do, dgate = lax.optimization_barrier((do, dgate))
-    delta = jnp.sum(do.astype(jnp.float32) * att, axis=-1)
-    delta = lax.optimization_barrier(delta)
-    delta = jnp.swapaxes(delta, 2, 3)
-    return do, dgate, jnp.stack([row_max, row_log2_sum, delta], axis=3)
+    do32, dgate = gate_terms(dout, att, gate)
+    do, dgate = lax.optimization_barrier((do32.astype(jnp.bfloat16), dgate))
+    delta = lax.optimization_barrier(jnp.sum(do.astype(jnp.float32) * att, axis=-1))
+    return do, dgate, stacked(row_max, row_log2_sum, jnp.swapaxes(delta, 2, 3))
 
 
 def delta_dot(dout, att, gate, row_max, row_log2_sum):
-    s = jax.nn.sigmoid(gate.astype(jnp.float32))
-    dout32 = dout.astype(jnp.float32)
-    dgate = (dout32 * att * s * (1.0 - s)).astype(gate.dtype)
-    do32 = round_to_bf16(dout32 * s)
-    do = do32.astype(jnp.bfloat16)
+    do32, dgate = gate_terms(dout, att, gate)
+    do32 = round_to_bf16(do32)
     *lead, heads, d = att.shape
     ones = jnp.repeat(jnp.eye(heads, dtype=jnp.float32), d, axis=0)  # [H * d, H]
     delta = jnp.dot((do32 * att).reshape(*lead, heads * d), ones,
                     precision=lax.Precision.HIGHEST)
-    delta = jnp.swapaxes(delta, 2, 3)
-    return do, dgate, jnp.stack([row_max, row_log2_sum, delta], axis=3)
+    return do32.astype(jnp.bfloat16), dgate, stacked(row_max, row_log2_sum,
+                                                     jnp.swapaxes(delta, 2, 3))
 
 
 def delta_transposed(dout, att, gate, row_max, row_log2_sum):
     # delta summed straight into [B, S, H, N] (no barrier, XLA's choice).
-    s = jax.nn.sigmoid(gate.astype(jnp.float32))
-    dout32 = dout.astype(jnp.float32)
-    dgate = (dout32 * att * s * (1.0 - s)).astype(gate.dtype)
-    do32 = round_to_bf16(dout32 * s)
-    do = do32.astype(jnp.bfloat16)
+    do32, dgate = gate_terms(dout, att, gate)
+    do32 = round_to_bf16(do32)
     delta = jnp.sum(jnp.swapaxes(do32 * att, 2, 3), axis=-1)
-    return do, dgate, jnp.stack([row_max, row_log2_sum, delta], axis=3)
+    return do32.astype(jnp.bfloat16), dgate, stacked(row_max, row_log2_sum, delta)
 
 
 def delta_no_stack(dout, att, gate, row_max, row_log2_sum):
     # What the pass costs without the stack (a lower bound for writing delta into a
     # statistics buffer the forward leaves room in).
-    s = jax.nn.sigmoid(gate.astype(jnp.float32))
-    dout32 = dout.astype(jnp.float32)
-    dgate = (dout32 * att * s * (1.0 - s)).astype(gate.dtype)
-    do32 = round_to_bf16(dout32 * s)
-    do = do32.astype(jnp.bfloat16)
-    delta = jnp.sum(do32 * att, axis=-1)
-    delta, dgate = lax.optimization_barrier((delta, dgate))
-    return do, dgate, jnp.swapaxes(delta, 2, 3)
+    do32, dgate = gate_terms(dout, att, gate)
+    do32 = round_to_bf16(do32)
+    delta, dgate = lax.optimization_barrier((jnp.sum(do32 * att, axis=-1), dgate))
+    return do32.astype(jnp.bfloat16), dgate, jnp.swapaxes(delta, 2, 3)
 
 
 def mean_now(x):
