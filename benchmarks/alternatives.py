@@ -2,7 +2,8 @@
 
 `IMPLEMENTATIONS` maps a name to a builder `build(case) -> Callables`: msa_pallas (and
 its variants: the Triton or the Mosaic kernels forced, msa_pallas_skip, traced inside
-`msa_pallas.skipping_padding()`, and msa_pallas_dpa,
+`msa_pallas.skipping_padding()`, msa_pallas_skip_persistent, the same with the persistent
+Mosaic dq and dk/dv kernels, and msa_pallas_dpa,
 `msa_pallas.dot_product_attention` in tokamax's layouts), xla (msa_pallas' plain-jnp
 path, the reference of the forward check), cudnn (`jax.nn.dot_product_attention`),
 cuequivariance (`cuequivariance_jax.triangle_attention`), tokamax_mosaic and
@@ -65,8 +66,21 @@ def jitted_pair(op: Callable, info: dict | None = None) -> Callables:
 # --- msa_pallas and JAX's own ------------------------------------------------
 
 
+def persistent_backward_config(config, plan):
+    """`config` with the plan's Mosaic dq and dk/dv tiles made persistent
+    (`MosaicTiles.persistent`); as it is where the plan's backward is not Mosaic's."""
+    if plan.backward != "mosaic":
+        return config
+    tiles = dict(plan.backward_tiles)
+    return dataclasses.replace(config, mosaic_backward=msa_pallas.MosaicBackwardTiles(
+        dkdv=dataclasses.replace(tiles["dkdv"], persistent=True),
+        dq=dataclasses.replace(tiles["dq"], persistent=True),
+        dbias=tiles["dbias"], ping_pong=plan.ping_pong,
+    ))
+
+
 def _msa_pallas_builder(implementation: str | None, skip_padding: bool = False,
-                        ) -> Callable[[Case], Callables]:
+                        persistent_backward: bool = False) -> Callable[[Case], Callables]:
     def build(case: Case) -> Callables:
         _, rows, n, heads, d = case.dims
         # Without a GPU the kernels run in their interpreters.
@@ -74,15 +88,19 @@ def _msa_pallas_builder(implementation: str | None, skip_padding: bool = False,
         q_like = jax.ShapeDtypeStruct((1, rows, n, heads, d), case.dtype)
         bias_like = jax.ShapeDtypeStruct((1, heads, n, n), case.bias_dtype)
         plan = msa_pallas.explain(q_like, q_like, q_like, bias_like, implementation=chosen)
+        config = msa_pallas.default_block_config(n, d, case.dtype, case.bias_dtype)
+        if persistent_backward:
+            config = persistent_backward_config(config, plan)
+        block_config = config if persistent_backward else None
 
         def op(q, k, v, bias, mask):
             # Read when the call is traced, inside the jitted function.
             with msa_pallas.skipping_padding(skip_padding):
                 return msa_pallas.msa_row_attention(
-                    q, k, v, bias, mask, scale=case.scale, implementation=chosen
+                    q, k, v, bias, mask, scale=case.scale, implementation=chosen,
+                    block_config=block_config,
                 )
 
-        config = msa_pallas.default_block_config(n, d, case.dtype, case.bias_dtype)
         info = {"interpret": plan.interpret, "implementation": plan.implementation,
                 "forward_kernel": plan.forward, "skips_padding": skip_padding,
                 "block_config": dataclasses.asdict(config)}
@@ -98,6 +116,11 @@ build_msa_pallas_triton = _msa_pallas_builder("pallas")
 # What a user gets inside `msa_pallas.skipping_padding()`: the padding the mask
 # removes skipped (`msa_pallas.kernels.key_tiles`).
 build_msa_pallas_skip = _msa_pallas_builder(None, skip_padding=True)
+# msa_pallas_skip with the persistent Mosaic dq and dk/dv kernels (one CTA per SM),
+# whose CTAs write the dead row groups' gradients without a CTA each.
+build_msa_pallas_skip_persistent = _msa_pallas_builder(
+    None, skip_padding=True, persistent_backward=True
+)
 
 
 def build_msa_pallas_mosaic(case: Case) -> Callables:
@@ -308,6 +331,7 @@ IMPLEMENTATIONS: dict[str, Callable[[Case], Callables]] = {
     "msa_pallas_triton": build_msa_pallas_triton,
     "msa_pallas_mosaic": build_msa_pallas_mosaic,
     "msa_pallas_skip": build_msa_pallas_skip,
+    "msa_pallas_skip_persistent": build_msa_pallas_skip_persistent,
     "msa_pallas_dpa": build_msa_pallas_dpa,
     "xla": build_xla,
     "cudnn": build_cudnn,
@@ -320,7 +344,8 @@ IMPLEMENTATIONS: dict[str, Callable[[Case], Callables]] = {
 # never an alternative to beat, and its output is not checked.
 REFERENCE_POINTS = ("jax_mha_nobias",)
 # msa_pallas' own variants: checked, timed, never a yardstick.
-OWN_VARIANTS = ("msa_pallas_triton", "msa_pallas_mosaic", "msa_pallas_skip", "msa_pallas_dpa")
+OWN_VARIANTS = ("msa_pallas_triton", "msa_pallas_mosaic", "msa_pallas_skip",
+                "msa_pallas_skip_persistent", "msa_pallas_dpa")
 # What the full table measures unless asked for more: msa_pallas and every
 # alternative (the variants and reference points add half again to its time).
 TABLE_IMPLEMENTATIONS = tuple(

@@ -7,6 +7,7 @@ Mosaic GPU kernels' PTX is written to DIR as they compile (their SASS too with
 
     python -m benchmarks profile launch --shape 1x32x1024x8x32 --implementation mosaic
     python -m benchmarks profile launch --shape extra_padded --skip   # padding skipped
+    python -m benchmarks profile launch --shape extra_padded --skip --persistent-backward
     python -m benchmarks profile launch --shape finetune --dropout-rate 0.1
     python -m benchmarks profile launch --layer reference --shape train --dropout-rate 0.1
 
@@ -29,15 +30,16 @@ from benchmarks.layer import PRESETS, LayerProgram, core_options, layer_shape
 from benchmarks.profiling.forward import parse_shape
 from benchmarks.profiling.kernels import make_inputs
 from benchmarks.shapes import DTYPES, SHAPES, make_mask
-from msa_pallas import msa_row_attention, skipping_padding
+from benchmarks.alternatives import persistent_backward_config
+from msa_pallas import default_block_config, explain, msa_row_attention, skipping_padding
 
 
 def layer_step_call(args):
     """The layer's training step (`args.layer`'s preset, bf16 compute): a call without
     arguments that runs it, the compiled program, and a line saying what it runs."""
-    if args.no_gate or args.bias_dtype != "input":
-        raise ValueError("--no-gate and --bias-dtype are the op's: the layer has its gate, "
-                         "and its bias takes the compute dtype")
+    if args.no_gate or args.bias_dtype != "input" or args.persistent_backward:
+        raise ValueError("--no-gate, --bias-dtype and --persistent-backward are the op's: the "
+                         "layer has its gate, and its bias takes the compute dtype")
     options = core_options(args.implementation)
     program = LayerProgram(layer_shape(args.shape), args.layer, args.dropout_rate,
                            jnp.bfloat16, DTYPES[args.dtype], options)
@@ -58,11 +60,17 @@ def op_call(args):
     if args.shape in SHAPES:
         mask = make_mask(SHAPES[args.shape], jax.random.key(1))
 
+    implementation = None if args.implementation == "default" else args.implementation
+    block_config = None
+    if args.persistent_backward:
+        plan = explain(q, k, v, bias, mask != 0, gate, implementation=implementation)
+        block_config = persistent_backward_config(
+            default_block_config(q.shape[2], q.shape[-1], dtype, bias_dtype), plan)
+
     def loss(q, k, v, bias, gate):
-        implementation = None if args.implementation == "default" else args.implementation
         out = msa_row_attention(
             q, k, v, bias, mask != 0, gate, implementation=implementation,
-            dropout_rate=args.dropout_rate,
+            block_config=block_config, dropout_rate=args.dropout_rate,
             dropout_rng=jax.random.key(2) if args.dropout_rate else None,
         )
         return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32))
@@ -73,6 +81,7 @@ def op_call(args):
     return (lambda: grads(q, k, v, bias, gate)), grads, (
         f"forward+backward calls at {args.shape} {args.dtype}"
         + (" skipping padding" if args.skip else "")
+        + (", persistent dq and dk/dv" if args.persistent_backward else "")
         + (f", dropout {args.dropout_rate}" if args.dropout_rate else ""))
 
 
@@ -87,6 +96,8 @@ def make_parser(prog: str | None = None, description: str | None = None) -> argp
     parser.add_argument("--no-gate", action="store_true")
     parser.add_argument("--skip", action="store_true",
                         help="trace inside msa_pallas.skipping_padding()")
+    parser.add_argument("--persistent-backward", action="store_true",
+                        help="the Mosaic dq and dk/dv kernels persistent (one CTA per SM)")
     parser.add_argument("--dropout-rate", type=float, default=0.0,
                         help="attention dropout's rate (0: none)")
     parser.add_argument("--layer", choices=PRESETS, default=None,

@@ -8,7 +8,9 @@ session does not discover a broken script."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -349,6 +351,25 @@ def test_op_measures_each_bias_dtype_padded(tmp_path, capsys, monkeypatch):
     assert f"| {padded} (1,4,64,2,16) | bf16 | bf16 |" in table
     assert f"| {padded} | bf16 | bf16 | " in table  # the targets row
     assert f"- {padded} bf16 bias f32: 56% of keys kept, 1 MSA rows fully masked" in table
+
+
+def test_skip_persistent_variant_makes_the_mosaic_dq_and_dkdv_tiles_persistent():
+    """msa_pallas_skip_persistent: the plan's own Mosaic backward tiles, dq's and dk/dv's
+    persistent; a plan on the Triton backward keeps its config."""
+    q = jax.ShapeDtypeStruct((1, 8, 256, 8, 32), jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((1, 8, 256, 256), jnp.float32)
+    config = msa_pallas.default_block_config(256, 32, jnp.bfloat16, jnp.float32)
+    plan = msa_pallas.explain(q, q, q, bias, implementation="mosaic")
+    tiles = alternatives.persistent_backward_config(config, plan).mosaic_backward
+    planned = dict(plan.backward_tiles)
+    assert tiles.dq.persistent and tiles.dkdv.persistent and not tiles.dbias.persistent
+    assert tiles.dq == dataclasses.replace(planned["dq"], persistent=True)
+    assert tiles.dkdv == dataclasses.replace(planned["dkdv"], persistent=True)
+    assert tiles.dbias == planned["dbias"] and tiles.ping_pong == plan.ping_pong
+    triton = msa_pallas.explain(q, q, q, bias, implementation="triton")
+    assert alternatives.persistent_backward_config(config, triton) is config
+    assert "msa_pallas_skip_persistent" in alternatives.OWN_VARIANTS
+    assert "msa_pallas_skip_persistent" not in alternatives.TABLE_IMPLEMENTATIONS
 
 
 # --- the targets table -------------------------------------------------------------------

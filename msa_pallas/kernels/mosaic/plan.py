@@ -286,12 +286,17 @@ def dkdv_plan(
         smem["dead_dv"] = smem_vectors((msa_rows, 1, tile_dim), jnp.float32)
         copies["dead_dv"] = ("dead_dv",)
         produced["dead_dv"] = msa_rows
+    # Work items, the MSA-row groups fastest.
+    items = (batch * heads // pair, pl.cdiv(n_res, block_k), rows // msa_rows)
+    if tiles.persistent:
+        grid, grid_names = (min(math.prod(items), multiprocessors(interpret)),), ("ctas",)
+    else:
+        grid, grid_names = items[::-1], ("row_groups", "key_tiles", "batch_heads")
     return KernelPlan(
         name="msa_mosaic_dkdv", smem=smem, copies=copies,
         produced_barriers=produced,
         consumed_barriers={"step": stages}, consumers=msa_rows,
-        grid=(rows // msa_rows, pl.cdiv(n_res, block_k), batch * heads // pair),
-        grid_names=("row_groups", "key_tiles", "batch_heads"),
+        grid=grid, grid_names=grid_names, work_items=items,
     )
 
 
@@ -336,12 +341,17 @@ def dq_plan(
         smem["key_words"] = _ring_words(stages, msa_rows, pair, block_k)
         key_copies += ("key_words",)
     copies = {"q": ("q", "do", "stats"), "step": key_copies * msa_rows + ("bias",) * pair}
+    # Work items, the MSA-row groups fastest.
+    items = (batch * heads // pair, pl.cdiv(n_res, block_q), rows // msa_rows)
+    if tiles.persistent:
+        grid, grid_names = (min(math.prod(items), multiprocessors(interpret)),), ("ctas",)
+    else:
+        grid, grid_names = items[::-1], ("row_groups", "query_tiles", "batch_heads")
     return KernelPlan(
         name="msa_mosaic_dq", smem=smem, copies=copies,
         produced_barriers={"q": msa_rows, "step": stages},
         consumed_barriers={"step": stages}, consumers=msa_rows,
-        grid=(rows // msa_rows, pl.cdiv(n_res, block_q), batch * heads // pair),
-        grid_names=("row_groups", "query_tiles", "batch_heads"),
+        grid=grid, grid_names=grid_names, work_items=items,
     )
 
 

@@ -35,8 +35,11 @@ class MosaicTiles:
         `MosaicBackwardTiles.ping_pong` instead.
       persistent: the forward launches one CTA per SM, each looping over
         its share of the (MSA-row group, query tile, batch-head) work items,
-        so that one item's epilogue overlaps the loads of the next. The
-        backward kernels ignore it.
+        so that one item's epilogue overlaps the loads of the next. The dq
+        and dk/dv kernels take it too (`work_items.BackwardItems`: skipping
+        padding, the dead row groups at the end of the alignment get their
+        results without a CTA each); not chosen by default, not yet timed.
+        The bias-gradient kernel ignores it.
     """
 
     block_q: int = 64

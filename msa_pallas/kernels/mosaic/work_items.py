@@ -1,4 +1,4 @@
-"""Which work items a forward CTA serves, and in what order.
+"""Which work items a persistent CTA serves, and in what order.
 
 The forward's work items are (batch, head, MSA-row group, first query),
 counted over `grid` = (B * H, query tiles, row groups) with the row groups
@@ -12,14 +12,23 @@ read at run time: those before the last group that keeps a key) have
 items: the dead groups after them (padding rows at the end of the
 alignment) take none, so a padded batch's items are as many as its live
 rows need, and their results are filled in by the caller.
+
+The persistent dq and dk/dv kernels' items (`BackwardItems`) are counted
+the same way, a query or key tile in place of the first query; their
+CTAs write the dead groups' results themselves, after their live items:
+a few stores per row group, where the one-CTA-per-item grid spends a CTA
+on each of its items.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
-from msa_pallas.kernels.mosaic.pipeline import batch_head_and_warpgroup
+from msa_pallas.kernels.mosaic.pipeline import (
+    batch_head_and_warpgroup, consumer_registers, producer_registers,
+)
 
 
 class ForwardItems:
@@ -87,3 +96,109 @@ class ForwardItems:
                         index + 1 < self.items_here)
 
         return lax.fori_loop(0, self.items_here, visit, jnp.int32(0))
+
+
+# The stores of dead row groups' results a persistent backward consumer keeps
+# in flight (their tiles hold the same values from store to store).
+DEAD_STORES_IN_FLIGHT = 8
+
+
+class BackwardItems:
+    """A persistent backward CTA's work items (one CTA per SM, the "ctas"
+    axis): (batch, head, row group, tile) over `grid` = (B * H', tiles, row
+    groups), the row groups fastest as in the one-CTA-per-item grids, the
+    tile being a query tile (dq) or a key tile (dk/dv).
+
+    `live_groups` (a traced int32, or None for all): the row groups before
+    it have items, run in full; those from it on are dead (padding rows at
+    the end of the alignment, `key_tiles.visited_row_groups`) and only
+    write their fixed results, a (batch, head, row group) at a time: every
+    tile of a dead group takes the same values. CTA `cta` takes items (and
+    dead groups) cta, cta + ctas, ..."""
+
+    def __init__(self, grid, heads: int, live_groups=None):
+        self.grid, self.heads = grid, heads
+        self.groups = grid[2] if live_groups is None else lax.clamp(0, live_groups, grid[2])
+        self.ctas, self.cta = lax.axis_size("ctas"), lax.axis_index("ctas")
+
+    def _for_each(self, count, work) -> None:
+        """`work(index)` for this CTA's share of `count` indices."""
+        here = count // self.ctas + (self.cta < count % self.ctas).astype(jnp.int32)
+
+        @pl.loop(0, here)
+        def _(index):
+            work(index * self.ctas + self.cta)
+
+    def for_each_live(self, work) -> None:
+        """`work(batch, head, row_group, tile)` for this CTA's live items, in order."""
+        batch_heads, tiles, _ = self.grid
+        # At least one group in the numbering, so that no item divides by 0.
+        groups = lax.max(self.groups, 1)
+
+        def item(linear):
+            batch_head = lax.div(linear, groups * tiles)
+            work(lax.div(batch_head, self.heads), lax.rem(batch_head, self.heads),
+                 lax.rem(linear, groups), lax.rem(lax.div(linear, groups), tiles))
+
+        self._for_each(batch_heads * tiles * self.groups, item)
+
+    def for_each_dead_group(self, work) -> None:
+        """`work(batch, head, row_group)` for this CTA's share of the dead row
+        groups (of every batch element and head)."""
+        batch_heads, _, groups = self.grid
+        dead = groups - self.groups
+
+        def unit(linear):
+            batch_head = lax.div(linear, lax.max(dead, 1))
+            work(lax.div(batch_head, self.heads), lax.rem(batch_head, self.heads),
+                 self.groups + lax.rem(linear, lax.max(dead, 1)))
+
+        self._for_each(batch_heads * dead, unit)
+
+
+def serve_items(consume, produce, bounds_of, *, consumers: int, heads: int, persistent: bool,
+                tile_axis: str, work_items=None, live_groups=None, dead_groups=None) -> None:
+    """A backward kernel's warp-specialised body over its work items
+    (batch, head, row group, tile): the consumer warpgroups (wg < consumers)
+    run `consume(*item, lb, ub)` for each, the producer `produce(*item, lb,
+    ub)`, with the loop bounds `(lb, ub) = bounds_of(*item)`.
+
+    One CTA per item (not `persistent`): the grid's "batch_heads",
+    "row_groups" and `tile_axis` axes name it. Persistent: the CTA's share
+    of `work_items` (`BackwardItems`, live up to `live_groups`), then, on
+    the consumers, `dead_groups(items)` (None: nothing) for the dead ones.
+    """
+    wg = lax.axis_index("wg")
+    if not persistent:
+        batch, head, _ = batch_head_and_warpgroup(heads)
+        item = (batch, head, lax.axis_index("row_groups"), lax.axis_index(tile_axis))
+        bounds = bounds_of(*item)
+
+        @pl.when(wg < consumers)
+        def _consumer():
+            consumer_registers(consumers)
+            consume(*item, *bounds)
+
+        @pl.when(wg == consumers)
+        def _producer():
+            producer_registers()
+            produce(*item, *bounds)
+
+        return
+
+    items = BackwardItems(work_items, heads, live_groups)
+
+    def with_bounds(run):
+        return lambda *item: run(*item, *bounds_of(*item))
+
+    @pl.when(wg < consumers)
+    def _consumer():
+        consumer_registers(consumers)
+        items.for_each_live(with_bounds(consume))
+        if dead_groups is not None:
+            dead_groups(items)
+
+    @pl.when(wg == consumers)
+    def _producer():
+        producer_registers()
+        items.for_each_live(with_bounds(produce))

@@ -25,6 +25,7 @@ key tile), N no whole number of tiles (and no multiple of 8).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import jax
@@ -199,6 +200,31 @@ def test_bias_gradient_over_row_chunks(seed):
                  regrouped=("dbias",))
 
 
+@pytest.mark.parametrize("kernel", ["dq", "dkdv"])
+def test_persistent_kernel_equals_one_cta_per_item(kernel, seed):
+    """The persistent dq and dk/dv kernels (one CTA per SM,
+    `tiles.persistent`) on padding rows at the end of the alignment: rows
+    5-7 dead in every batch element, so row group (6, 7) has no loop, only
+    its stores (dq = dk = 0, dv the mean of do); row 1 dead in the middle,
+    batch element 1 all padding, the last quarter of the residues masked.
+    Skipping and not (every group live), against float64 and bitwise
+    against the kernel of one CTA per item."""
+    rows, n_res = 8, 72
+    keep = padded_keep("end", 2, rows, n_res, np.random.default_rng(seed))
+    keep[:, 5:] = False
+    inputs = inputs_with_keep(seed, keep, 2, 8, jnp.bfloat16, jnp.float32)
+    operands, scale = helpers.mosaic_backward_operands(inputs)
+    per_item = MosaicBackwardTiles(dkdv=PAIRS, dq=PAIRS, dbias=PAIRS)
+    per_sm = dataclasses.replace(per_item, **{kernel: dataclasses.replace(PAIRS, persistent=True)})
+    check_padded(inputs, operands, scale, per_sm, (kernel,), label=f"persistent {kernel}")
+    for skip in (True, False):
+        expected = run_kernels(operands, scale, per_item, (kernel,), skip=skip)
+        got = run_kernels(operands, scale, per_sm, (kernel,), skip=skip)
+        for name in KERNEL_OUTPUTS[kernel]:
+            np.testing.assert_array_equal(helpers.to_f64(got[name]), helpers.to_f64(expected[name]),
+                                          err_msg=f"{name} skip={skip}")
+
+
 class _Launched(Exception):
     """Raised by the spied launch: the inputs are all a test wants."""
 
@@ -270,6 +296,29 @@ def test_gpu_shapes_lower_with_skipping(shape):
             assert "mosaic_gpu" in text, (shape, bias_dtype, kernel)
 
 
+@pytest.mark.parametrize("kernel", ["dq", "dkdv"])
+@pytest.mark.parametrize("shape", ["N333", "d8"])
+def test_persistent_kernels_lower_for_the_gpu(shape, kernel):
+    """The persistent dq and dk/dv kernels lower for CUDA at the GPU tests'
+    shapes with their default tiles made persistent, skipping and not, both
+    bias widths."""
+    dims = GPU_SHAPES[shape]
+    function = getattr(mosaic_backward, f"backward_{kernel}")
+    for bias_dtype in (jnp.float32, jnp.bfloat16):
+        operands = mosaic_lowering.backward_operands(dims, jnp.bfloat16, bias_dtype)
+        tiles = mosaic_backward.default_tiles(dims, jnp.bfloat16, bias_dtype)
+        persistent = dataclasses.replace(getattr(tiles, kernel), persistent=True)
+        for skip in (True, False):
+            text = mosaic_lowering.lowered_for_cuda(
+                lambda *args: function(  # noqa: B023
+                    *args, scale=0.2, tiles=persistent, interpret=False,  # noqa: B023
+                    skip_masked=skip,  # noqa: B023
+                ),
+                *operands,
+            )
+            assert "mosaic_gpu" in text, (shape, bias_dtype, skip)
+
+
 # --- On the GPU: train-like sizes, the padded mask of the benchmarks. ---
 
 def gpu_residuals(inputs):
@@ -309,6 +358,30 @@ def test_gpu_skipping_changes_nothing(shape, bias_dtype, seed):
     tiles = mosaic_backward.default_tiles(inputs.q.shape, jnp.bfloat16, bias_dtype)
     check_padded(inputs, operands, scale, tiles, interpret=False, label=f"gpu padded {shape}",
                  regrouped=("dbias",))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", list(GPU_SHAPES))
+def test_gpu_persistent_kernels_equal_one_cta_per_item(shape, seed):
+    """The compiled persistent dq and dk/dv kernels (their default tiles,
+    one CTA per SM) on the padded mask, whose last quarter of MSA rows is
+    dead: bitwise the one-CTA-per-item kernels' gradients, skipping and not."""
+    dims = GPU_SHAPES[shape]
+    inputs = inputs_with_keep(seed, benchmark_padded_keep(dims), *dims[3:], jnp.bfloat16,
+                              jnp.float32)
+    operands, scale = gpu_residuals(inputs)
+    tiles = mosaic_backward.default_tiles(inputs.q.shape, jnp.bfloat16, jnp.float32)
+    persistent = dataclasses.replace(
+        tiles, dq=dataclasses.replace(tiles.dq, persistent=True),
+        dkdv=dataclasses.replace(tiles.dkdv, persistent=True),
+    )
+    for skip in (True, False):
+        expected = run_kernels(operands, scale, tiles, ("dq", "dkdv"), skip=skip, interpret=False)
+        got = run_kernels(operands, scale, persistent, ("dq", "dkdv"), skip=skip, interpret=False)
+        for name, value in got.items():
+            helpers.assert_finite(value, name)
+            np.testing.assert_array_equal(helpers.to_f64(value), helpers.to_f64(expected[name]),
+                                          err_msg=f"{name} skip={skip}")
 
 
 @pytest.mark.gpu

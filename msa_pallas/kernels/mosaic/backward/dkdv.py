@@ -34,8 +34,7 @@ from msa_pallas.kernels.mosaic.matmul import (
     WGMMA_COL, WGMMA_ROW, accumulate_products, matrix_operand, smem_products, zeros,
 )
 from msa_pallas.kernels.mosaic.pipeline import (
-    PingPong, batch_head_and_warpgroup, consumer_registers, copy_tiles, launch, produce,
-    producer_registers, ring_slot, run_when,
+    PingPong, copy_tiles, launch, produce, ring_slot, run_when,
 )
 from msa_pallas.kernels.mosaic.plan import dkdv_plan
 from msa_pallas.kernels.mosaic.smem import (
@@ -44,12 +43,13 @@ from msa_pallas.kernels.mosaic.smem import (
 )
 from msa_pallas.kernels.mosaic.support import check_kernel_inputs
 from msa_pallas.kernels.mosaic.tiles import MosaicTiles
+from msa_pallas.kernels.mosaic.work_items import DEAD_STORES_IN_FLIGHT, serve_items
 
 
 def _dkdv_kernel(
     gmem, smem, produced, consumed, schedule, *, scale: float, n_res: int, tiles: MosaicTiles,
     msa_rows: int, heads: int, heads_per_tile: int, dtype, ping_pong: bool, interpret: bool,
-    row_views: tuple[str, ...] = (), tile_bounds=None, dropout=None,
+    row_views: tuple[str, ...] = (), tile_bounds=None, dropout=None, work_items=None,
 ):
     """`heads`: the heads of q, k and v as the kernel sees them, each
     `heads_per_tile` heads of the bias and statistics (2 for d = 8).
@@ -61,34 +61,39 @@ def _dkdv_kernel(
     the other rows), as `backward_dkdv` makes them. `dropout`
     (`dropout_words.Dropout`): gmem holds "query_words" and "key_words"
     (`dropout_words.word_operands`); each consumer reads its keys' words
-    once, and the producer copies each step's query words into its slot."""
+    once, and the producer copies each step's query words into its slot.
+    With `tiles.persistent`, `work_items` = (B * H', key tiles, row groups),
+    which the CTAs share out (`work_items.BackwardItems`): the row groups
+    from gmem's "row_groups" on (all dead) take no loop, only their dk = 0
+    and dv = the mean of their `do` ("dead_dv")."""
     smem_tma, smem = split_row_views(smem, row_views)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair = heads_per_tile
     query_tiles = pl.cdiv(n_res, block_q)
     tile_dim = gmem["dk"].shape[-1]
     has_mask = "mask" in gmem
-    batch, head, wg = batch_head_and_warpgroup(heads)
-    row_group = lax.axis_index("row_groups")
-    keys = pl.ds(lax.axis_index("key_tiles") * block_k, block_k)
-    # The query tiles the loop visits, lb <= query tile < ub; the consumers
-    # and the producer both read them here, so they agree on the ring's
-    # steps. With a mask: every query tile where a row of the group keeps a
-    # key of the tile, else none.
-    lb, ub = 0, query_tiles
-    if tile_bounds is not None:
-        lb, ub = tile_bounds((batch, head, row_group, keys.start), query_tiles)
-    elif "visited" in gmem:
-        # An int32 lower bound, not a Python 0: the producer's first steps'
-        # query tiles then stay unknown at trace time, where a tile past N
-        # would fail the slice's bounds check.
-        lb = jnp.int32(0)
-        ub = gmem["visited"][batch, row_group, lax.axis_index("key_tiles")] * query_tiles
-    visits = True if isinstance(lb, int) else lb < ub
+    wg = lax.axis_index("wg")
+    # 16-bit: K's and V's tiles are free after the loop and hold the
+    # gradients on their way out.
+    dk_name, dv_name = ("dk", "dv") if "dk" in smem else ("k", "v")
 
-    @pl.when(wg < msa_rows)
-    def _consumer():
-        consumer_registers(msa_rows)
+    def query_tiles_of(batch, head, row_group, key_tile):
+        """The query tiles the item's loop visits, lb <= query tile < ub; the
+        consumers and the producer both read them here, so they agree on
+        the ring's steps. With a mask: every query tile where a row of the
+        group keeps a key of the tile, else none."""
+        if tile_bounds is not None:
+            return tile_bounds((batch, head, row_group, key_tile * block_k), query_tiles)
+        if "visited" in gmem:
+            # An int32 lower bound, not a Python 0: the producer's first
+            # steps' query tiles then stay unknown at trace time, where a
+            # tile past N would fail the slice's bounds check.
+            return jnp.int32(0), gmem["visited"][batch, row_group, key_tile] * query_tiles
+        return 0, query_tiles
+
+    def consume_item(batch, head, row_group, key_tile, lb, ub):
+        keys = pl.ds(key_tile * block_k, block_k)
+        visits = True if isinstance(lb, int) else lb < ub
         row = row_group * msa_rows + wg
         k_smem, v_smem = operand_at(smem["k"], wg), operand_at(smem["v"], wg)
 
@@ -181,8 +186,6 @@ def _dkdv_kernel(
             plgpu.barrier_wait(produced["dead_dv"].at[wg])
             dead_dv = plgpu.load(smem["dead_dv"].at[wg, 0, pl.ds(0, tile_dim)], layout=WGMMA_COL)
             dv = dv + lax.broadcast_in_dim(dead_dv * skipped, dv.shape, [1])
-        # 16-bit: K's and V's tiles are free again and hold the gradients on their way out.
-        dk_name, dv_name = ("dk", "dv") if "dk" in smem else ("k", "v")
         store_row_tile(row_tile_at(smem[dk_name], wg), (dk * scale).astype(dtype))
         store_row_tile(row_tile_at(smem[dv_name], wg), dv.astype(dtype))
         plgpu.commit_smem()
@@ -190,14 +193,14 @@ def _dkdv_kernel(
             copy_row_tile_to_gmem(
                 row_tile_at(smem_tma[tile], wg), gmem[name].at[batch, row, keys, head]
             )
-        # The CTA may end once its stores have read shared memory: their
+        # The tiles are read out before the CTA ends or its next item loads
+        # them. The CTA may end once its stores have read shared memory: their
         # writes land before the kernel completes, and the next CTA on the
         # SM need not wait for them.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    @pl.when(wg == msa_rows)
-    def _producer():
-        producer_registers()
+    def produce_item(batch, head, row_group, key_tile, lb, ub):
+        keys = pl.ds(key_tile * block_k, block_k)
         first_row = row_group * msa_rows
 
         def issue_copies(query_tile, slot):
@@ -225,6 +228,49 @@ def _dkdv_kernel(
 
         produce(lb, ub, stages, issue_copies, consumed["step"])
 
+    def dead_groups(items):
+        """A dead row group's dk is 0 and each key's dv its row's mean of do:
+        per group one load of that mean, then the same two tiles stored for
+        every key tile (the last item's stores have read the tiles)."""
+        store_row_tile(row_tile_at(smem[dk_name], wg), zeros((block_k, tile_dim)).astype(dtype))
+
+        @items.for_each_dead_group
+        def _(batch, head, row_group):
+            row = row_group * msa_rows + wg
+            plgpu.copy_gmem_to_smem(
+                gmem["dead_dv"].at[batch, pl.ds(row, 1), head],
+                smem["dead_dv"].at[wg, :, pl.ds(0, tile_dim)], produced["dead_dv"].at[wg],
+            )
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last group's dv tile
+            plgpu.barrier_wait(produced["dead_dv"].at[wg])
+            dead_dv = plgpu.load(smem["dead_dv"].at[wg, 0, pl.ds(0, tile_dim)], layout=WGMMA_COL)
+            # In the accumulators' layout, as the loop's dv.
+            dv = zeros((block_k, tile_dim)) + lax.broadcast_in_dim(
+                dead_dv, (block_k, tile_dim), [1]
+            )
+            store_row_tile(row_tile_at(smem[dv_name], wg), dv.astype(dtype))
+            plgpu.commit_smem()
+
+            @pl.loop(0, pl.cdiv(n_res, block_k))
+            def _(key_tile):
+                keys = pl.ds(key_tile * block_k, block_k)
+                plgpu.wait_smem_to_gmem(DEAD_STORES_IN_FLIGHT, wait_read_only=True)
+                for name, tile in (("dk", dk_name), ("dv", dv_name)):
+                    copy_row_tile_to_gmem(
+                        row_tile_at(smem_tma[tile], wg), gmem[name].at[batch, row, keys, head]
+                    )
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    # Dead row groups only where padding is skipped ("dead_dv", "row_groups").
+    persistent_skip = tiles.persistent and "row_groups" in gmem
+    serve_items(
+        consume_item, produce_item, query_tiles_of, consumers=msa_rows, heads=heads,
+        persistent=tiles.persistent, tile_axis="key_tiles", work_items=work_items,
+        live_groups=gmem["row_groups"][0] if persistent_skip else None,
+        dead_groups=dead_groups if persistent_skip else None,
+    )
+
 
 @functools.partial(
     jax.jit,
@@ -249,6 +295,13 @@ def backward_dkdv(
     there, and dead rows beside them, are computed as without the mask's
     help.
 
+    With `tiles.persistent` one CTA per SM loops over its share of the
+    work items (`work_items.BackwardItems`); skipping padding, the row
+    groups after the last that keeps a key (padding rows at the end of the
+    alignment) have no item of their own: each CTA then loads the mean of
+    `do` of its share of their rows once per row and stores it (and dk = 0)
+    to every key tile. Not with dropout.
+
     Args:
       tile_bounds: None, or, to test the pipeline's runtime bounds,
         `tile_bounds(work, tiles) -> (lb, ub)`: the tiles of the loop,
@@ -268,6 +321,8 @@ def backward_dkdv(
     pair = tile_heads(q.shape, q.dtype)
     skips = mask is not None and skip_masked and tile_bounds is None
     dropout = check_dropout(dropout_seeds, dropout_rate, q.shape, skips_masked=skip_masked)
+    if tiles.persistent and dropout is not None:
+        raise ValueError("the persistent dk/dv kernel (tiles.persistent) takes no dropout")
     dead_dv = None
     if skips:
         dead = key_tiles.dead_rows(mask, n_res)[:, :, None, None]
@@ -290,6 +345,10 @@ def backward_dkdv(
         kept = key_tiles.kept_key_tiles(mask, n_res, tiles.block_k)
         kept = jnp.any(kept.reshape(batch, rows // msa_rows, msa_rows, -1), axis=2)
         inputs |= {"visited": kept.astype(jnp.int32), "dead_dv": dead_dv}
+        if tiles.persistent:
+            inputs["row_groups"] = key_tiles.visited_row_groups(
+                key_tiles.key_tile_bounds(mask, n_res, tiles.block_k, msa_rows)
+            )
     out_types = {"dk": jax.ShapeDtypeStruct(k.shape[pieces > 1:], q.dtype),
                  "dv": jax.ShapeDtypeStruct(k.shape[pieces > 1:], q.dtype)}
     kernel_plan = dkdv_plan(
@@ -301,7 +360,7 @@ def backward_dkdv(
         _dkdv_kernel, scale=scale, n_res=n_res, tiles=tiles,
         msa_rows=msa_rows, heads=heads // pair, heads_per_tile=pair, dtype=q.dtype,
         ping_pong=ping_pong, interpret=interpret, row_views=row_view_names(kernel_plan.smem),
-        tile_bounds=tile_bounds, dropout=dropout,
+        tile_bounds=tile_bounds, dropout=dropout, work_items=kernel_plan.work_items,
     )
     dk, dv = launch(body, kernel_plan, inputs=inputs, out_types=out_types, interpret=interpret)
     return dk.reshape(q.shape), dv.reshape(q.shape)

@@ -29,8 +29,7 @@ from msa_pallas.kernels.mosaic.matmul import (
     WGMMA_COL, WGMMA_ROW, accumulate_products, matrix_operand, smem_products, zeros,
 )
 from msa_pallas.kernels.mosaic.pipeline import (
-    PingPong, batch_head_and_warpgroup, consumer_registers, copy_tiles, launch, produce,
-    producer_registers, ring_slot, run_when,
+    PingPong, copy_tiles, launch, produce, ring_slot, run_when,
 )
 from msa_pallas.kernels.mosaic.plan import dq_plan
 from msa_pallas.kernels.mosaic.smem import (
@@ -39,6 +38,7 @@ from msa_pallas.kernels.mosaic.smem import (
 )
 from msa_pallas.kernels.mosaic.support import check_kernel_inputs
 from msa_pallas.kernels.mosaic.tiles import MosaicTiles
+from msa_pallas.kernels.mosaic.work_items import DEAD_STORES_IN_FLIGHT, serve_items
 
 
 def _copy_key_tiles(gmem, smem_tma, smem, rows, batch, keys, head, pair, slot, barrier):
@@ -95,37 +95,42 @@ def _query_major_ds(
 def _dq_kernel(
     gmem, smem, produced, consumed, schedule, *, scale: float, n_res: int, tiles: MosaicTiles,
     msa_rows: int, heads: int, heads_per_tile: int, dtype, ping_pong: bool, interpret: bool,
-    row_views: tuple[str, ...] = (), tile_bounds=None, dropout=None,
+    row_views: tuple[str, ...] = (), tile_bounds=None, dropout=None, work_items=None,
 ):
     """`heads`, `heads_per_tile`, `row_views` and `dropout` as in
     `dkdv._dkdv_kernel` (here the queries' words are the consumer's for
     good, and the producer copies each step's key words into its slot);
-    `tile_bounds` as in `backward_dq`."""
+    `tile_bounds` as in `backward_dq`. With `tiles.persistent`,
+    `work_items` = (B * H', query tiles, row groups), which the CTAs share
+    out (`work_items.BackwardItems`): the row groups from gmem's
+    "row_groups" on (all dead) take no loop, only their dq = 0."""
     smem_tma, smem = split_row_views(smem, row_views)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair = heads_per_tile
     key_tile_count = pl.cdiv(n_res, block_k)
     has_mask = "mask" in gmem
-    batch, head, wg = batch_head_and_warpgroup(heads)
-    row_group = lax.axis_index("row_groups")
-    queries = pl.ds(lax.axis_index("query_tiles") * block_q, block_q)
-    # The key tiles the loop visits, lb <= key tile < ub; the consumers and
-    # the producer both read them here, so they agree on the ring's steps.
-    # With a mask: the tiles that hold every key the group's rows keep
-    # (none for a group of dead rows, whose dq is 0).
-    lb, ub = 0, key_tile_count
-    if tile_bounds is not None:
-        lb, ub = tile_bounds((batch, head, row_group, queries.start), key_tile_count)
-    elif "key_tile_bounds" in gmem:
-        lb, ub = (gmem["key_tile_bounds"][batch, row_group, i] for i in range(2))
-    # A CTA whose loop runs no step (a group of dead rows) loads nothing:
-    # its dq is 0.
-    visits = True if isinstance(lb, int) else lb < ub
+    wg = lax.axis_index("wg")
+    tile_dim = gmem["dq"].shape[-1]
+    # 16-bit: q's tile is free after the loop and holds dq on its way out.
+    out_name = "dq" if "dq" in smem else "q"
 
-    @pl.when(wg < msa_rows)
-    def _consumer():
-        consumer_registers(msa_rows)
+    def key_tiles_of(batch, head, row_group, query_tile):
+        """The key tiles the item's loop visits, lb <= key tile < ub; the
+        consumers and the producer both read them here, so they agree on the
+        ring's steps. With a mask: the tiles that hold every key the group's
+        rows keep (none for a group of dead rows, whose dq is 0)."""
+        if tile_bounds is not None:
+            return tile_bounds((batch, head, row_group, query_tile * block_q), key_tile_count)
+        if "key_tile_bounds" in gmem:
+            return tuple(gmem["key_tile_bounds"][batch, row_group, i] for i in range(2))
+        return 0, key_tile_count
+
+    def consume_item(batch, head, row_group, query_tile, lb, ub):
+        queries = pl.ds(query_tile * block_q, block_q)
         row = row_group * msa_rows + wg
+        # An item whose loop runs no step (a group of dead rows) loads
+        # nothing: its dq is 0.
+        visits = True if isinstance(lb, int) else lb < ub
         q_smem, do_smem = operand_at(smem["q"], wg), operand_at(smem["do"], wg)
 
         def load_queries():
@@ -145,7 +150,7 @@ def _dq_kernel(
             smem, {"q": q_smem, "do": do_smem}, wg, pair, when=visits
         )
         if dropout is not None:
-            # The CTA's queries' words, for good.
+            # The item's queries' words, for good.
             row_dropout = HeadDropout(dropout, gmem, batch, row, head * pair, pair)
             query_words = row_dropout.query_words(queries.start, block_q)
         turns = PingPong(schedule, wg, enabled=ping_pong and msa_rows == 2)
@@ -179,27 +184,24 @@ def _dq_kernel(
             plgpu.barrier_arrive(consumed["step"].at[slot])
             return tuple(dqs)
 
-        tile_dim = gmem["dq"].shape[-1]
         dqs = lax.fori_loop(
             lb, ub, visit_key_tile, (zeros((block_q, tile_dim)),) * pair
         )
         turns.finish()
         dq = combine_head_columns(dqs)
-        # 16-bit: q's tile is free again and holds dq on its way out.
-        out_name = "dq" if "dq" in smem else "q"
         store_row_tile(row_tile_at(smem[out_name], wg), (dq * scale).astype(dtype))
         plgpu.commit_smem()
         copy_row_tile_to_gmem(
             row_tile_at(smem_tma[out_name], wg), gmem["dq"].at[batch, row, queries, head]
         )
+        # The tile is read out before the CTA ends or its next item loads it.
         # The CTA may end once its stores have read shared memory: their
         # writes land before the kernel completes, and the next CTA on the
         # SM need not wait for them.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    @pl.when(wg == msa_rows)
-    def _producer():
-        producer_registers()
+    def produce_item(batch, head, row_group, query_tile, lb, ub):
+        queries = pl.ds(query_tile * block_q, block_q)
         first_row = row_group * msa_rows
 
         def issue_copies(key_tile, slot):
@@ -216,6 +218,33 @@ def _dq_kernel(
                 )
 
         produce(lb, ub, stages, issue_copies, consumed["step"])
+
+    def dead_groups(items):
+        """The dead row groups' dq is 0: stores of one tile of zeros, written
+        once (the last item's store has read the tile), none awaited but to
+        keep a few in flight."""
+        store_row_tile(row_tile_at(smem[out_name], wg), zeros((block_q, tile_dim)).astype(dtype))
+        plgpu.commit_smem()
+
+        @items.for_each_dead_group
+        def _(batch, head, row_group):
+            @pl.loop(0, pl.cdiv(n_res, block_q))
+            def _(query_tile):
+                plgpu.wait_smem_to_gmem(DEAD_STORES_IN_FLIGHT, wait_read_only=True)
+                copy_row_tile_to_gmem(
+                    row_tile_at(smem_tma[out_name], wg),
+                    gmem["dq"].at[batch, row_group * msa_rows + wg,
+                                  pl.ds(query_tile * block_q, block_q), head],
+                )
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    serve_items(
+        consume_item, produce_item, key_tiles_of, consumers=msa_rows, heads=heads,
+        persistent=tiles.persistent, tile_axis="query_tiles", work_items=work_items,
+        live_groups=gmem["row_groups"][0] if "row_groups" in gmem else None,
+        dead_groups=dead_groups if "row_groups" in gmem else None,
+    )
 
 
 @functools.partial(
@@ -238,6 +267,12 @@ def backward_dq(
     the tiles it leaves out would add exactly 0. A CTA of dead rows runs
     no step and loads none of its q, do and statistics: it writes dq = 0.
 
+    With `tiles.persistent` one CTA per SM loops over its share of the
+    work items (`work_items.BackwardItems`); skipping padding, the row
+    groups after the last that keeps a key (padding rows at the end of the
+    alignment) have no item of their own: each CTA then stores zeros for
+    its share of their tiles. Not with dropout.
+
     Args:
       tile_bounds: None, or, to test the pipeline's runtime bounds,
         `tile_bounds(work, tiles) -> (lb, ub)`: the tiles of the loop,
@@ -259,10 +294,13 @@ def backward_dq(
     )
     if dropout is not None:
         inputs |= word_operands(dropout_seeds, word_length(n_res, tiles.block_q, tiles.block_k))
+    if tiles.persistent and dropout is not None:
+        raise ValueError("the persistent dq kernel (tiles.persistent) takes no dropout")
     if mask is not None and skip_masked and tile_bounds is None:
-        inputs["key_tile_bounds"] = key_tiles.key_tile_bounds(
-            mask, n_res, tiles.block_k, msa_rows
-        )
+        bounds = key_tiles.key_tile_bounds(mask, n_res, tiles.block_k, msa_rows)
+        inputs["key_tile_bounds"] = bounds
+        if tiles.persistent:
+            inputs["row_groups"] = key_tiles.visited_row_groups(bounds)
     out_types = {"dq": jax.ShapeDtypeStruct(k.shape[pieces > 1:], q.dtype)}
     kernel_plan = dq_plan(
         q.shape, q.dtype, bias.dtype, tiles,
@@ -273,7 +311,7 @@ def backward_dq(
         _dq_kernel, scale=scale, n_res=n_res, tiles=tiles,
         msa_rows=msa_rows, heads=heads // pair, heads_per_tile=pair, dtype=q.dtype,
         ping_pong=ping_pong, interpret=interpret, row_views=row_view_names(kernel_plan.smem),
-        tile_bounds=tile_bounds, dropout=dropout,
+        tile_bounds=tile_bounds, dropout=dropout, work_items=kernel_plan.work_items,
     )
     (dq,) = launch(body, kernel_plan, inputs=inputs, out_types=out_types, interpret=interpret)
     return dq.reshape(q.shape)
