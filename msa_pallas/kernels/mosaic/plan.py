@@ -242,7 +242,9 @@ def dkdv_plan(
     statistics and transposed bias tiles. Each consumer loads its own K, V
     and mask ("kv") and dead row's dv ("dead_dv"); the
     producer's step copies each consumer's q and do tiles and statistics
-    and the bias tile of each head.
+    and the bias tile of each head. The grid: a CTA per work item (B * H',
+    key tiles, row groups), or with `tiles.persistent` one per SM sharing
+    them out (`work_items.BackwardItems`).
     """
     batch, rows, n_res, heads, head_dim = q_shape
     if tiles.block_k not in DKDV_BLOCK_K:
@@ -312,6 +314,8 @@ def dq_plan(
     inputs); the ring's K, V, mask and bias tiles. Each consumer loads its
     own q, do and statistics ("q"); the producer's step copies each
     consumer's K and V tiles and mask vector and the bias tile of each head.
+    The grid: a CTA per work item, or with `tiles.persistent` one per SM
+    sharing them out (`work_items.BackwardItems`), as for dk/dv.
     """
     batch, rows, n_res, heads, head_dim = q_shape
     msa_rows = tiles.msa_rows_for(rows)

@@ -17,6 +17,9 @@ tile. Each case runs the kernels with skipping and without
   queries, element by element, and dq, dk of dead rows exactly 0;
 - all four against the float64 NumPy gradients by relative error.
 
+The persistent dq and dk/dv kernels (one CTA per SM, `tiles.persistent`)
+are held bitwise to the kernels of one CTA per item, skipping and not.
+
 Masks: padded residues at the end and in the middle (a whole key tile),
 padded rows at the end and in the middle, a batch element that is all
 padding, masks that differ from row to row (some starting past the first
