@@ -134,6 +134,16 @@ def dbias_in_bias_tile(pieces: int, bias_dtype) -> bool:
     return pieces > 1 and jnp.dtype(bias_dtype).itemsize == 4
 
 
+def _item_grid(items: tuple, tile_axis: str, persistent: bool, interpret: bool):
+    """(grid, grid_names) for work items `items` = (B * H', tiles, MSA-row
+    groups): one CTA per item, the row groups fastest, on axes
+    ("row_groups", `tile_axis`, "batch_heads"); or, `persistent`, one CTA
+    per SM ("ctas"), never more than there are items."""
+    if persistent:
+        return (min(math.prod(items), multiprocessors(interpret)),), ("ctas",)
+    return items[::-1], ("row_groups", tile_axis, "batch_heads")
+
+
 def forward_plan(
     q_shape, q_dtype, bias_dtype, tiles: MosaicTiles, *, mask_dtype, gate_dtype,
     save_stats: bool, interpret: bool,
@@ -186,10 +196,7 @@ def forward_plan(
     }
     # Work items, the MSA-row groups fastest.
     items = (batch * heads // pair, pl.cdiv(n_res, block_q), rows // msa_rows)
-    if tiles.persistent:
-        grid, grid_names = (min(math.prod(items), multiprocessors(interpret)),), ("ctas",)
-    else:
-        grid, grid_names = items[::-1], ("row_groups", "query_tiles", "batch_heads")
+    grid, grid_names = _item_grid(items, "query_tiles", tiles.persistent, interpret)
     return KernelPlan(
         name="msa_mosaic_forward", smem=smem, copies=copies,
         produced_barriers={"q": msa_rows, "k": stages, "v": stages},
@@ -290,10 +297,7 @@ def dkdv_plan(
         produced["dead_dv"] = msa_rows
     # Work items, the MSA-row groups fastest.
     items = (batch * heads // pair, pl.cdiv(n_res, block_k), rows // msa_rows)
-    if tiles.persistent:
-        grid, grid_names = (min(math.prod(items), multiprocessors(interpret)),), ("ctas",)
-    else:
-        grid, grid_names = items[::-1], ("row_groups", "key_tiles", "batch_heads")
+    grid, grid_names = _item_grid(items, "key_tiles", tiles.persistent, interpret)
     return KernelPlan(
         name="msa_mosaic_dkdv", smem=smem, copies=copies,
         produced_barriers=produced,
@@ -347,10 +351,7 @@ def dq_plan(
     copies = {"q": ("q", "do", "stats"), "step": key_copies * msa_rows + ("bias",) * pair}
     # Work items, the MSA-row groups fastest.
     items = (batch * heads // pair, pl.cdiv(n_res, block_q), rows // msa_rows)
-    if tiles.persistent:
-        grid, grid_names = (min(math.prod(items), multiprocessors(interpret)),), ("ctas",)
-    else:
-        grid, grid_names = items[::-1], ("row_groups", "query_tiles", "batch_heads")
+    grid, grid_names = _item_grid(items, "query_tiles", tiles.persistent, interpret)
     return KernelPlan(
         name="msa_mosaic_dq", smem=smem, copies=copies,
         produced_barriers={"q": msa_rows, "step": stages},

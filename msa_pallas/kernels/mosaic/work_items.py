@@ -25,6 +25,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from msa_pallas.kernels.mosaic.pipeline import (
     batch_head_and_warpgroup, consumer_registers, producer_registers,
@@ -101,6 +102,17 @@ class ForwardItems:
 # The stores of dead row groups' results a persistent backward consumer keeps
 # in flight (their tiles hold the same values from store to store).
 DEAD_STORES_IN_FLIGHT = 8
+
+
+def store_every_tile(tiles, store) -> None:
+    """`store(tile)` (TMA stores of one dead row group's tile `tile`, from
+    shared memory that holds the same values for each) for 0 <= tile <
+    `tiles`, none awaited but to keep `DEAD_STORES_IN_FLIGHT` in flight."""
+
+    @pl.loop(0, tiles)
+    def _(tile):
+        plgpu.wait_smem_to_gmem(DEAD_STORES_IN_FLIGHT, wait_read_only=True)
+        store(tile)
 
 
 class BackwardItems:

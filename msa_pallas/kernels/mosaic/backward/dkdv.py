@@ -43,7 +43,7 @@ from msa_pallas.kernels.mosaic.smem import (
 )
 from msa_pallas.kernels.mosaic.support import check_kernel_inputs
 from msa_pallas.kernels.mosaic.tiles import MosaicTiles
-from msa_pallas.kernels.mosaic.work_items import DEAD_STORES_IN_FLIGHT, serve_items
+from msa_pallas.kernels.mosaic.work_items import serve_items, store_every_tile
 
 
 def _dkdv_kernel(
@@ -251,14 +251,14 @@ def _dkdv_kernel(
             store_row_tile(row_tile_at(smem[dv_name], wg), dv.astype(dtype))
             plgpu.commit_smem()
 
-            @pl.loop(0, pl.cdiv(n_res, block_k))
-            def _(key_tile):
+            def store(key_tile):
                 keys = pl.ds(key_tile * block_k, block_k)
-                plgpu.wait_smem_to_gmem(DEAD_STORES_IN_FLIGHT, wait_read_only=True)
                 for name, tile in (("dk", dk_name), ("dv", dv_name)):
                     copy_row_tile_to_gmem(
                         row_tile_at(smem_tma[tile], wg), gmem[name].at[batch, row, keys, head]
                     )
+
+            store_every_tile(pl.cdiv(n_res, block_k), store)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

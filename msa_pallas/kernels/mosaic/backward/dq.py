@@ -38,7 +38,7 @@ from msa_pallas.kernels.mosaic.smem import (
 )
 from msa_pallas.kernels.mosaic.support import check_kernel_inputs
 from msa_pallas.kernels.mosaic.tiles import MosaicTiles
-from msa_pallas.kernels.mosaic.work_items import DEAD_STORES_IN_FLIGHT, serve_items
+from msa_pallas.kernels.mosaic.work_items import serve_items, store_every_tile
 
 
 def _copy_key_tiles(gmem, smem_tma, smem, rows, batch, keys, head, pair, slot, barrier):
@@ -221,21 +221,20 @@ def _dq_kernel(
 
     def dead_groups(items):
         """The dead row groups' dq is 0: stores of one tile of zeros, written
-        once (the last item's store has read the tile), none awaited but to
-        keep a few in flight."""
+        once (the last item's store has read the tile)."""
         store_row_tile(row_tile_at(smem[out_name], wg), zeros((block_q, tile_dim)).astype(dtype))
         plgpu.commit_smem()
 
         @items.for_each_dead_group
         def _(batch, head, row_group):
-            @pl.loop(0, pl.cdiv(n_res, block_q))
-            def _(query_tile):
-                plgpu.wait_smem_to_gmem(DEAD_STORES_IN_FLIGHT, wait_read_only=True)
+            def store(query_tile):
                 copy_row_tile_to_gmem(
                     row_tile_at(smem_tma[out_name], wg),
                     gmem["dq"].at[batch, row_group * msa_rows + wg,
                                   pl.ds(query_tile * block_q, block_q), head],
                 )
+
+            store_every_tile(pl.cdiv(n_res, block_q), store)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
