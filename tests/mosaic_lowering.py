@@ -10,11 +10,16 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
 
+from msa_pallas import exporting
+
 
 def lowered_for_cuda(function, *args) -> str:
-    """`jax.jit(function)` lowered for CUDA at `args` (arrays or
-    `jax.ShapeDtypeStruct`s): its text."""
-    return jax.jit(function).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    """`jax.jit(function)` lowered for CUDA (an H200) at `args` (arrays or
+    `jax.ShapeDtypeStruct`s): its text. The Triton kernels beside the
+    Mosaic ones (`triton.dead_rows`) lower for the GPU that
+    `exporting.gpu_target` names."""
+    with exporting.gpu_target():
+        return jax.jit(function).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def lowered_shared_memory(function, *args) -> int:

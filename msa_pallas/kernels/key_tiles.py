@@ -21,10 +21,13 @@ at the end of a crop and of an alignment.
 
 Arrays are int32 whatever `jax_enable_x64` says (the kernels' index type).
 
+The Mosaic kernels leave dead rows out altogether; their results come from
+small kernels that read and write those rows alone (`triton.dead_rows`).
+
 Skipping is off by default (`skipping_padding`): measured on the H200, the
-bounds, the dead rows' means and the forward's fill cost 3-11% on masked
-shapes with nothing to skip, against the 9-64% it saves on padded ones
-(benchmarks/log, 2026-12-04 08).
+bounds, the dead rows' means and the forward's fill (then XLA passes over
+every row) cost 3-11% on masked shapes with nothing to skip, against the
+9-64% it saves on padded ones (benchmarks/log, 2026-12-04 08).
 """
 
 from __future__ import annotations
@@ -78,11 +81,6 @@ def kept_key_tiles(mask, n_res: int, block_k: int):
     return jnp.any(keep.reshape(batch, rows, tiles, block_k), axis=-1)
 
 
-def dead_rows(mask, n_res: int):
-    """`[B, S]` bool: the rows that keep no key among the first `n_res`."""
-    return ~jnp.any(mask[..., :n_res] != 0, axis=-1)
-
-
 def _first_and_end(kept, axis: int):
     """(first index where `kept`, last such index + 1) along `axis`, int32;
     (0, 0) where nothing is kept."""
@@ -128,12 +126,3 @@ def row_bounds(mask, n_res: int, block_k: int, rows_per_step: int = 1):
     kept = jnp.any(kept.reshape(batch, rows // rows_per_step, rows_per_step, tiles), axis=2)
     first, end = _first_and_end(kept, axis=1)
     return jnp.stack([first, end], axis=-1)
-
-
-def row_means(x, n_res: int | None = None):
-    """`[B, S, H, d]` float32: the mean over residues (axis 2) of `x`
-    `[B, S, N', H, d]`, of its first `n_res` residues (default all): a dead
-    row's output (x = v) and, for dv, its output gradient's mean (x = do)."""
-    if n_res is not None:
-        x = x[:, :, :n_res]
-    return jnp.mean(x.astype(jnp.float32), axis=2)

@@ -1,7 +1,7 @@
 """The mask summaries the kernels skip padding by (`msa_pallas.kernels.key_tiles`),
-against a direct NumPy reading of the same masks: key tiles kept per row, dead rows,
-each row group's key-tile bounds, each key tile's row bounds, the row groups that have
-work items, and the row means."""
+against a direct NumPy reading of the same masks: key tiles kept per row, each row
+group's key-tile bounds, each key tile's row bounds, and the row groups that have work
+items."""
 
 from __future__ import annotations
 
@@ -48,7 +48,6 @@ def test_summaries_match_the_mask(batch, rows, n_res, block_k, group, seed):
     kept = padded.reshape(batch, rows, tiles, block_k).any(-1)
 
     np.testing.assert_array_equal(key_tiles.kept_key_tiles(mask, n_res, block_k), kept)
-    np.testing.assert_array_equal(key_tiles.dead_rows(mask, n_res), ~keep.any(-1))
 
     groups = kept.reshape(batch, rows // group, group, tiles).any(2)
     bounds = np.asarray(key_tiles.key_tile_bounds(mask, n_res, block_k, group))
@@ -75,11 +74,3 @@ def test_no_live_row_visits_no_group():
     bounds = key_tiles.key_tile_bounds(mask, 64, 64, 2)
     assert not np.asarray(bounds).any()
     assert int(key_tiles.visited_row_groups(bounds)[0]) == 0
-
-
-def test_row_means_over_the_first_residues(seed):
-    x = np.random.default_rng(seed).standard_normal((1, 3, 40, 2, 8)).astype(np.float32)
-    got = key_tiles.row_means(jnp.asarray(x, jnp.bfloat16), 33)
-    want = np.asarray(jnp.asarray(x, jnp.bfloat16), np.float64)[:, :, :33].mean(axis=2)
-    assert got.dtype == jnp.float32 and got.shape == (1, 3, 2, 8)
-    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)

@@ -38,9 +38,10 @@ the ring's slots and barrier phases following a running count of the CTA's
 steps; with `skip_masked` and a mask, only the tiles holding its rows' kept
 keys (`kernels.key_tiles`), and only the row groups up to the last that
 keeps a key have items (`work_items`). The kernel's results for dead rows
-(no kept key) are left to the wrapper, which writes them in one XLA pass
-(`forward_operands.fill_dead_rows`): a dead row's CTA would spend a work
-item's latency on a mean it need not compute.
+(no kept key) are left to the wrapper, which has them written in place by a
+small kernel that reads and writes those rows alone
+(`triton.dead_rows.fill_dead_rows`): a dead row's CTA here would spend a
+work item's latency on a mean it need not compute.
 With `dropout_rate` > 0 the weights `dropout` drops (their words read from
 XLA's arrays, `dropout_words`) are zeroed after the row statistics, and the
 output scaled by 1 / (1 - rate).
@@ -58,7 +59,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2
 from msa_pallas.kernels.mosaic.dropout_words import HeadDropout, check_dropout, kept_sum_scale
-from msa_pallas.kernels.mosaic.forward_operands import fill_dead_rows, forward_operands
+from msa_pallas.kernels.mosaic.forward_operands import forward_operands
 from msa_pallas.kernels.mosaic.heads import (
     combine_head_columns, heads_per_tile, store_own_head_tiles,
 )
@@ -78,6 +79,7 @@ from msa_pallas.kernels.mosaic.smem import (
 from msa_pallas.kernels.mosaic.support import check_kernel_inputs
 from msa_pallas.kernels.mosaic.tiles import MosaicTiles, forward_tiles
 from msa_pallas.kernels.mosaic.work_items import ForwardItems
+from msa_pallas.kernels.triton.dead_rows import fill_dead_rows
 
 
 # The tiles `attention_forward` takes by default (`tiles.forward_tiles`).
@@ -458,7 +460,7 @@ def attention_forward(
       skip_masked: with a mask, visit only the key tiles with kept keys and
         the row groups up to the last with one (`kernels.key_tiles`; the op:
         `skipping_padding`), the dead rows' results written after the
-        kernel (`forward_operands.fill_dead_rows`); False, all. Not with dropout.
+        kernel (`triton.dead_rows.fill_dead_rows`); False, all. Not with dropout.
       dropout_rate: attention dropout on the probabilities (`dropout`'s
         mask, kept ones scaled by 1 / (1 - rate)); the row statistics are
         the undropped ones'. 0: none.
@@ -494,9 +496,9 @@ def attention_forward(
     )
     outs = launch(body, kernel_plan, inputs=inputs, out_types=out_types, interpret=interpret)
     outs = tuple(x.reshape(shapes.get(name, x.shape)) for name, x in zip(out_types, outs))
+    if skips_masked:
+        outs = fill_dead_rows(outs, v, gate, mask, n_res=n_res, interpret=interpret)
     if save_stats:
         out, attention, row_max, row_log2_sum = outs
         outs = (out, attention, row_max[..., :n_res], row_log2_sum[..., :n_res])
-    if skips_masked:
-        outs = fill_dead_rows(outs, v, mask, gate, n_res)
     return outs if save_stats else outs[0]

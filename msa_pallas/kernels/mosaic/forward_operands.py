@@ -1,22 +1,16 @@
 """The Mosaic GPU forward kernel's operands as it reads them, made in XLA
 once per call: q, k, v and the gate as head pairs for d = 8, the bias in
 the units of `q . k` with its rows padded, the mask padded, the inputs of
-padding skipping or of dropout (the rows' query and key words); the
-kernel's output types; and, when it skips padding, the dead rows' results
-it leaves out (`fill_dead_rows`)."""
+padding skipping or of dropout (the rows' query and key words); and the
+kernel's output types."""
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from msa_pallas.kernels.constants import MASKED_LOGIT_LOG2
-from msa_pallas.kernels.key_tiles import (
-    dead_rows, key_tile_bounds, row_means, visited_row_groups,
-)
+from msa_pallas.kernels.key_tiles import key_tile_bounds, visited_row_groups
 from msa_pallas.kernels.mosaic.dropout_words import word_length, word_operands
 from msa_pallas.kernels.mosaic.heads import as_head_pairs
 from msa_pallas.kernels.mosaic.logits import accumulator_bias
@@ -71,35 +65,3 @@ def skipping_operands(mask, n_res: int, block_k: int, msa_rows: int) -> dict:
     the row groups that have work items (`work_items.ForwardItems`), both int32."""
     bounds = key_tile_bounds(mask, n_res, block_k, msa_rows)
     return {"key_bounds": bounds, "row_groups": visited_row_groups(bounds)}
-
-
-def fill_dead_rows(results, v, mask, gate, n_res: int):
-    """The forward's `results` (out, and with the residuals the float32
-    attention output, row max and log2 row sum) with the rows whose keys
-    are all masked replaced by their exact values (SPEC §1: uniform weights
-    over the N keys): out is the mean of v over the keys times
-    sigmoid(gate), the attention output that mean, the row max the masked
-    logit (base 2) and the log2 sum log2(N), as the kernel visiting every
-    tile gives them. The skipping kernel computes no dead row.
-
-    Args:
-      results: `(out,)` or `(out, attention, row_max, row_log2_sum)`:
-        `[B, S, N, H, d]` (out in q's dtype, attention float32) and
-        `[B, S, H, N]` float32.
-      v: `[B, S, N, H, d]`; mask: `[B, S, N']` (N' >= N); gate: like v or None.
-    """
-    dead = dead_rows(mask, n_res)
-    mean = row_means(v, n_res)[:, :, None]  # [B, S, 1, H, d] float32
-    gated = mean if gate is None else mean * jax.nn.sigmoid(gate.astype(jnp.float32))
-    rows = dead[:, :, None, None, None]
-    out, *residuals = results
-    filled = [jnp.where(rows, gated.astype(out.dtype), out)]
-    if residuals:
-        attention, row_max, row_log2_sum = residuals
-        stats = dead[:, :, None, None]
-        filled += [
-            jnp.where(rows, mean, attention),
-            jnp.where(stats, jnp.float32(MASKED_LOGIT_LOG2), row_max),
-            jnp.where(stats, jnp.float32(math.log2(n_res)), row_log2_sum),
-        ]
-    return tuple(filled)

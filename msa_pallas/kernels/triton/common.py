@@ -323,9 +323,11 @@ def dropout_keeps(query_words, key_words, threshold):
     return dropout.keeps(query_words[:, None], key_words[None, :], threshold)
 
 
-def pallas_call(kernel, tiles, *, grid, in_specs, out_specs, out_shape, interpret: bool, name: str):
-    """`pl.pallas_call` with the Triton launch parameters of `tiles` (a KernelTiles);
-    an interpreted kernel's body is traced with int32 indices (`_int32_indices`)."""
+def pallas_call(kernel, tiles, *, grid, in_specs, out_specs, out_shape, interpret: bool, name: str,
+                input_output_aliases=None):
+    """`pl.pallas_call` with the Triton launch parameters of `tiles` (a KernelTiles,
+    or anything with its `num_warps` and `num_stages`); an interpreted kernel's body
+    is traced with int32 indices (`_int32_indices`)."""
 
     def traced_body(*refs):
         token = _int32_indices.set(interpret)
@@ -343,6 +345,7 @@ def pallas_call(kernel, tiles, *, grid, in_specs, out_specs, out_shape, interpre
         compiler_params=plgpu.CompilerParams(
             num_warps=tiles.num_warps, num_stages=tiles.num_stages
         ),
+        input_output_aliases=input_output_aliases or {},
         interpret=interpret,
         name=name,
     )

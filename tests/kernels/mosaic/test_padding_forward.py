@@ -17,8 +17,8 @@ padding in the middle of a row, dead rows (every key masked) alone in a
 row pair, both rows of a pair dead (the pair's CTA visits no key tile), the
 last row pairs dead (they have no work item), a batch element that is all
 padding, a batch that is all padding (no CTA has an item), and masks that
-change between rows. The dead rows' results come from the wrapper
-(`forward_operands.fill_dead_rows`), the kernel's are replaced.
+change between rows. The dead rows' results are written after the kernel,
+in place (`triton.dead_rows.fill_dead_rows`).
 """
 
 from __future__ import annotations

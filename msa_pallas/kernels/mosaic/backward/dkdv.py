@@ -44,6 +44,7 @@ from msa_pallas.kernels.mosaic.smem import (
 from msa_pallas.kernels.mosaic.support import check_kernel_inputs
 from msa_pallas.kernels.mosaic.tiles import MosaicTiles
 from msa_pallas.kernels.mosaic.work_items import serve_items, store_every_tile
+from msa_pallas.kernels.triton.dead_rows import dead_row_means
 
 
 def _dkdv_kernel(
@@ -291,9 +292,9 @@ def backward_dkdv(
     query loop and loads no K, V or mask (`key_tiles.kept_key_tiles`, an
     int32 input): it writes dk = 0, and dv = 0 but for a dead row, whose
     uniform weights give every key the mean of its `do` over the N queries
-    (`key_tiles.row_means`, one XLA pass over `do`). Rows that keep a key
-    there, and dead rows beside them, are computed as without the mask's
-    help.
+    (`triton.dead_rows.dead_row_means`, which reads dead rows alone). Rows
+    that keep a key there, and dead rows beside them, are computed as
+    without the mask's help.
 
     With `tiles.persistent` one CTA per SM loops over its share of the
     work items (`work_items.BackwardItems`); skipping padding, the row
@@ -325,13 +326,8 @@ def backward_dkdv(
         raise ValueError("the persistent dk/dv kernel (tiles.persistent) takes no dropout")
     dead_dv = None
     if skips:
-        dead = key_tiles.dead_rows(mask, n_res)[:, :, None, None]
-        # The mean reads `do` as the kernels do, in q's dtype. Without the
-        # barrier XLA sums the float32 value `do` was rounded from, which the
-        # pass making `do` then writes out too: at the padded extra MSA on an
-        # H200 that pass took 100 us and the mean 32, against 73 and 15 with
-        # it (2026-12-04).
-        dead_dv = jnp.where(dead, key_tiles.row_means(lax.optimization_barrier(do), n_res), 0.0)
+        # `do` as the kernels multiply it, in q's dtype, read in dead rows alone.
+        dead_dv = dead_row_means(do, mask, n_res=n_res, interpret=interpret)
         # Heads 2h and 2h + 1 side by side, as their tile holds them.
         dead_dv = dead_dv.reshape(batch, rows, heads // pair, -1)
     pieces, (q_in, k, v, do) = split_operands(*tiles_of_head_pairs(pair, q, k, v, do))

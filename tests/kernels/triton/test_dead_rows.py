@@ -1,0 +1,148 @@
+"""The dead rows' kernels (`msa_pallas.kernels.triton.dead_rows`): the means
+over residues and the forward's results of the rows whose keys are all
+masked, against float64 NumPy, in interpret mode on the CPU and compiled on
+the GPU.
+
+Outputs start poisoned (NaN): a dead row's element left unwritten stays
+NaN, and every live row must come back NaN, bit for bit the buffer it was
+(the fill writes in place and touches dead rows alone). Cases: N no whole
+number of tiles, C = H·d no power of two, a mask wider than N whose keys
+past N are kept (ignored), dead rows in the middle and at the end, a batch
+element all padding, and no dead row at all.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import helpers
+import mosaic_lowering
+from msa_pallas import exporting
+from msa_pallas.kernels.constants import MASKED_LOGIT_LOG2
+from msa_pallas.kernels.triton import dead_rows
+
+# (B, S, N, H, d, the rows made dead, the batch elements made all padding)
+CASES = {
+    "N37-C24-middle-and-end": ((2, 5, 37, 3, 8), (1, 4), ()),
+    "N64-C64-dead-batch": ((2, 3, 64, 8, 8), (2,), (1,)),
+    "N100-C256": ((1, 4, 100, 8, 32), (0, 3), ()),
+    "no-dead-row": ((1, 3, 40, 2, 16), (), ()),
+}
+
+
+def random_case(case, seed, dtype=jnp.bfloat16):
+    """(v, gate, do) in `dtype`, the keep mask `[B, S, N]` and the dead rows
+    `[B, S]`; the mask handed to the kernels is 8 keys wider than N, those
+    keys kept."""
+    shape, dead, dead_batch = CASES[case]
+    batch, rows, n_res = shape[:3]
+    rng = np.random.default_rng(seed)
+    v, gate, do = (jnp.asarray(rng.standard_normal(shape), dtype) for _ in range(3))
+    keep = helpers.padded_mask(batch, rows, n_res, seed, dead=dead, dead_batch=dead_batch)
+    wide = np.concatenate([keep, np.ones((batch, rows, 8), bool)], axis=-1)
+    return v, gate, do, jnp.asarray(wide, jnp.int8), ~keep.any(axis=-1)
+
+
+def poisoned(shape, dtype):
+    return jnp.full(shape, jnp.nan, dtype)
+
+
+def check_means(do, mask, dead, *, interpret):
+    n_res = do.shape[2]
+    means = dead_rows.dead_row_means(do, mask, n_res=n_res, interpret=interpret)
+    batch, rows = do.shape[:2]
+    want = helpers.to_f64(do).reshape(batch, rows, n_res, -1).mean(axis=2)
+    assert means.shape == want.shape and means.dtype == jnp.float32
+    means = np.asarray(means)
+    np.testing.assert_allclose(means[dead], want[dead], rtol=1e-5, atol=1e-6)
+    # The rows that keep a key get 0 (the dk/dv kernel adds it to every dv).
+    assert not means[~dead].any()
+
+
+def check_fill(v, gate, mask, dead, *, with_residuals: bool, interpret: bool):
+    batch, rows, n_res, heads = v.shape[:4]
+    stats_width = n_res + 11  # the kernel's planes run to whole query tiles
+    results = [poisoned(v.shape, v.dtype)]
+    if with_residuals:
+        results += [poisoned(v.shape, jnp.float32),
+                    poisoned((batch, rows, heads, stats_width), jnp.float32),
+                    poisoned((batch, rows, heads, stats_width), jnp.float32)]
+    filled = dead_rows.fill_dead_rows(
+        tuple(results), v, gate, mask, n_res=n_res, interpret=interpret
+    )
+    assert [(x.shape, x.dtype) for x in filled] == [(x.shape, x.dtype) for x in results]
+    mean = helpers.to_f64(v).mean(axis=2, keepdims=True)
+    gated = mean if gate is None else mean / (1 + np.exp(-helpers.to_f64(gate)))
+    out = np.asarray(filled[0].astype(jnp.float32))
+    assert np.isnan(out[~dead]).all(), "a live row's output was written"
+    assert np.isfinite(out[dead]).all(), "a dead row's output was left unwritten"
+    np.testing.assert_allclose(
+        out[dead], np.broadcast_to(gated, out.shape)[dead], rtol=1e-2, atol=1e-2
+    )
+    if not with_residuals:
+        return
+    attention, row_max, row_log2_sum = (np.asarray(x) for x in filled[1:])
+    assert np.isnan(attention[~dead]).all() and np.isnan(row_max[~dead]).all()
+    assert np.isnan(row_log2_sum[~dead]).all()
+    np.testing.assert_allclose(
+        attention[dead], np.broadcast_to(mean, attention.shape)[dead], rtol=1e-5, atol=1e-6
+    )
+    np.testing.assert_array_equal(row_max[dead], np.float32(MASKED_LOGIT_LOG2))
+    np.testing.assert_allclose(row_log2_sum[dead], math.log2(n_res), rtol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_dead_row_means(case, dtype, seed):
+    _, _, do, mask, dead = random_case(case, seed, dtype)
+    check_means(do, mask, dead, interpret=True)
+
+
+@pytest.mark.parametrize("with_residuals", [True, False], ids=["residuals", "out-only"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fill_writes_dead_rows_alone(case, with_residuals, seed):
+    v, gate, _, mask, dead = random_case(case, seed)
+    check_fill(v, gate, mask, dead, with_residuals=with_residuals, interpret=True)
+
+
+def test_fill_without_a_gate(seed):
+    v, _, _, mask, dead = random_case("N37-C24-middle-and-end", seed)
+    check_fill(v, None, mask, dead, with_residuals=True, interpret=True)
+
+
+@pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])
+def test_kernels_lower_for_the_gpu_with_the_fill_in_place(x64):
+    """Both kernels lower to Triton for an H200 on this machine, with and
+    without `jax_enable_x64`; the fill's call aliases every result it
+    writes to the buffer it reads."""
+    shape = (1, 4, 200, 8, 8)
+    v = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    attention = jax.ShapeDtypeStruct(shape, jnp.float32)
+    stats = jax.ShapeDtypeStruct((1, 4, 8, 256), jnp.float32)
+    mask = jax.ShapeDtypeStruct((1, 4, 208), jnp.int8)
+
+    def kernels(out, attention, row_max, row_log2_sum, v, mask):
+        means = dead_rows.dead_row_means(v, mask, n_res=200, interpret=False)
+        filled = dead_rows.fill_dead_rows(
+            (out, attention, row_max, row_log2_sum), v, v, mask, n_res=200, interpret=False
+        )
+        return means, filled
+
+    with jax.enable_x64(x64):
+        text = mosaic_lowering.lowered_for_cuda(kernels, v, attention, stats, stats, v, mask)
+    assert text.count(exporting.TRITON_CUSTOM_CALL) == 2, text[:2000]
+    fill = next(line for line in text.splitlines() if "msa_fill_dead_rows" in line)
+    assert fill.count("output_operand_aliases") == 1 and fill.count("operand_index") == 4, fill
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(CASES))
+def test_gpu_dead_row_kernels(case, seed):
+    v, gate, do, mask, dead = random_case(case, seed)
+    check_means(do, mask, dead, interpret=False)
+    check_fill(v, gate, mask, dead, with_residuals=True, interpret=False)
