@@ -32,6 +32,16 @@ from msa_pallas.kernels.mosaic.pipeline import (
 )
 
 
+def decode_item(linear, tiles: int, row_groups, heads: int):
+    """(batch, head, row_group, tile) of work item `linear` in the numbering
+    every grid of work items shares: row groups fastest, then `tiles` tiles
+    (query or key tiles), then batch and head (`heads` of them). `row_groups`
+    (an int or a traced int32, at least 1) is the count numbered."""
+    batch_head = lax.div(linear, row_groups * tiles)
+    return (lax.div(batch_head, heads), lax.rem(batch_head, heads), lax.rem(linear, row_groups),
+            lax.rem(lax.div(linear, row_groups), tiles))
+
+
 class ForwardItems:
     """This CTA's work items. `grid`: (B * H', query tiles, row groups);
     `heads`: H' (heads as the kernel sees them); `block_q`: queries per
@@ -66,13 +76,10 @@ class ForwardItems:
 
     def item(self, linear):
         """(batch, head, row_group, q_start) of work item `linear`."""
-        batch_heads, query_tiles, _ = self.grid
-        row_groups = self.row_groups
-        row_group = lax.rem(linear, row_groups)
-        query_tile = lax.rem(lax.div(linear, row_groups), query_tiles)
-        batch_head = lax.div(linear, row_groups * query_tiles)
-        return (lax.div(batch_head, self.heads), lax.rem(batch_head, self.heads), row_group,
-                query_tile * self.block_q)
+        batch, head, row_group, query_tile = decode_item(
+            linear, self.grid[1], self.row_groups, self.heads
+        )
+        return batch, head, row_group, query_tile * self.block_q
 
     def for_each(self, work, steps_per_item=None):
         """`work(item, steps_before, next_item, has_next)` for this CTA's
@@ -146,13 +153,10 @@ class BackwardItems:
         batch_heads, tiles, _ = self.grid
         # At least one group in the numbering, so that no item divides by 0.
         groups = lax.max(self.groups, 1)
-
-        def item(linear):
-            batch_head = lax.div(linear, groups * tiles)
-            work(lax.div(batch_head, self.heads), lax.rem(batch_head, self.heads),
-                 lax.rem(linear, groups), lax.rem(lax.div(linear, groups), tiles))
-
-        self._for_each(batch_heads * tiles * self.groups, item)
+        self._for_each(
+            batch_heads * tiles * self.groups,
+            lambda linear: work(*decode_item(linear, tiles, groups, self.heads)),
+        )
 
     def for_each_dead_group(self, work) -> None:
         """`work(batch, head, row_group)` for this CTA's share of the dead row

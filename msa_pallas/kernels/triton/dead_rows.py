@@ -74,7 +74,9 @@ def _row_specs(mask_width: int, n_res: int, width: int, plane: int | None = None
     mask_width]` (the program's row), rows `[B, S, N, C]` and means `[B, S,
     C]` (its row and column slice, `width` wide) and, `plane` given, the
     statistics seen as `[B, S, plane]` (its row's whole plane)."""
-    row_vector = lambda size: pl.BlockSpec((None, None, size), lambda s, b, c: (b, s, 0))  # noqa: E731
+    def row_vector(size):
+        return pl.BlockSpec((None, None, size), lambda s, b, c: (b, s, 0))
+
     specs = {
         "mask": row_vector(mask_width),
         "rows": pl.BlockSpec((None, None, n_res, width), lambda s, b, c: (b, s, 0, c)),
