@@ -368,8 +368,9 @@ def test_skip_persistent_variant_makes_the_mosaic_dq_and_dkdv_tiles_persistent()
     assert tiles.dbias == planned["dbias"] and tiles.ping_pong == plan.ping_pong
     triton = msa_pallas.explain(q, q, q, bias, implementation="triton")
     assert alternatives.persistent_backward_config(config, triton) is config
-    assert "msa_pallas_skip_persistent" in alternatives.OWN_VARIANTS
-    assert "msa_pallas_skip_persistent" not in alternatives.TABLE_IMPLEMENTATIONS
+    for variant in ("msa_pallas_skip_persistent", "msa_pallas_persistent"):
+        assert variant in alternatives.OWN_VARIANTS and variant in alternatives.IMPLEMENTATIONS
+        assert variant not in alternatives.TABLE_IMPLEMENTATIONS
 
 
 # --- the targets table -------------------------------------------------------------------
