@@ -81,6 +81,11 @@ def kept_key_tiles(mask, n_res: int, block_k: int):
     return jnp.any(keep.reshape(batch, rows, tiles, block_k), axis=-1)
 
 
+def dead_rows(mask, n_res: int):
+    """`[B, S]` bool: the rows that keep no key among the first `n_res`."""
+    return ~jnp.any(mask[..., :n_res] != 0, axis=-1)
+
+
 def _first_and_end(kept, axis: int):
     """(first index where `kept`, last such index + 1) along `axis`, int32;
     (0, 0) where nothing is kept."""

@@ -1,6 +1,6 @@
 """The mask summaries the kernels skip padding by (`msa_pallas.kernels.key_tiles`),
-against a direct NumPy reading of the same masks: key tiles kept per row, each row
-group's key-tile bounds, each key tile's row bounds, and the row groups that have work
+against a direct NumPy reading of the same masks: key tiles kept per row, dead rows,
+each row group's key-tile bounds, each key tile's row bounds, and the row groups that have work
 items."""
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ def test_summaries_match_the_mask(batch, rows, n_res, block_k, group, seed):
     kept = padded.reshape(batch, rows, tiles, block_k).any(-1)
 
     np.testing.assert_array_equal(key_tiles.kept_key_tiles(mask, n_res, block_k), kept)
+    np.testing.assert_array_equal(key_tiles.dead_rows(mask, n_res), ~keep.any(-1))
 
     groups = kept.reshape(batch, rows // group, group, tiles).any(2)
     bounds = np.asarray(key_tiles.key_tile_bounds(mask, n_res, block_k, group))

@@ -38,10 +38,11 @@ the ring's slots and barrier phases following a running count of the CTA's
 steps; with `skip_masked` and a mask, only the tiles holding its rows' kept
 keys (`kernels.key_tiles`), and only the row groups up to the last that
 keeps a key have items (`work_items`). The kernel's results for dead rows
-(no kept key) are left to the wrapper, which has them written in place by a
-small kernel that reads and writes those rows alone
-(`triton.dead_rows.fill_dead_rows`): a dead row's CTA here would spend a
-work item's latency on a mean it need not compute.
+(no kept key) are left to the wrapper (`_with_dead_rows`): their output is
+written in place by a small kernel that reads and writes those rows alone
+(`triton.dead_rows.fill_dead_rows`), their residuals are selects on its
+means of v. A dead row's CTA here would spend a work item's latency on a
+mean it need not compute.
 With `dropout_rate` > 0 the weights `dropout` drops (their words read from
 XLA's arrays, `dropout_words`) are zeroed after the row statistics, and the
 output scaled by 1 / (1 - rate).
@@ -50,6 +51,7 @@ output scaled by 1 / (1 - rate).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +60,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2
+from msa_pallas.kernels.key_tiles import dead_rows
 from msa_pallas.kernels.mosaic.dropout_words import HeadDropout, check_dropout, kept_sum_scale
 from msa_pallas.kernels.mosaic.forward_operands import forward_operands
 from msa_pallas.kernels.mosaic.heads import (
@@ -459,8 +462,8 @@ def attention_forward(
         head, row group, first query) visits, leaving the others out.
       skip_masked: with a mask, visit only the key tiles with kept keys and
         the row groups up to the last with one (`kernels.key_tiles`; the op:
-        `skipping_padding`), the dead rows' results written after the
-        kernel (`triton.dead_rows.fill_dead_rows`); False, all. Not with dropout.
+        `skipping_padding`), the dead rows' results given after the
+        kernel (`_with_dead_rows`); False, all. Not with dropout.
       dropout_rate: attention dropout on the probabilities (`dropout`'s
         mask, kept ones scaled by 1 / (1 - rate)); the row statistics are
         the undropped ones'. 0: none.
@@ -497,8 +500,34 @@ def attention_forward(
     outs = launch(body, kernel_plan, inputs=inputs, out_types=out_types, interpret=interpret)
     outs = tuple(x.reshape(shapes.get(name, x.shape)) for name, x in zip(out_types, outs))
     if skips_masked:
-        outs = fill_dead_rows(outs, v, gate, mask, n_res=n_res, interpret=interpret)
+        outs = _with_dead_rows(outs, v, gate, mask, n_res, interpret)
     if save_stats:
         out, attention, row_max, row_log2_sum = outs
         outs = (out, attention, row_max[..., :n_res], row_log2_sum[..., :n_res])
     return outs if save_stats else outs[0]
+
+
+def _with_dead_rows(results, v, gate, mask, n_res: int, interpret: bool):
+    """The kernel's `results` (out, and with the residuals the float32
+    attention output and the row statistics on their padded planes) with
+    the rows whose keys are all masked given their exact values (SPEC §1:
+    uniform weights over the N keys), as the kernel visiting every tile
+    gives them: out is the mean of v times sigmoid(gate), written in place
+    by `fill_dead_rows`; the attention output that mean, the row max the
+    masked logit (base 2) and the log2 sum log2(N), as selects that XLA
+    fuses into what reads them (the backward's passes), so that no float32
+    row is written for a dead row."""
+    out, *residuals = results
+    out, means = fill_dead_rows(out, v, gate, mask, n_res=n_res, interpret=interpret)
+    if not residuals:
+        return (out,)
+    attention, row_max, row_log2_sum = residuals
+    dead = dead_rows(mask, n_res)
+    rows, planes = dead[:, :, None, None, None], dead[:, :, None, None]
+    means = means.reshape(*attention.shape[:2], 1, *attention.shape[3:])
+    return (
+        out,
+        jnp.where(rows, means, attention),
+        jnp.where(planes, jnp.float32(MASKED_LOGIT_LOG2), row_max),
+        jnp.where(planes, jnp.float32(math.log2(n_res)), row_log2_sum),
+    )

@@ -7,36 +7,33 @@ and its dv the mean over queries of its output gradient. The Mosaic kernels
 skipping padding compute no dead row; these kernels give them their
 results:
 
-- `fill_dead_rows` writes the forward's results of the dead rows, in place
-  (the forward's output buffers are aliased to these): out = mean(v) *
-  sigmoid(gate), the float32 attention output = mean(v), and the row
-  statistics of uniform weights;
+- `fill_dead_rows` writes the dead rows' output, mean(v) * sigmoid(gate),
+  in place (the forward's output buffer is aliased to it), and gives their
+  means of v: the residuals' dead rows are selects on them, which XLA fuses
+  into the backward's passes, so that no float32 row is written for them;
 - `dead_row_means` gives the mean over residues of `do` for dead rows, 0
   for the others: the dk/dv kernel's dv there.
 
 The arrays are seen as `[B, S, N, C]` (C = heads × head dim, in any head
-layout: the mean is per column) and the statistics as `[B, S, H·N']`:
-reshapes that move no byte. A program serves one MSA row and a slice of
-its columns; it reads the row's key mask and, if the row keeps a key, ends.
-Where nothing is padded the kernels cost a launch and the mask's B·S·N
-bytes; XLA passes in their place read every row (at the padded extra MSA
-on an H200, v's and `do`'s means over every row took 14.6 and 15.2 us, and
-the fill rewrote every row of the forward's results; 2026-12-04).
+layout: the mean is per column): reshapes that move no byte. A program
+serves one MSA row and a slice of its columns; it reads the row's key mask
+and, if the row keeps a key, writes its means (0) and ends. Where nothing
+is padded the kernels cost a launch and the mask's B·S·N bytes; XLA passes
+in their place read every row (at the padded extra MSA on an H200, v's and
+`do`'s means over every row took 14.6 and 15.2 us; 2026-12-04), and a
+select filling the output rewrote every row of it.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from msa_pallas.block_sizes import next_power_of_2
-from msa_pallas.kernels.constants import MASKED_LOGIT_LOG2
 from msa_pallas.kernels.triton import common
 
 # Elements per tile a program loads or stores at once; the widest column
@@ -69,22 +66,15 @@ def _row_keeps_a_key(mask_ref, n_res: int):
     return common.tile_loop(0, pl.cdiv(n_res, block), count_tile, jnp.int32(0)) > 0
 
 
-def _row_specs(mask_width: int, n_res: int, width: int, plane: int | None = None):
+def _row_specs(mask_width: int, n_res: int, width: int):
     """BlockSpecs of an (S, B, column slices) grid: the mask `[B, S,
     mask_width]` (the program's row), rows `[B, S, N, C]` and means `[B, S,
-    C]` (its row and column slice, `width` wide) and, `plane` given, the
-    statistics seen as `[B, S, plane]` (its row's whole plane)."""
-    def row_vector(size):
-        return pl.BlockSpec((None, None, size), lambda s, b, c: (b, s, 0))
-
-    specs = {
-        "mask": row_vector(mask_width),
+    C]` (its row and column slice, `width` wide)."""
+    return {
+        "mask": pl.BlockSpec((None, None, mask_width), lambda s, b, c: (b, s, 0)),
         "rows": pl.BlockSpec((None, None, n_res, width), lambda s, b, c: (b, s, 0, c)),
         "means": pl.BlockSpec((None, None, width), lambda s, b, c: (b, s, c)),
     }
-    if plane is not None:
-        specs["plane"] = row_vector(plane)
-    return specs
 
 
 def _as_rows(x):
@@ -128,103 +118,57 @@ def dead_row_means(x, mask, *, n_res: int, interpret: bool):
     )(mask, x_rows)
 
 
-def _fill_kernel(mask_ref, v_ref, gate_ref, *refs, n_res: int, width: int, slices: int,
-                 stats_plane: int | None):
-    # The aliased inputs' refs come first, then the same buffers as outputs.
-    outputs = refs[len(refs) // 2:]
-    out_ref, attention_ref, row_max_ref, row_log2_sum_ref = (*outputs, None, None, None)[:4]
+def _fill_kernel(mask_ref, v_ref, gate_ref, out_in_ref, out_ref, means_ref, *, n_res: int,
+                 width: int):
+    del out_in_ref  # the same buffer as out_ref
     dead = jnp.logical_not(_row_keeps_a_key(mask_ref, n_res))
     block = _residues_per_tile(width, n_res)
-    # (Read here: the interpreter takes no program ids inside `pl.when`.)
-    column_slice = pl.program_id(2)
+    # A live row reads nothing: its loop runs no tile, and its mean is 0.
+    mean = common.residue_mean(v_ref, (), dead, block, n_res, width)
+    means_ref[...] = mean
 
     @pl.when(dead)
     def _():
-        mean = common.residue_mean(v_ref, (), dead, block, n_res, width)
-
         def write_tile(tile, carry):
             start = tile * block
-            ungated = jnp.broadcast_to(mean[None, :], (block, width))
-            gated = ungated
+            gated = jnp.broadcast_to(mean[None, :], (block, width))
             if gate_ref is not None:
                 gate = common.load_residues(gate_ref, (), start, block, n_res, width)
-                gated = ungated * jax.nn.sigmoid(gate.astype(jnp.float32))
+                gated = gated * jax.nn.sigmoid(gate.astype(jnp.float32))
             common.store_residues(out_ref, (), start, gated, n_res, width)
-            if attention_ref is not None:
-                common.store_residues(attention_ref, (), start, ungated, n_res, width)
             return carry
 
         common.tile_loop(0, pl.cdiv(n_res, block), write_tile, jnp.int32(0))
-        if row_max_ref is not None:
-            _write_uniform_statistics(
-                row_max_ref, row_log2_sum_ref, stats_plane, n_res, column_slice, slices
-            )
 
 
-def _write_uniform_statistics(row_max_ref, row_log2_sum_ref, plane: int, n_res: int,
-                              column_slice, slices: int):
-    """The row statistics of uniform weights over every key, as the kernel
-    visiting every tile leaves them: the masked logit (base 2) and log2(N).
-    The row's `slices` column slices share out its `plane` entries."""
-    share = pl.cdiv(plane, slices)
-    block = min(next_power_of_2(share), _TILE_ELEMENTS)
-    first = column_slice * share
-    end = jnp.minimum(first + share, plane)
-
-    def write_tile(tile, carry):
-        start = first + tile * block
-        for ref, value in ((row_max_ref, MASKED_LOGIT_LOG2), (row_log2_sum_ref, math.log2(n_res))):
-            view = ref.at[pl.ds(start, block)]
-            inside = start + jnp.arange(block, dtype=jnp.int32) < end
-            plgpu.store(view, jnp.full((block,), value, jnp.float32), mask=inside)
-        return carry
-
-    common.tile_loop(0, pl.cdiv(share, block), write_tile, jnp.int32(0))
-
-
-def fill_dead_rows(results, v, gate, mask, *, n_res: int, interpret: bool):
-    """The forward's `results` with the rows whose keys are all masked given
-    their exact values (uniform weights over the N keys), in place: out =
-    mean(v) * sigmoid(gate), the float32 attention output mean(v), the row
-    max the masked logit (base 2) and the log2 row sum log2(N). The other
-    rows' values are left as they are, bit for bit.
+def fill_dead_rows(out, v, gate, mask, *, n_res: int, interpret: bool):
+    """`(out, means)`: the output `out` with the rows whose keys are all
+    masked given their exact values (uniform weights over the N keys:
+    mean(v) * sigmoid(gate)), in place, the other rows' left as they are,
+    bit for bit; and `[B, S, C]` float32, the dead rows' mean of v (their
+    ungated output, for the residuals), 0 elsewhere.
 
     Args:
-      results: `(out,)` or `(out, attention, row_max, row_log2_sum)`: out
-        `[B, S, N, ...]` in v's dtype, attention likewise in float32, and
-        the statistics `[B, S, H, N']` float32 (N' >= N: every column of
-        a dead row's plane is written).
+      out: `[B, S, N, ...]` in v's dtype; C is the product of the axes after N.
       v: like out; gate: like out (any float dtype), or None.
-      mask: `[B, S, N'']` (N'' >= N; nonzero keeps; keys past N ignored).
+      mask: `[B, S, N']` (N' >= N; nonzero keeps; keys past N ignored).
       n_res: N.
       interpret: run in Pallas interpret mode (CPU).
     """
-    out, *statistics = results
-    batch, rows = out.shape[:2]
     out_rows = _as_rows(out)
     width = _column_slice(out_rows.shape[-1])
-    stats_plane = math.prod(statistics[1].shape[2:]) if statistics else None
-    specs = _row_specs(mask.shape[-1], n_res, width, stats_plane)
-    in_place, in_place_specs = [out_rows], [specs["rows"]]
-    if statistics:
-        attention, row_max, row_log2_sum = statistics
-        in_place += [_as_rows(attention), row_max.reshape(batch, rows, -1),
-                     row_log2_sum.reshape(batch, rows, -1)]
-        in_place_specs += [specs["rows"], specs["plane"], specs["plane"]]
-    kernel = functools.partial(
-        _fill_kernel, n_res=n_res, width=width, slices=out_rows.shape[-1] // width,
-        stats_plane=stats_plane,
-    )
-    # The mask, v and the gate (if any) are read; the operands after them,
-    # written in place (None operands are not counted).
+    specs = _row_specs(mask.shape[-1], n_res, width)
+    kernel = functools.partial(_fill_kernel, n_res=n_res, width=width)
+    # The mask, v and the gate (if any) are read; out, after them, is written in
+    # place (None operands are not counted).
     read = 2 if gate is None else 3
-    aliases = {read + i: i for i in range(len(in_place))}
-    filled = common.pallas_call(
+    filled, means = common.pallas_call(
         kernel, _LAUNCH, grid=_grid(out_rows, width),
-        in_specs=[specs["mask"], specs["rows"],
-                  None if gate is None else specs["rows"], *in_place_specs],
-        out_specs=in_place_specs,
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in in_place],
-        interpret=interpret, name="msa_fill_dead_rows", input_output_aliases=aliases,
-    )(mask, _as_rows(v), None if gate is None else _as_rows(gate), *in_place)
-    return tuple(x.reshape(original.shape) for x, original in zip(filled, results))
+        in_specs=[specs["mask"], specs["rows"], None if gate is None else specs["rows"],
+                  specs["rows"]],
+        out_specs=[specs["rows"], specs["means"]],
+        out_shape=[jax.ShapeDtypeStruct(out_rows.shape, out.dtype),
+                   jax.ShapeDtypeStruct(out_rows.shape[:2] + out_rows.shape[3:], jnp.float32)],
+        interpret=interpret, name="msa_fill_dead_rows", input_output_aliases={read: 0},
+    )(mask, _as_rows(v), None if gate is None else _as_rows(gate), out_rows)
+    return filled.reshape(out.shape), means
