@@ -82,16 +82,32 @@ def _as_rows(x):
     return x.reshape(*x.shape[:3], -1)
 
 
-def _grid(x_rows, width: int):
+def _layout(x, mask, n_res: int):
+    """What a call on rows `x` `[B, S, N, ...]` takes: x as `[B, S, N, C]`,
+    its programs' column slice, their BlockSpecs and grid, and the means'
+    type (`[B, S, C]` float32)."""
+    x_rows = _as_rows(x)
     batch, rows, _, columns = x_rows.shape
-    return rows, batch, columns // width
+    width = _column_slice(columns)
+    means = jax.ShapeDtypeStruct((batch, rows, columns), jnp.float32)
+    grid = (rows, batch, columns // width)
+    return x_rows, width, _row_specs(mask.shape[-1], n_res, width), grid, means
 
 
-def _dead_mean_kernel(mask_ref, x_ref, means_ref, *, n_res: int, width: int):
+def _write_means(mask_ref, rows_ref, means_ref, *, n_res: int, width: int):
+    """Writes the program's row and column slice of the means: the row's
+    mean over residues if the row is dead, else 0 (a live row reads
+    nothing: its loop runs no tile). Returns (dead, the mean)."""
     dead = jnp.logical_not(_row_keeps_a_key(mask_ref, n_res))
-    block = _residues_per_tile(width, n_res)
-    # A live row reads nothing: its loop runs no tile, and its mean is 0.
-    means_ref[...] = common.residue_mean(x_ref, (), dead, block, n_res, width)
+    mean = common.residue_mean(
+        rows_ref, (), dead, _residues_per_tile(width, n_res), n_res, width
+    )
+    means_ref[...] = mean
+    return dead, mean
+
+
+def _dead_mean_kernel(mask_ref, rows_ref, means_ref, *, n_res: int, width: int):
+    _write_means(mask_ref, rows_ref, means_ref, n_res=n_res, width=width)
 
 
 def dead_row_means(x, mask, *, n_res: int, interpret: bool):
@@ -106,14 +122,11 @@ def dead_row_means(x, mask, *, n_res: int, interpret: bool):
       n_res: N.
       interpret: run in Pallas interpret mode (CPU).
     """
-    x_rows = _as_rows(x)
-    width = _column_slice(x_rows.shape[-1])
-    specs = _row_specs(mask.shape[-1], n_res, width)
+    x_rows, width, specs, grid, means = _layout(x, mask, n_res)
     kernel = functools.partial(_dead_mean_kernel, n_res=n_res, width=width)
     return common.pallas_call(
-        kernel, _LAUNCH, grid=_grid(x_rows, width), in_specs=[specs["mask"], specs["rows"]],
-        out_specs=specs["means"],
-        out_shape=jax.ShapeDtypeStruct(x_rows.shape[:2] + x_rows.shape[3:], jnp.float32),
+        kernel, _LAUNCH, grid=grid, in_specs=[specs["mask"], specs["rows"]],
+        out_specs=specs["means"], out_shape=means,
         interpret=interpret, name="msa_dead_row_means",
     )(mask, x_rows)
 
@@ -121,11 +134,8 @@ def dead_row_means(x, mask, *, n_res: int, interpret: bool):
 def _fill_kernel(mask_ref, v_ref, gate_ref, out_in_ref, out_ref, means_ref, *, n_res: int,
                  width: int):
     del out_in_ref  # the same buffer as out_ref
-    dead = jnp.logical_not(_row_keeps_a_key(mask_ref, n_res))
+    dead, mean = _write_means(mask_ref, v_ref, means_ref, n_res=n_res, width=width)
     block = _residues_per_tile(width, n_res)
-    # A live row reads nothing: its loop runs no tile, and its mean is 0.
-    mean = common.residue_mean(v_ref, (), dead, block, n_res, width)
-    means_ref[...] = mean
 
     @pl.when(dead)
     def _():
@@ -155,20 +165,17 @@ def fill_dead_rows(out, v, gate, mask, *, n_res: int, interpret: bool):
       n_res: N.
       interpret: run in Pallas interpret mode (CPU).
     """
-    out_rows = _as_rows(out)
-    width = _column_slice(out_rows.shape[-1])
-    specs = _row_specs(mask.shape[-1], n_res, width)
+    out_rows, width, specs, grid, means = _layout(out, mask, n_res)
     kernel = functools.partial(_fill_kernel, n_res=n_res, width=width)
     # The mask, v and the gate (if any) are read; out, after them, is written in
     # place (None operands are not counted).
     read = 2 if gate is None else 3
     filled, means = common.pallas_call(
-        kernel, _LAUNCH, grid=_grid(out_rows, width),
+        kernel, _LAUNCH, grid=grid,
         in_specs=[specs["mask"], specs["rows"], None if gate is None else specs["rows"],
                   specs["rows"]],
         out_specs=[specs["rows"], specs["means"]],
-        out_shape=[jax.ShapeDtypeStruct(out_rows.shape, out.dtype),
-                   jax.ShapeDtypeStruct(out_rows.shape[:2] + out_rows.shape[3:], jnp.float32)],
+        out_shape=[jax.ShapeDtypeStruct(out_rows.shape, out.dtype), means],
         interpret=interpret, name="msa_fill_dead_rows", input_output_aliases={read: 0},
     )(mask, _as_rows(v), None if gate is None else _as_rows(gate), out_rows)
     return filled.reshape(out.shape), means
