@@ -21,8 +21,9 @@ at the end of a crop and of an alignment.
 
 Arrays are int32 whatever `jax_enable_x64` says (the kernels' index type).
 
-The Mosaic kernels leave dead rows out altogether; their results come from
-small kernels that read and write those rows alone (`triton.dead_rows`).
+The Mosaic forward leaves the dead rows' output, and the dk/dv kernel their
+dv's means, to small kernels that read and write those rows alone
+(`triton.dead_rows`).
 
 Skipping is off by default (`skipping_padding`): measured on the H200, the
 bounds, the dead rows' means and the forward's fill (then XLA passes over

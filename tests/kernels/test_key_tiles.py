@@ -1,7 +1,7 @@
 """The mask summaries the kernels skip padding by (`msa_pallas.kernels.key_tiles`),
 against a direct NumPy reading of the same masks: key tiles kept per row, dead rows,
-each row group's key-tile bounds, each key tile's row bounds, and the row groups that have work
-items."""
+each row group's key-tile bounds, each key tile's row bounds, and the row groups that
+have work items."""
 
 from __future__ import annotations
 
