@@ -87,6 +87,7 @@ def metadata(args) -> dict:
         "iters": args.iters,
         "reps": args.reps,
         "warmup": args.warmup,
+        "settle_seconds": timing.SETTLE_SECONDS,
         "seed": args.seed,
         "compile_threads": args.compile_threads,
         "env": {name: os.environ.get(name) for name in (

@@ -1,4 +1,5 @@
-"""The benchmarks' one timing loop: warm-up calls, then samples of back-to-back calls.
+"""The benchmarks' one timing loop: warm-up calls, on a GPU a tenth of a second of the
+same calls back to back (`settle`), then samples of back-to-back calls.
 
 A sample is `reps` calls queued back to back and waited for once, divided by `reps`
 (`msa_pallas.timing.batched_times_ms`, the autotuner's loop too): the host's dispatch
@@ -24,16 +25,49 @@ import jax.numpy as jnp
 from msa_pallas.timing import batched_times_ms
 
 
-def times_ms(launch: Callable[[int], object], *, samples: int, reps: int,
-             warmup: int = 1) -> list[float]:
-    """Per-call milliseconds of `samples` samples of `reps` calls, after `warmup` calls.
+# On a GPU, the seconds a program runs back to back between its warm-up calls and its
+# samples (`settle`).
+SETTLE_SECONDS = 0.1
 
-    `launch(i)` starts the i-th call (i counts from 0, warm-up and samples each, e.g. to
-    rotate input sets) and returns its output.
+
+def times_ms(launch: Callable[[int], object], *, samples: int, reps: int,
+             warmup: int = 1, settle_seconds: float | None = None) -> list[float]:
+    """Per-call milliseconds of `samples` samples of `reps` calls, after `warmup` calls
+    and, on a GPU, `settle_seconds` (default `SETTLE_SECONDS`) of calls back to back.
+
+    `launch(i)` starts the i-th call (i counts from 0, warm-up, settling and samples
+    each, e.g. to rotate input sets) and returns its output.
     """
     for i in range(warmup):
         jax.block_until_ready(launch(i))
+    settle(launch, reps, SETTLE_SECONDS if settle_seconds is None else settle_seconds)
     return batched_times_ms(launch, samples=samples, reps=reps)
+
+
+def settle(launch: Callable[[int], object], reps: int, seconds: float,
+           on_gpu: bool | None = None) -> int:
+    """Runs `launch` in batches of `reps` calls back to back, each batch waited for, until
+    `seconds` have passed; returns the calls made. Nothing off a GPU (`on_gpu`: None
+    asks JAX), where the calls run interpreted and take long.
+
+    Before the samples of a program, the GPU runs that program alone: after the 1 s
+    warm-up of matrix products (`warm_up_device`), the op table's first cell still read
+    slow in every sample (the training crop's forward with a float32 bias: 0.087-0.112
+    ms, against 0.071 for the same kernel later in the same run; H200, 2026-12-04, log
+    entry 11)."""
+    if on_gpu is None:
+        on_gpu = jax.default_backend() == "gpu"
+    if not on_gpu or seconds <= 0:
+        return 0
+    calls = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for _ in range(reps):
+            out = launch(calls)
+            calls += 1
+        jax.block_until_ready(out)
+        del out
+    return calls
 
 
 def median_ms(launch: Callable[[int], object], *, samples: int, reps: int,

@@ -13,10 +13,11 @@ import json
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 
-from benchmarks import layer, measure, op, page, report, runs
+from benchmarks import layer, measure, op, page, report, runs, timing
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TWO_SHAPES = "1x2x16x2x8,1x2x24x2x8"
@@ -420,3 +421,23 @@ def test_readme_results_rows_ratios_and_ahead_count(tmp_path, capsys):
         assert page.main([str(results_path), "--readme", str(readme)]) == 2
         assert readme.read_text() == text
         assert "results block: needs one line '<!-- results: written by" in capsys.readouterr().err
+
+
+def test_settle_runs_the_program_back_to_back_on_a_gpu_alone():
+    """On a GPU, `timing.settle` keeps calling the program, a batch of `reps` at a time,
+    until its seconds have passed; off a GPU (interpreted kernels) it calls nothing."""
+    calls = []
+
+    def launch(i):
+        calls.append(i)
+        time.sleep(0.001)
+        return i
+
+    start = time.monotonic()
+    made = timing.settle(launch, reps=3, seconds=0.05, on_gpu=True)
+    assert time.monotonic() - start >= 0.05
+    assert made == len(calls) and made >= 3 and made % 3 == 0
+    assert calls == list(range(made))
+    calls.clear()
+    assert timing.settle(launch, reps=3, seconds=0.05, on_gpu=False) == 0 and not calls
+    assert timing.settle(launch, reps=3, seconds=0.0, on_gpu=True) == 0 and not calls
