@@ -203,22 +203,24 @@ def test_bias_gradient_over_row_chunks(seed):
                  regrouped=("dbias",))
 
 
+@pytest.mark.parametrize("tiles", [PAIRS, ONE_ROW], ids=["row-pairs", "one-row"])
 @pytest.mark.parametrize("kernel", ["dq", "dkdv"])
-def test_persistent_kernel_equals_one_cta_per_item(kernel, seed):
+def test_persistent_kernel_equals_one_cta_per_item(kernel, tiles, seed):
     """The persistent dq and dk/dv kernels (one CTA per SM,
     `tiles.persistent`) on padding rows at the end of the alignment: rows
-    5-7 dead in every batch element, so row group (6, 7) has no loop, only
-    its stores (dq = dk = 0, dv the mean of do); row 1 dead in the middle,
-    batch element 1 all padding, the last quarter of the residues masked.
-    Skipping and not (every group live), against float64 and bitwise
-    against the kernel of one CTA per item."""
+    5-7 dead in every batch element, so the row groups after row 5 have no
+    loop, only their stores (dq = dk = 0, dv the mean of do); row 1 dead in
+    the middle, batch element 1 all padding, the last quarter of the
+    residues masked. Row pairs (row 5 dead beside live row 4) and one row
+    per group. Skipping and not (every group live), against float64 and
+    bitwise against the kernel of one CTA per item."""
     rows, n_res = 8, 72
     keep = padded_keep("end", 2, rows, n_res, np.random.default_rng(seed))
     keep[:, 5:] = False
     inputs = inputs_with_keep(seed, keep, 2, 8, jnp.bfloat16, jnp.float32)
     operands, scale = helpers.mosaic_backward_operands(inputs)
-    per_item = MosaicBackwardTiles(dkdv=PAIRS, dq=PAIRS, dbias=PAIRS)
-    per_sm = dataclasses.replace(per_item, **{kernel: dataclasses.replace(PAIRS, persistent=True)})
+    per_item = MosaicBackwardTiles(dkdv=tiles, dq=tiles, dbias=tiles)
+    per_sm = dataclasses.replace(per_item, **{kernel: dataclasses.replace(tiles, persistent=True)})
     check_padded(inputs, operands, scale, per_sm, (kernel,), label=f"persistent {kernel}")
     for skip in (True, False):
         expected = run_kernels(operands, scale, per_item, (kernel,), skip=skip)
