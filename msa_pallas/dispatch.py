@@ -168,6 +168,9 @@ class CallPlan:
         removes (`kernels.key_tiles.skipping_padding`; a mask given, no
         dropout).
       dropout_rate: attention dropout's rate (`msa_pallas.dropout`); 0 for none.
+      skipping_refused: traced inside `skipping_padding()` with a mask, but
+        dropout keeps the kernels visiting every tile (a row that keeps no
+        key has its uniform weights dropped too: no shortcut gives them).
       target: the device traced for.
       reason: why these kernels, in one line.
     """
@@ -189,6 +192,7 @@ class CallPlan:
     interpret: bool = False
     skips_padding: bool = False
     dropout_rate: float = 0.0
+    skipping_refused: bool = dataclasses.field(default=False, compare=False)
 
     def tiles_of(self, kernel: str):
         """The tiles of backward kernel `kernel`, or None where it does not run."""
@@ -206,6 +210,8 @@ class CallPlan:
             lines += [f"    {kernel}: {tiles}" for kernel, tiles in self.backward_tiles]
             if self.skips_padding:
                 lines.append("  padding: key tiles and MSA rows the mask removes are skipped")
+            elif self.skipping_refused:
+                lines.append("  padding: visited: skipping_padding() is off with attention dropout")
             if self.dropout_rate:
                 lines.append(f"  attention dropout: rate {self.dropout_rate} in the kernels")
             for name, width in (("forward", self.forward_head_dim),
@@ -367,4 +373,5 @@ def plan_call(
         backward_head_dim, forward_tiles, backward_tiles, ping_pong, bias_dtype, interpret,
         skips_padding=mask is not None and skips_padding() and not dropout_rate,
         dropout_rate=float(dropout_rate),
+        skipping_refused=mask is not None and skips_padding() and bool(dropout_rate),
     )

@@ -242,5 +242,13 @@ def test_plan_with_dropout_does_not_skip_padding():
     with msa_pallas.skipping_padding():
         plan = msa_pallas.explain(q, q, q, bias, mask, implementation="triton",
                                   dropout_rate=0.1, dropout_rng=jax.random.key(0))
-    assert plan.dropout_rate == 0.1 and not plan.skips_padding
+    assert plan.dropout_rate == 0.1 and not plan.skips_padding and plan.skipping_refused
     assert "attention dropout: rate 0.1" in str(plan)
+    assert "skipping_padding() is off with attention dropout" in str(plan)
+    # Without the context, or without dropout, nothing was refused.
+    plain = msa_pallas.explain(q, q, q, bias, mask, implementation="triton",
+                               dropout_rate=0.1, dropout_rng=jax.random.key(0))
+    assert not plain.skipping_refused and "skipping_padding()" not in str(plain)
+    with msa_pallas.skipping_padding():
+        skipping = msa_pallas.explain(q, q, q, bias, mask, implementation="triton")
+    assert skipping.skips_padding and not skipping.skipping_refused

@@ -53,7 +53,8 @@ def skipping_padding(enabled: bool = True):
     """Calls of the op traced inside skip (or, `enabled=False`, visit) the
     key tiles and MSA rows their key mask removes; results are the same up
     to float32 rounding. A function jitted outside keeps what it was traced
-    with.
+    with. Calls with attention dropout visit every tile still (a row that
+    keeps no key has its uniform weights dropped too): `explain` says so.
 
         with msa_pallas.skipping_padding():
             grads = jax.jit(jax.grad(loss))(params, batch)
