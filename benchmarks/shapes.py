@@ -73,6 +73,9 @@ SHAPES: dict[str, Shape] = {shape.name: shape for shape in (
     # `dot_product_attention`): the pair's N rows as the MSA rows, H = 4, d = 32.
     Shape("triangle", (1, 384, 384, 4, 32), about="triangle attention at N = 384"),
     Shape("triangle_long", (1, 768, 768, 4, 32), about="triangle attention at N = 768"),
+    # A 288-residue chain in a 384 crop: its padding residues are dead rows and masked keys.
+    Shape("triangle_padded", (1, 384, 384, 4, 32), mask="padded", padding=(0.25, 0.25),
+          about="triangle attention on a chain padded to N = 384: a quarter of residues padding"),
 )}
 # (B, S, N, H, d) by name, for scripts that need only the numbers.
 DIMS: dict[str, tuple[int, int, int, int, int]] = {name: s.dims for name, s in SHAPES.items()}
@@ -80,7 +83,7 @@ GPU_DEFAULT_SHAPES = ("train", "finetune", "extra", "long", "longer", "train_pad
                       "extra_padded", "long_padded")
 CPU_DEFAULT_SHAPES = ("tiny",)
 # Not MSA row attention: a results file of these alone is not the op's table.
-TRIANGLE_SHAPES = ("triangle", "triangle_long")
+TRIANGLE_SHAPES = ("triangle", "triangle_long", "triangle_padded")
 
 
 def first_rows(dims: tuple[int, int, int, int, int], rows: int) -> tuple[int, int, int, int, int]:
