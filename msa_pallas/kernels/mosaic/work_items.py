@@ -165,9 +165,9 @@ class BackwardItems:
         dead = groups - self.groups
 
         def unit(linear):
-            batch_head = lax.div(linear, lax.max(dead, 1))
-            work(lax.div(batch_head, self.heads), lax.rem(batch_head, self.heads),
-                 self.groups + lax.rem(linear, lax.max(dead, 1)))
+            # Numbered as items of one tile each, over the dead groups alone.
+            batch, head, dead_group, _ = decode_item(linear, 1, lax.max(dead, 1), self.heads)
+            work(batch, head, self.groups + dead_group)
 
         self._for_each(batch_heads * dead, unit)
 

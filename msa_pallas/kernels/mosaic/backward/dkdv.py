@@ -78,6 +78,20 @@ def _dkdv_kernel(
     # gradients on their way out.
     dk_name, dv_name = ("dk", "dv") if "dk" in smem else ("k", "v")
 
+    def copy_dead_dv(batch, head, row):
+        """Starts the copy of row `row`'s dead-row dv (the mean of its `do`,
+        `dead_dv`) into the consumer's vector."""
+        plgpu.copy_gmem_to_smem(
+            gmem["dead_dv"].at[batch, pl.ds(row, 1), head],
+            smem["dead_dv"].at[wg, :, pl.ds(0, tile_dim)], produced["dead_dv"].at[wg],
+        )
+
+    def copied_dead_dv():
+        """The dead-row dv `copy_dead_dv` started, once landed: `[tile_dim]`
+        float32 in the accumulators' column layout."""
+        plgpu.barrier_wait(produced["dead_dv"].at[wg])
+        return plgpu.load(smem["dead_dv"].at[wg, 0, pl.ds(0, tile_dim)], layout=WGMMA_COL)
+
     def query_tiles_of(batch, head, row_group, key_tile):
         """The query tiles the item's loop visits, lb <= query tile < ub; the
         consumers and the producer both read them here, so they agree on
@@ -99,10 +113,7 @@ def _dkdv_kernel(
         k_smem, v_smem = operand_at(smem["k"], wg), operand_at(smem["v"], wg)
 
         if "dead_dv" in gmem:
-            plgpu.copy_gmem_to_smem(
-                gmem["dead_dv"].at[batch, pl.ds(row, 1), head],
-                smem["dead_dv"].at[wg, :, pl.ds(0, tile_dim)], produced["dead_dv"].at[wg],
-            )
+            copy_dead_dv(batch, head, row)
 
         def load_keys():
             copy_tiles(
@@ -184,9 +195,7 @@ def _dkdv_kernel(
             # (`dead_dv` is 0 for the other rows). Where the loop ran, this
             # adds 0 to what it computed.
             skipped = (ub == lb).astype(jnp.float32)
-            plgpu.barrier_wait(produced["dead_dv"].at[wg])
-            dead_dv = plgpu.load(smem["dead_dv"].at[wg, 0, pl.ds(0, tile_dim)], layout=WGMMA_COL)
-            dv = dv + lax.broadcast_in_dim(dead_dv * skipped, dv.shape, [1])
+            dv = dv + lax.broadcast_in_dim(copied_dead_dv() * skipped, dv.shape, [1])
         store_row_tile(row_tile_at(smem[dk_name], wg), (dk * scale).astype(dtype))
         store_row_tile(row_tile_at(smem[dv_name], wg), dv.astype(dtype))
         plgpu.commit_smem()
@@ -238,16 +247,11 @@ def _dkdv_kernel(
         @items.for_each_dead_group
         def _(batch, head, row_group):
             row = row_group * msa_rows + wg
-            plgpu.copy_gmem_to_smem(
-                gmem["dead_dv"].at[batch, pl.ds(row, 1), head],
-                smem["dead_dv"].at[wg, :, pl.ds(0, tile_dim)], produced["dead_dv"].at[wg],
-            )
+            copy_dead_dv(batch, head, row)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last group's dv tile
-            plgpu.barrier_wait(produced["dead_dv"].at[wg])
-            dead_dv = plgpu.load(smem["dead_dv"].at[wg, 0, pl.ds(0, tile_dim)], layout=WGMMA_COL)
             # In the accumulators' layout, as the loop's dv.
             dv = zeros((block_k, tile_dim)) + lax.broadcast_in_dim(
-                dead_dv, (block_k, tile_dim), [1]
+                copied_dead_dv(), (block_k, tile_dim), [1]
             )
             store_row_tile(row_tile_at(smem[dv_name], wg), dv.astype(dtype))
             plgpu.commit_smem()
@@ -263,13 +267,13 @@ def _dkdv_kernel(
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    # Dead row groups only where padding is skipped ("dead_dv", "row_groups").
-    persistent_skip = tiles.persistent and "row_groups" in gmem
+    # Dead row groups only where a persistent kernel skips padding
+    # ("dead_dv", "row_groups"), as in dq.
     serve_items(
         consume_item, produce_item, query_tiles_of, consumers=msa_rows, heads=heads,
         persistent=tiles.persistent, tile_axis="key_tiles", work_items=work_items,
-        live_groups=gmem["row_groups"][0] if persistent_skip else None,
-        dead_groups=dead_groups if persistent_skip else None,
+        live_groups=gmem["row_groups"][0] if "row_groups" in gmem else None,
+        dead_groups=dead_groups if "row_groups" in gmem else None,
     )
 
 
