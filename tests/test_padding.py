@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import helpers
+import msa_pallas
 
 # float32 for the float32 path; bf16 inputs against float64 as the suite's
 # other f+b checks hold them.
@@ -57,3 +58,23 @@ def test_padded_batches_against_float64(case, implementation, seed):
     dead = ~np.asarray(inputs.mask).any(axis=-1)
     dq, dk = (helpers.to_f64(g) for g in result[1][:2])
     assert not np.any(dq[dead]) and not np.any(dk[dead])
+
+
+def test_one_jitted_function_skips_inside_the_context_alone(seed):
+    """`skipping_padding()` is part of JAX's jit cache key: one jitted
+    function, called outside, inside and outside again, is traced with
+    skipping inside only (its lowering then reads the mask's summaries), and
+    both give the same results (a dead row's mean of v summed in another
+    order)."""
+    inputs = _inputs("float32", seed)
+    q, k, v, bias, mask, gate, _ = inputs.args
+    attend = jax.jit(lambda *args: msa_pallas.msa_row_attention(*args, implementation="triton"))
+    args = (q, k, v, bias, mask, gate)
+    visiting = attend.lower(*args).as_text()
+    with msa_pallas.skipping_padding():
+        skipping = attend.lower(*args).as_text()
+        skipped = attend(*args)
+        with msa_pallas.skipping_padding(False):
+            assert attend.lower(*args).as_text() == visiting
+    assert skipping != visiting and attend.lower(*args).as_text() == visiting
+    assert helpers.rel_err(skipped, attend(*args)) < 1e-6

@@ -34,36 +34,38 @@ every row) cost 3-11% on masked shapes with nothing to skip, against the
 from __future__ import annotations
 
 import contextlib
-import contextvars
 
 import jax
 import jax.numpy as jnp
 
 
-_SKIPPING = contextvars.ContextVar("msa_pallas_skipping_padding", default=False)
+# Part of JAX's jit cache key (`jax.make_user_context`): a function jitted
+# once and called inside and outside `skipping_padding` is traced, and
+# compiled, once for each. A plain context variable would let a cached
+# trace from outside serve a call inside, which then would not skip.
+_SKIPPING = jax.make_user_context(default_value=False)
 
 
 def skips_padding() -> bool:
     """Whether calls traced now skip what the key mask removes."""
-    return _SKIPPING.get()
+    return bool(_SKIPPING.value)
 
 
 @contextlib.contextmanager
 def skipping_padding(enabled: bool = True):
     """Calls of the op traced inside skip (or, `enabled=False`, visit) the
     key tiles and MSA rows their key mask removes; results are the same up
-    to float32 rounding. A function jitted outside keeps what it was traced
-    with. Calls with attention dropout visit every tile still (a row that
-    keeps no key has its uniform weights dropped too): `explain` says so.
+    to float32 rounding. The setting is part of JAX's jit cache key: a
+    jitted function called inside is traced and compiled for it, whether or
+    not it ran outside before. Calls with attention dropout visit every tile
+    still (a row that keeps no key has its uniform weights dropped too):
+    `explain` says so.
 
         with msa_pallas.skipping_padding():
             grads = jax.jit(jax.grad(loss))(params, batch)
     """
-    token = _SKIPPING.set(enabled)
-    try:
+    with _SKIPPING(bool(enabled)):
         yield
-    finally:
-        _SKIPPING.reset(token)
 
 
 def kept_key_tiles(mask, n_res: int, block_k: int):
