@@ -27,8 +27,9 @@ The rule (this is its one description):
   abstract device of the current abstract mesh (`exporting.gpu_target`), so
   an export for "NVIDIA H200" holds the kernels an H200 would run.
 - Attention dropout runs in every backend (`msa_pallas.dropout`: the same
-  mask everywhere); with dropout the kernels do not skip padding (a fully
-  masked row's uniform weights are dropped too).
+  mask everywhere); skipping padding with dropout, the forward and dk/dv
+  visit the fully masked rows whole (their uniform weights are dropped
+  too) and skip the masked key tiles of the others.
 - Tiles: `block_config` where given (its `mosaic_*` fields for the Mosaic
   kernels), else `block_sizes.default_block_config` and the Mosaic kernels'
   own `default_tiles`.
@@ -165,12 +166,9 @@ class CallPlan:
       bias_dtype: the dtype name the kernels read the bias in, None for its own.
       interpret: the kernels run in their interpreters (off a GPU).
       skips_padding: the kernels skip the key tiles and MSA rows the mask
-        removes (`kernels.key_tiles.skipping_padding`; a mask given, no
-        dropout).
+        removes (`kernels.key_tiles.skipping_padding`; a mask given). With
+        dropout the forward and dk/dv visit the rows that keep no key.
       dropout_rate: attention dropout's rate (`msa_pallas.dropout`); 0 for none.
-      skipping_refused: traced inside `skipping_padding()` with a mask, but
-        dropout keeps the kernels visiting every tile (a row that keeps no
-        key has its uniform weights dropped too: no shortcut gives them).
       target: the device traced for.
       reason: why these kernels, in one line.
     """
@@ -192,7 +190,6 @@ class CallPlan:
     interpret: bool = False
     skips_padding: bool = False
     dropout_rate: float = 0.0
-    skipping_refused: bool = dataclasses.field(default=False, compare=False)
 
     def tiles_of(self, kernel: str):
         """The tiles of backward kernel `kernel`, or None where it does not run."""
@@ -208,10 +205,11 @@ class CallPlan:
             turns = ", consumers ping-pong" if self.backward == "mosaic" and self.ping_pong else ""
             lines.append(f"  backward: {self.backward}{turns}")
             lines += [f"    {kernel}: {tiles}" for kernel, tiles in self.backward_tiles]
-            if self.skips_padding:
+            if self.skips_padding and self.dropout_rate:
+                lines.append("  padding: masked key tiles skipped; rows that keep no key skipped"
+                             " by dq and dbias alone (dropout drops their uniform weights)")
+            elif self.skips_padding:
                 lines.append("  padding: key tiles and MSA rows the mask removes are skipped")
-            elif self.skipping_refused:
-                lines.append("  padding: visited: skipping_padding() is off with attention dropout")
             if self.dropout_rate:
                 lines.append(f"  attention dropout: rate {self.dropout_rate} in the kernels")
             for name, width in (("forward", self.forward_head_dim),
@@ -371,7 +369,6 @@ def plan_call(
     return CallPlan(
         implementation, forward, backward, reason, target, head_dim, forward_head_dim,
         backward_head_dim, forward_tiles, backward_tiles, ping_pong, bias_dtype, interpret,
-        skips_padding=mask is not None and skips_padding() and not dropout_rate,
+        skips_padding=mask is not None and skips_padding(),
         dropout_rate=float(dropout_rate),
-        skipping_refused=mask is not None and skips_padding() and bool(dropout_rate),
     )

@@ -114,26 +114,17 @@ def keep_mask(seeds: jax.Array, n_res: int, rate: float) -> jax.Array:
     return keeps(query, key, keep_threshold(rate))
 
 
-def check_kernel_arguments(dropout_seeds, dropout_rate: float, q_shape, *, skips_padding: bool,
-                           skip_keyword: str) -> bool:
+def check_kernel_arguments(dropout_seeds, dropout_rate: float, q_shape) -> bool:
     """Whether a kernel call drops weights, after checking its dropout
     arguments (every backend's kernels): the rate is in [0, 1); a positive
     rate needs `dropout_seeds`, uint32 `[B, S, H]` of q's `[B, S, N, H, d]`
-    `q_shape`; and it excludes skipping padding (`skip_keyword`, the
-    kernel's name for it), since a row that keeps no key takes a shortcut
-    (its uniform weights' mean) that dropout would change."""
+    `q_shape`."""
     keep_threshold(dropout_rate)  # checks the rate
     if float(dropout_rate) == 0.0:
         return False
     if dropout_seeds is None:
         raise ValueError(
             f"dropout_rate={dropout_rate!r} needs dropout_seeds (uint32 [B, S, H]); got None."
-        )
-    if skips_padding:
-        raise ValueError(
-            f"dropout_rate={dropout_rate!r} with {skip_keyword}=True: skipping padding is not "
-            "supported with dropout (a row that keeps no key is given its uniform weights' "
-            f"mean, undropped); pass {skip_keyword}=False."
         )
     expected = (q_shape[0], q_shape[1], q_shape[3])
     if tuple(dropout_seeds.shape) != expected or dropout_seeds.dtype != jnp.uint32:

@@ -235,20 +235,19 @@ def test_xla_gradients_against_finite_differences():
                     atol=1e-6, rtol=1e-6)
 
 
-def test_plan_with_dropout_does_not_skip_padding():
+def test_plan_with_dropout_skips_padding_but_dead_rows():
     q = jax.ShapeDtypeStruct((1, 2, 64, 2, 16), jnp.float32)
     bias = jax.ShapeDtypeStruct((1, 2, 64, 64), jnp.float32)
     mask = jax.ShapeDtypeStruct((1, 2, 64), jnp.bool_)
     with msa_pallas.skipping_padding():
         plan = msa_pallas.explain(q, q, q, bias, mask, implementation="triton",
                                   dropout_rate=0.1, dropout_rng=jax.random.key(0))
-    assert plan.dropout_rate == 0.1 and not plan.skips_padding and plan.skipping_refused
+        skipping = msa_pallas.explain(q, q, q, bias, mask, implementation="triton")
+    assert plan.dropout_rate == 0.1 and plan.skips_padding
     assert "attention dropout: rate 0.1" in str(plan)
-    assert "skipping_padding() is off with attention dropout" in str(plan)
-    # Without the context, or without dropout, nothing was refused.
+    assert "rows that keep no key skipped by dq and dbias alone" in str(plan)
+    assert skipping.skips_padding and "MSA rows the mask removes are skipped" in str(skipping)
+    # Outside the context nothing is skipped.
     plain = msa_pallas.explain(q, q, q, bias, mask, implementation="triton",
                                dropout_rate=0.1, dropout_rng=jax.random.key(0))
-    assert not plain.skipping_refused and "skipping_padding()" not in str(plain)
-    with msa_pallas.skipping_padding():
-        skipping = msa_pallas.explain(q, q, q, bias, mask, implementation="triton")
-    assert skipping.skips_padding and not skipping.skipping_refused
+    assert not plain.skips_padding and "padding" not in str(plain)

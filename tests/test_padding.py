@@ -18,6 +18,7 @@ import pytest
 
 import helpers
 import msa_pallas
+import numpy_reference
 
 # float32 for the float32 path; bf16 inputs against float64 as the suite's
 # other f+b checks hold them.
@@ -58,6 +59,59 @@ def test_padded_batches_against_float64(case, implementation, seed):
     dead = ~np.asarray(inputs.mask).any(axis=-1)
     dq, dk = (helpers.to_f64(g) for g in result[1][:2])
     assert not np.any(dq[dead]) and not np.any(dk[dead])
+
+
+def _fwd_bwd_with_dropout(implementation, rate, key, skip_padding):
+    """`helpers.fwd_bwd` with attention dropout."""
+
+    def run(q, k, v, bias, mask, gate, dout):
+        def f(q, k, v, bias, gate):
+            return msa_pallas.msa_row_attention(
+                q, k, v, bias, mask, gate, implementation=implementation,
+                dropout_rate=rate, dropout_rng=key,
+            )
+
+        with msa_pallas.skipping_padding(skip_padding):
+            out, pullback = jax.vjp(f, q, k, v, bias, gate)
+            return out, pullback(dout)
+
+    return jax.jit(run)
+
+
+@pytest.mark.parametrize("implementation", ["mosaic", "triton"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_padded_batches_with_dropout(case, implementation, seed):
+    """Skipping with attention dropout: the masked key tiles of live rows
+    are skipped and dead rows (their uniform weights dropped too) visited
+    by the forward and dk/dv, so the op equals the visiting op (bit for bit
+    on the Triton kernels; to float32 rounding on the Mosaic ones, whose
+    forward rescales by exp2 of an FMA residue when it passes a masked
+    tile) and the float64 reference with the same dropout mask."""
+    inputs = _inputs(case, seed)
+    dtype = jnp.dtype(inputs.q.dtype)
+    if implementation == "mosaic" and dtype == jnp.float32:
+        pytest.skip("the Mosaic forward takes 16-bit inputs (float32 runs the Triton forward)")
+    if implementation == "mosaic" and case != "end-dead-rows" and jax.default_backend() == "cpu":
+        pytest.skip("one Mosaic case in the interpreter (tests/kernels/mosaic/test_dropout_*)")
+    rate, key = 0.25, jax.random.key(seed % 1000)
+    skipping = _fwd_bwd_with_dropout(implementation, rate, key, True)(*inputs.args)
+    visiting = _fwd_bwd_with_dropout(implementation, rate, key, False)(*inputs.args)
+    helpers.assert_shapes_dtypes_finite(skipping, inputs)
+    for name, x, y in zip(helpers.RESULT_NAMES, jax.tree.leaves(skipping),
+                          jax.tree.leaves(visiting)):
+        if implementation == "triton":
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+        else:  # bf16 outputs and gradients: a float32 rounding may move one bf16 step
+            assert helpers.rel_err(x, y) < 1e-2, name
+    q = inputs.q
+    seeds = msa_pallas.dropout.row_seeds(key, q.shape[0], q.shape[1], q.shape[3])
+    keep = np.asarray(msa_pallas.dropout.keep_mask(seeds, q.shape[2], rate))
+    reference = (
+        numpy_reference.forward(*inputs.args[:6], None, dropout=(keep, rate)),
+        numpy_reference.vjp(*inputs.args[:6], None, inputs.dout, dropout=(keep, rate)),
+    )
+    helpers.compare(skipping, reference, TOLERANCE[dtype], f"{case} {implementation} dropout",
+                    floor=1e-3)
 
 
 def test_one_jitted_function_skips_inside_the_context_alone(seed):

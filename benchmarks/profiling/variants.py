@@ -3,6 +3,7 @@ and attention dropout save or cost in each.
 
     python -m benchmarks profile variants --shapes train_padded,extra_padded,long_padded
     python -m benchmarks profile variants --shapes train,finetune,extra --variants plain,dropout
+    python -m benchmarks profile variants --shapes train_padded --variants plain,dropout,dropout+skip
     XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false \\
         python -m benchmarks profile variants --shapes tiny      # CPU: the interpreters, a check
 
@@ -16,7 +17,9 @@ on the same operands in each variant, with the tiles the op plans in that varian
   the op does inside `msa_pallas.skipping_padding()`), the bounds and the dead rows'
   means computed inside the timed call as the op computes them;
 - `dropout`: attention dropout at `--dropout-rate`, the words computed inside the
-  timed call.
+  timed call;
+- `dropout+skip`: both (the masked key tiles of live rows skipped, dead rows visited
+  by the forward and dk/dv, whose dropped uniform weights have no shortcut).
 
 `--tiles "forward=128x64x2x2x1x1;dkdv=64x64x2x2"` also times each named kernel with
 these candidates (`BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT]]`, comma-separated), in
@@ -46,7 +49,9 @@ from msa_pallas.kernels.mosaic import backward as mosaic_backward
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
 from msa_pallas.kernels.mosaic.support import pad_head_dim
 
-VARIANTS = ("plain", "skip", "dropout")
+VARIANTS = ("plain", "skip", "dropout", "dropout+skip")
+SKIPPING = ("skip", "dropout+skip")
+DROPPING = ("dropout", "dropout+skip")
 INTERPRET = jax.default_backend() != "gpu"
 
 
@@ -90,9 +95,9 @@ def kernel_calls(ops: dict, plan, variant: str, rate: float, candidates=None) ->
     bias, mask = ops["bias"], ops["mask"].astype(jnp.int8)
     if plan.bias_dtype is not None:
         bias = bias.astype(plan.bias_dtype)
-    keywords = {"skip_masked": variant == "skip"}
+    keywords = {"skip_masked": variant in SKIPPING}
     seeds = None
-    if variant == "dropout":
+    if variant in DROPPING:
         keywords["dropout_rate"] = rate
         seeds = ops["seeds"]
     common = dict(scale=scale, interpret=plan.interpret, **keywords)
@@ -124,10 +129,10 @@ def kernel_calls(ops: dict, plan, variant: str, rate: float, candidates=None) ->
 
 def op_calls(ops: dict, variant: str, rate: float) -> dict:
     """{"op forward": ..., "op forward+backward": ...} of `msa_row_attention` in the
-    variant (traced inside `skipping_padding()` for `skip`)."""
+    variant (traced inside `skipping_padding()` for `SKIPPING`)."""
     mask = ops["mask"]
     options = {}
-    if variant == "dropout":
+    if variant in DROPPING:
         options = dict(dropout_rate=rate, dropout_rng=jax.random.key(3))
 
     def forward(q, k, v, bias, gate):
@@ -138,7 +143,7 @@ def op_calls(ops: dict, variant: str, rate: float) -> dict:
                        * ops["do"].astype(jnp.float32))
 
     args = tuple(ops[name] for name in ("q", "k", "v", "bias", "gate"))
-    with skipping_padding() if variant == "skip" else contextlib.nullcontext():
+    with skipping_padding() if variant in SKIPPING else contextlib.nullcontext():
         # Traced (and compiled) here, inside the context.
         compiled = {
             "op forward": jax.jit(forward).lower(*args).compile(),
@@ -156,7 +161,7 @@ def profile_case(shape_name, dtype_name, bias_name, args, emit) -> None:
     def plan_of(variant):
         """The op's plan in `variant`: with dropout its tiles may differ."""
         dropout_options = {}
-        if variant == "dropout":
+        if variant in DROPPING:
             dropout_options = dict(dropout_rate=args.dropout_rate, dropout_rng=jax.random.key(3))
         plan = dispatch.plan_call(ops["q"], ops["k"], ops["v"], ops["bias"], ops["mask"],
                                   ops["gate"], implementation="mosaic", **dropout_options)

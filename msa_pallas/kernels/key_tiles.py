@@ -25,6 +25,14 @@ The Mosaic forward leaves the dead rows' output, and the dk/dv kernel their
 dv's means, to small kernels that read and write those rows alone
 (`triton.dead_rows`).
 
+With attention dropout a dead row's uniform weights are dropped too, so
+its output and dv have no shortcut: the forward and dk/dv kernels then
+take their bounds from `kept_whole_dead_rows` (a dead row visited like a
+row that keeps every key; its logits still see the mask) and skip only
+the masked key tiles of live rows. dq and the bias gradient skip dead rows
+with or without dropout: their part there is exactly 0 either way (the
+logits do not depend on q, k or the bias).
+
 Skipping is off by default (`skipping_padding`): measured on the H200, the
 bounds, the dead rows' means and the forward's fill (then XLA passes over
 every row) cost 3-11% on masked shapes with nothing to skip, against the
@@ -57,9 +65,10 @@ def skipping_padding(enabled: bool = True):
     key tiles and MSA rows their key mask removes; results are the same up
     to float32 rounding. The setting is part of JAX's jit cache key: a
     jitted function called inside is traced and compiled for it, whether or
-    not it ran outside before. Calls with attention dropout visit every tile
-    still (a row that keeps no key has its uniform weights dropped too):
-    `explain` says so.
+    not it ran outside before. With attention dropout the same masks give
+    the same dropped weights: the forward and dk/dv then visit the rows
+    that keep no key whole (their uniform weights are dropped too), the rest
+    is skipped.
 
         with msa_pallas.skipping_padding():
             grads = jax.jit(jax.grad(loss))(params, batch)
@@ -88,6 +97,14 @@ def kept_key_tiles(mask, n_res: int, block_k: int):
 def dead_rows(mask, n_res: int):
     """`[B, S]` bool: the rows that keep no key among the first `n_res`."""
     return ~jnp.any(mask[..., :n_res] != 0, axis=-1)
+
+
+def kept_whole_dead_rows(mask, n_res: int):
+    """`mask` `[B, S, N']` with every key of its dead rows (`dead_rows`)
+    kept, in its dtype: the mask to summarise where a kernel must visit
+    dead rows whole (with attention dropout). Only the bounds come from it;
+    the kernels' logits still take `mask`."""
+    return jnp.where(dead_rows(mask, n_res)[..., None], jnp.ones_like(mask), mask)
 
 
 def _first_and_end(kept, axis: int):

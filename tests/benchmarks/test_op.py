@@ -259,12 +259,13 @@ def test_profile_backward_compares_each_mosaic_kernel_with_triton(capsys):
 
 @CPU_ONLY
 def test_profile_variants_times_each_mosaic_kernel_in_each_variant(capsys):
-    """Each Mosaic kernel the op plans, alone, plain, skipping padding and with dropout,
-    in the interpreters; each variant's time with its ratio to plain."""
+    """Each Mosaic kernel the op plans, alone, plain, skipping padding, with dropout and
+    with both, in the interpreters; each variant's time with its ratio to plain."""
     status = profile_variants.main(["--shapes", "tiny", "--bias-dtypes", "f32", "--no-op"])
     assert status == 0
     header, _, *lines = capsys.readouterr().out.splitlines()
-    assert header == "| shape | dtype | bias | kernel | plain ms | skip ms | dropout ms |"
+    assert header == ("| shape | dtype | bias | kernel | plain ms | skip ms | dropout ms "
+                      "| dropout+skip ms |")
     rows = [[field.strip() for field in line.strip("|").split("|")] for line in lines]
     assert [row[3] for row in rows] == ["forward", "dkdv", "dq", "dbias"], rows
     for row in rows:

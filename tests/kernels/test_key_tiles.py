@@ -75,3 +75,22 @@ def test_no_live_row_visits_no_group():
     bounds = key_tiles.key_tile_bounds(mask, 64, 64, 2)
     assert not np.asarray(bounds).any()
     assert int(key_tiles.visited_row_groups(bounds)[0]) == 0
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.bool_])
+def test_kept_whole_dead_rows(dtype, seed):
+    """With dropout the forward and dk/dv visit dead rows whole: their summary's
+    mask keeps every key of a dead row, and is the mask elsewhere (live rows'
+    masked tiles still skipped), in the mask's dtype and width."""
+    batch, rows, n_res = 2, 6, 100
+    keep = random_padded_mask(np.random.default_rng(seed), batch, rows, n_res, 2)
+    dead = ~keep.any(-1)
+    assert dead.any() and (~dead).any()
+    # Columns past N (the kernels' padded copy) neither make a row live nor matter.
+    wide = np.concatenate([keep, np.ones((batch, rows, 8), bool)], axis=-1)
+    whole = np.asarray(key_tiles.kept_whole_dead_rows(jnp.asarray(wide.astype(dtype)), n_res))
+    assert whole.dtype == np.dtype(dtype) and whole.shape == wide.shape
+    np.testing.assert_array_equal(whole[dead] != 0, np.ones((dead.sum(), n_res + 8), bool))
+    np.testing.assert_array_equal(whole[~dead], wide[~dead].astype(dtype))
+    bounds = np.asarray(key_tiles.key_tile_bounds(jnp.asarray(whole), n_res, 32, 1))
+    assert (bounds[dead] == (0, 4)).all() and (bounds[..., 1] > 0).all()

@@ -207,6 +207,46 @@ def test_attention_dropout():
     assert rel_err(mean, ref) < 0.05, rel_err(mean, ref)
 
 
+def test_padded_training_step_with_dropout_skips_padding():
+    """The reference layer's training step (attention dropout on) on a padded
+    batch: traced inside `skipping_padding()`, its loss and every parameter
+    gradient equal the step's that visits every tile (Triton kernels: the
+    masked key tiles of live rows add exact zeros, dead rows are visited as
+    before), and the plan it runs says padding is skipped."""
+    import msa_pallas
+
+    m, z, _ = random_inputs(21, B=2, S=4, N=40)
+    keep = np.ones((2, 4, 40), bool)
+    keep[..., 30:] = False  # padding residues
+    keep[:, 3] = False      # a padding row
+    keep[1, 2:] = False
+    mask = jnp.asarray(keep)
+    layer = MSARowAttentionWithPairBias(msa_dim=32, pair_dim=16, num_heads=4, dropout=0.2,
+                                        implementation="triton")
+    variables = perturbed(layer.init(jax.random.key(22), m, z, mask), 23)
+
+    def loss(params):
+        out = layer.apply({"params": params}, m, z, mask, deterministic=False,
+                          rngs={"dropout": jax.random.key(24)})
+        return jnp.sum(out * m)
+
+    step = jax.value_and_grad(loss)
+    visiting = jax.jit(step)(variables["params"])
+    visiting_text = str(jax.make_jaxpr(step)(variables["params"]))
+    with msa_pallas.skipping_padding():
+        skipping = jax.jit(step)(variables["params"])
+        # The step's kernels read the mask's summaries: it traces otherwise.
+        assert str(jax.make_jaxpr(step)(variables["params"])) != visiting_text
+        q = jax.ShapeDtypeStruct((2, 4, 40, 4, 8), jnp.float32)
+        plan = msa_pallas.explain(q, q, q, jax.ShapeDtypeStruct((2, 4, 40, 40), jnp.float32),
+                                  mask, implementation="triton", dropout_rate=0.2,
+                                  dropout_rng=jax.random.key(24))
+    assert plan.skips_padding and plan.dropout_rate == 0.2
+    for x, y in zip(jax.tree.leaves(skipping), jax.tree.leaves(visiting)):
+        assert np.all(np.isfinite(np.asarray(x)))
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 @pytest.mark.parametrize("kind", ["linen", "nnx"])
 def test_output_dropout_shares_mask_across_rows(kind):
     """AlphaFold2's output dropout, in the linen and in the NNX layer: one mask

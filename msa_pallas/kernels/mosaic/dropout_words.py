@@ -55,16 +55,11 @@ class Dropout:
         return cls(threshold=int(dropout.keep_threshold(rate)), scale=1.0 / (1.0 - float(rate)))
 
 
-def check_dropout(dropout_seeds, dropout_rate: float, q_shape, *, skips_masked: bool):
+def check_dropout(dropout_seeds, dropout_rate: float, q_shape):
     """The kernels' `Dropout` settings for `dropout_rate` (None when it is 0),
     after checking its operands: `dropout_seeds` uint32 `[B, S, H]` for q of
-    `q_shape` `[B, S, N, H, d]`, given when the rate is positive. Padding
-    skipping with dropout is refused: a dead row's uniform weights are
-    dropped too, so its shortcuts (the mean of v or of `do`) would be wrong."""
-    if not dropout.check_kernel_arguments(
-        dropout_seeds, dropout_rate, q_shape, skips_padding=skips_masked,
-        skip_keyword="skip_masked",
-    ):
+    `q_shape` `[B, S, N, H, d]`, given when the rate is positive."""
+    if not dropout.check_kernel_arguments(dropout_seeds, dropout_rate, q_shape):
         return None
     return Dropout.of(dropout_rate)
 

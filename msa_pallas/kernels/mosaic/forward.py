@@ -45,7 +45,8 @@ means of v. A dead row's CTA here would spend a work item's latency on a
 mean it need not compute.
 With `dropout_rate` > 0 the weights `dropout` drops (their words read from
 XLA's arrays, `dropout_words`) are zeroed after the row statistics, and the
-output scaled by 1 / (1 - rate).
+output scaled by 1 / (1 - rate). Skipping with dropout, a dead row's
+dropped uniform weights have no shortcut: its items visit every key tile.
 """
 
 from __future__ import annotations
@@ -463,7 +464,8 @@ def attention_forward(
       skip_masked: with a mask, visit only the key tiles with kept keys and
         the row groups up to the last with one (`kernels.key_tiles`; the op:
         `skipping_padding`), the dead rows' results given after the
-        kernel (`_with_dead_rows`); False, all. Not with dropout.
+        kernel (`_with_dead_rows`), or with dropout, the dead rows visited
+        whole (`key_tiles.kept_whole_dead_rows`); False, all.
       dropout_rate: attention dropout on the probabilities (`dropout`'s
         mask, kept ones scaled by 1 / (1 - rate)); the row statistics are
         the undropped ones'. 0: none.
@@ -480,7 +482,7 @@ def attention_forward(
     shapes = {"out": q.shape, "attention": q.shape}
     pair = heads_per_tile(head_dim, heads)
     skips_masked = mask is not None and skip_masked and key_bounds is None
-    dropout = check_dropout(dropout_seeds, dropout_rate, shape, skips_masked=skip_masked)
+    dropout = check_dropout(dropout_seeds, dropout_rate, shape)
     inputs, out_types = forward_operands(
         q, k, v, bias, mask, gate, None if dropout is None else dropout_seeds, scale=scale,
         tiles=tiles, msa_rows=msa_rows, pair=pair, skips_masked=skips_masked,
@@ -499,7 +501,7 @@ def attention_forward(
     )
     outs = launch(body, kernel_plan, inputs=inputs, out_types=out_types, interpret=interpret)
     outs = tuple(x.reshape(shapes.get(name, x.shape)) for name, x in zip(out_types, outs))
-    if skips_masked:
+    if skips_masked and dropout is None:
         outs = _with_dead_rows(outs, v, gate, mask, n_res, interpret)
     if save_stats:
         out, attention, row_max, row_log2_sum = outs

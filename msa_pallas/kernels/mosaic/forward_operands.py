@@ -10,7 +10,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from msa_pallas.kernels.key_tiles import key_tile_bounds, visited_row_groups
+from msa_pallas.kernels.key_tiles import (
+    key_tile_bounds, kept_whole_dead_rows, visited_row_groups,
+)
 from msa_pallas.kernels.mosaic.dropout_words import word_length, word_operands
 from msa_pallas.kernels.mosaic.heads import as_head_pairs
 from msa_pallas.kernels.mosaic.logits import accumulator_bias
@@ -27,7 +29,8 @@ def forward_operands(
 
     Arguments as `forward.attention_forward`'s (`dropout_seeds` None without
     dropout); `pair`: heads per tile (`heads.heads_per_tile`);
-    `skips_masked`: the kernel skips masked key tiles (`kernels.key_tiles`).
+    `skips_masked`: the kernel skips masked key tiles (`kernels.key_tiles`;
+    with dropout, not those of dead rows).
     The outputs are those of the head-pair view; the statistics' planes run
     to whole query tiles.
     """
@@ -43,7 +46,9 @@ def forward_operands(
     if dropout_seeds is not None:
         inputs |= word_operands(dropout_seeds, word_length(n_res, tiles.block_q, tiles.block_k))
     if skips_masked:
-        inputs |= skipping_operands(mask, n_res, tiles.block_k, msa_rows)
+        # With dropout a dead row's dropped uniform weights have no shortcut.
+        summarised = mask if dropout_seeds is None else kept_whole_dead_rows(mask, n_res)
+        inputs |= skipping_operands(summarised, n_res, tiles.block_k, msa_rows)
     if mask is not None:
         inputs["mask"] = pad_residues(mask, swizzled=False)
     inputs = {name: x for name, x in inputs.items() if x is not None}

@@ -27,7 +27,9 @@ tiles that keep a key in its rows; dk/dv's query loop only for a key tile
 that some row keeps a key in; the bias gradient's row loop over the rows
 that keep a key in its key tile. What is skipped would add exactly 0. A row
 that keeps no key gets dq = dk = 0 and dv = the mean of its `do` (uniform
-weights) without a matrix product.
+weights) without a matrix product; with dropout, which drops those uniform
+weights too, dk/dv visits its every key tile instead
+(`key_tiles.kept_whole_dead_rows`).
 
 With dropout (`dropout_rate > 0`) every kernel regenerates the forward's
 mask (`common.dropout_keeps`) and computes `ds = p * (keep * dp - delta)` and
@@ -110,7 +112,8 @@ def _dkdv_kernel(
         query_tiles_end, dead_rows = num_query_tiles, None
     else:
         row_bounds = [common.load_bounds(bounds_ref, row) for row in program_rows]
-        dead_rows = [row_end == 0 for _, row_end in row_bounds]
+        # With dropout the bounds visit dead rows whole (`per_row_call`).
+        dead_rows = None if seeds_ref is not None else [end == 0 for _, end in row_bounds]
         tile_kept = functools.reduce(
             jnp.logical_or,
             [(first <= key_tile) & (key_tile < end) for first, end in row_bounds],
@@ -318,10 +321,11 @@ def _dq_dbias_kernel(*refs, **static):
 
 # `skip_padding` (every kernel): with a mask, skip the tiles and rows it
 # masks entirely (`key_tiles`); False (the default; the op skips inside
-# `skipping_padding`) computes them, as without a mask. The gradients are the same bit for bit, but for the dv
-# of a row that keeps no key (the mean of `do`, summed in another order).
-# Not with dropout (ValueError). `dropout_rate` (every kernel): in [0, 1);
-# > 0 needs `dropout_seeds` (module docstring), 0 is the kernel without.
+# `skipping_padding`) computes them, as without a mask. The gradients are
+# the same bit for bit, but for the dv of a row that keeps no key (the mean
+# of `do`, summed in another order). With dropout dk/dv visits dead rows
+# whole. `dropout_rate` (every kernel): in [0, 1); > 0 needs
+# `dropout_seeds` (module docstring), 0 is the kernel without.
 _STATIC = ("scale", "tiles", "interpret", "skip_padding", "dropout_rate")
 
 
@@ -335,6 +339,7 @@ def backward_dkdv(
         _dkdv_kernel, 2, tiles.block_k, (q, k, v, bias, mask, do, row_max, row_log2_sum, delta),
         dropout_seeds, scale=scale, tiles=tiles, interpret=interpret,
         skip_padding=skip_padding, dropout_rate=dropout_rate, name="msa_row_attention_bwd_dkdv",
+        dropout_visits_dead_rows=True,
     )
     return dk, dv
 
@@ -361,7 +366,7 @@ def backward_dbias(
     """dbias `[B, H, N, N]` summed over the S MSA rows, in `dbias_dtype`
     (default: the bias dtype)."""
     n_res, head_dim = q.shape[2], q.shape[4]
-    seeds, threshold = common.dropout_operand(dropout_seeds, dropout_rate, q.shape, skip_padding)
+    seeds, threshold = common.dropout_operand(dropout_seeds, dropout_rate, q.shape)
     _, dbias = call_over_row_chunks(
         bind(_dbias_kernel, scale, n_res, head_dim, tiles, q.dtype, interpret, threshold),
         tiles,
@@ -386,7 +391,7 @@ def backward_dq_dbias(
         raise ValueError(
             f"backward_dq_dbias needs tiles.block_k >= N; got block_k={tiles.block_k}, N={n_res}."
         )
-    seeds, threshold = common.dropout_operand(dropout_seeds, dropout_rate, q.shape, skip_padding)
+    seeds, threshold = common.dropout_operand(dropout_seeds, dropout_rate, q.shape)
     return call_over_row_chunks(
         bind(_dq_dbias_kernel, scale, n_res, head_dim, tiles, q.dtype, interpret, threshold),
         tiles,

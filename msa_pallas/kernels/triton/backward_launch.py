@@ -88,11 +88,13 @@ def call_over_row_chunks(
 
 
 def per_row_call(body, outputs: int, block: int, operands, dropout_seeds, *, scale, tiles,
-                  interpret, skip_padding, dropout_rate, name):
+                  interpret, skip_padding, dropout_rate, name, dropout_visits_dead_rows=False):
     """Runs a per-row kernel (dk/dv: 2 outputs over key tiles of size
     `block`; dq: 1 over query tiles) on a (tile, S / msa_rows, h, b) grid:
     with a mask to skip by, the rows' key-tile bounds (at the kernel's
     block_k) are one more operand; then the dropout seeds, or None.
+    `dropout_visits_dead_rows`: with dropout, the bounds give dead rows
+    every key tile (`key_tiles.kept_whole_dead_rows`).
 
     Returns the list of `outputs` gradients `[B, S, N, H, d]` in q's dtype.
     """
@@ -100,10 +102,13 @@ def per_row_call(body, outputs: int, block: int, operands, dropout_seeds, *, sca
     batch, num_msa_rows, n_res, heads, head_dim = q.shape
     d_pad = padded_head_dim(head_dim)
     msa_rows = tiles.msa_rows_for(num_msa_rows)
-    seeds, threshold = common.dropout_operand(dropout_seeds, dropout_rate, q.shape, skip_padding)
+    seeds, threshold = common.dropout_operand(dropout_seeds, dropout_rate, q.shape)
     bounds = None
     if mask is not None and skip_padding:
-        bounds = mask_summary.key_tile_bounds(mask, n_res, tiles.block_k)
+        summarised = mask
+        if seeds is not None and dropout_visits_dead_rows:
+            summarised = mask_summary.kept_whole_dead_rows(mask, n_res)
+        bounds = mask_summary.key_tile_bounds(summarised, n_res, tiles.block_k)
     row_spec, stat_spec = qkv_spec(n_res, d_pad, msa_rows), stats_spec(n_res, msa_rows)
     in_specs = [
         row_spec, row_spec, row_spec, bias_spec(n_res),

@@ -275,7 +275,7 @@ def logit_gradient(p, dp, delta, key_keep, dropout_keep=None):
     return ds
 
 
-def dropout_operand(dropout_seeds, dropout_rate: float, q_shape, skip_padding: bool):
+def dropout_operand(dropout_seeds, dropout_rate: float, q_shape):
     """Checks a kernel call's dropout arguments; returns `(seeds, threshold)`:
     the seeds as the kernels read them, `[B, S, H, 1]` uint32 (one scalar
     per MSA row and head: `load_dropout_seed`), and the kernels' static
@@ -286,13 +286,8 @@ def dropout_operand(dropout_seeds, dropout_rate: float, q_shape, skip_padding: b
       dropout_seeds: `[B, S, H]` uint32 (`dropout.row_seeds`) or None.
       dropout_rate: in [0, 1); > 0 needs the seeds.
       q_shape: `[B, S, N, H, d]`.
-      skip_padding: must be False with dropout: a row that keeps no key gets
-        its results as a mean over all N keys, which dropout would change.
     """
-    if not dropout.check_kernel_arguments(
-        dropout_seeds, dropout_rate, q_shape, skips_padding=skip_padding,
-        skip_keyword="skip_padding",
-    ):
+    if not dropout.check_kernel_arguments(dropout_seeds, dropout_rate, q_shape):
         return None, None
     return dropout_seeds[..., None], dropout.keep_threshold(dropout_rate)
 

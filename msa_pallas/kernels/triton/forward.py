@@ -11,7 +11,8 @@ exists anywhere.
 With a key mask, the key loop runs between bounds read at run time: the
 first and last key tiles that keep a key in the program's rows
 (`key_tiles`); the tiles outside them would add exactly 0. A row that keeps
-no key gets its uniform-weight results without a matrix product.
+no key gets its uniform-weight results without a matrix product (with
+dropout, which drops those weights too, it is visited whole).
 
 With attention dropout (`dropout_rate > 0`), each weight of the softmax is
 kept or dropped by `msa_pallas.dropout`'s hash of the row's seed and the
@@ -57,6 +58,10 @@ def _forward_kernel(
         row_bounds = [common.load_bounds(bounds_ref, row) for row in program_rows]
         first, end = common.union_of_bounds(row_bounds, num_key_tiles)
         dead_rows = [row_end == 0 for _, row_end in row_bounds]
+        if seeds_ref is not None:
+            # With dropout the bounds visit dead rows whole (`key_tiles.
+            # kept_whole_dead_rows`): their dropped weights have no shortcut.
+            dead_rows = None
     qs = [
         common.load_residues(q_ref, row, q_start, block_q, n_res, head_dim)
         for row in program_rows
@@ -200,9 +205,11 @@ def attention_forward(
       skip_padding: with a mask, visit only the key tiles between the first
         and the last that keep a key in each row, and none in a row that
         keeps no key (`key_tiles`); False (the default; the op skips
-        inside `skipping_padding`) visits every tile, as without a mask. The results are the same bit for
-        bit, but for a row that keeps no key, whose mean of v is summed in
-        another order. Not with dropout (ValueError).
+        inside `skipping_padding`) visits every tile, as without a mask.
+        The results are the same bit for bit, but for a row that keeps no
+        key, whose mean of v is summed in another order. With dropout,
+        which drops such a row's uniform weights too, that row is visited
+        whole (`key_tiles.kept_whole_dead_rows`): bit for bit throughout.
       dropout_rate: attention dropout's rate in [0, 1), static: the softmax
         weights are dropped (`msa_pallas.dropout`) and the kept ones scaled
         by 1 / (1 - rate). 0 (the default) is the kernel without dropout.
@@ -213,7 +220,7 @@ def attention_forward(
       with dropout) and the float32 row max and log2 row sum of the
       undropped weights, each `[B, S, H, N]`, in base-2 units.
     """
-    seeds, threshold = common.dropout_operand(dropout_seeds, dropout_rate, q.shape, skip_padding)
+    seeds, threshold = common.dropout_operand(dropout_seeds, dropout_rate, q.shape)
     batch, num_msa_rows, n_res, heads, head_dim = q.shape
     d_pad = padded_head_dim(head_dim)
     msa_rows = tiles.msa_rows_for(num_msa_rows)
@@ -230,7 +237,8 @@ def attention_forward(
     # The mask's summary: an int32 input only where there is a mask to skip by.
     bounds = None
     if mask is not None and skip_padding:
-        bounds = key_tiles.key_tile_bounds(mask, n_res, tiles.block_k)
+        summarised = mask if seeds is None else key_tiles.kept_whole_dead_rows(mask, n_res)
+        bounds = key_tiles.key_tile_bounds(summarised, n_res, tiles.block_k)
     in_specs = [
         qkv_block, qkv_block, qkv_block, bias_spec(n_res),
         None if mask is None else mask_spec(n_res, msa_rows),

@@ -91,8 +91,8 @@ def vjp_operands(inputs, o, rate: float):
     return (q, k, v, bias, mask, do, stats), scale
 
 
-def run_backward(operands, seeds, rate, scale, tiles: MosaicBackwardTiles):
-    bound = dict(scale=scale, interpret=True, dropout_rate=rate)
+def run_backward(operands, seeds, rate, scale, tiles: MosaicBackwardTiles, **kwargs):
+    bound = dict(scale=scale, interpret=True, dropout_rate=rate, **kwargs)
     dk, dv = mosaic_backward.backward_dkdv(
         *operands, seeds, tiles=tiles.dkdv, ping_pong=tiles.ping_pong, **bound
     )
@@ -142,6 +142,36 @@ def test_backward_kernels_with_dropout_against_float64(case, seed):
     print(f"[rel err] mosaic backward, dropout, {case}: {errors}")
     tolerance = helpers.tolerance(dtype)
     assert all(error <= tolerance for error in errors.values()), errors
+
+
+def test_skipping_padding_with_dropout(seed):
+    """`skip_masked=True` with dropout, on the vjp's operands: dq skips the
+    masked last key tile of the live row group and the dead group (rows 2
+    and 3; dq = 0 there whatever is dropped), dk/dv skips that tile's query
+    loops but visits the dead rows whole (their dv is their dropped uniform
+    weights' product with `do`, not its mean), and dbias sums the live rows
+    alone. dq, dk and dv equal the visiting kernels' bit for bit, dbias to
+    float32 rounding (its row chunks split other rows), all float64's."""
+    inputs = helpers.random_inputs(seed, 1, 4, 136, 1, 32, jnp.bfloat16, gate=False)
+    keep = helpers.padded_mask(1, 4, 136, seed, end_padding=0.5, dead=(2, 3))
+    inputs = inputs._replace(mask=jnp.asarray(keep))
+    seeds = random_seeds(seed, inputs)
+    rate, scale = 0.3, 32**-0.5
+    o, expected = reference(inputs, seeds, rate, scale)
+    operands, scale = vjp_operands(inputs, o, rate)
+    visited = run_backward(operands, seeds, rate, scale, SMALL_TILES)
+    skipped = run_backward(operands, seeds, rate, scale, SMALL_TILES, skip_masked=True)
+    for name, x, y, want in zip(GRADIENTS, skipped, visited, expected):
+        helpers.assert_finite(x, name)
+        if name == "dbias":
+            assert helpers.rel_err(x, y) < 1e-6, name
+        else:
+            np.testing.assert_array_equal(helpers.to_f64(x), helpers.to_f64(y), err_msg=name)
+        error = helpers.rel_err(x, want)
+        assert error <= helpers.tolerance(jnp.bfloat16), (name, error)
+    dead = ~keep.any(-1)
+    dv_mean = helpers.to_f64(operands[5])[dead].mean(axis=1, keepdims=True)
+    assert helpers.rel_err(skipped[2][dead], np.broadcast_to(dv_mean, skipped[2][dead].shape)) > 0.05
 
 
 def test_seeds_change_every_gradient(seed):
@@ -195,8 +225,6 @@ def test_bad_dropout_arguments(kernel, seed):
         jax.eval_shape(lambda *a: call(*a, **bound), *operands)
     with pytest.raises(ValueError, match="expected uint32"):
         jax.eval_shape(lambda *a: call(*a, seeds.astype(jnp.int32), **bound), *operands)
-    with pytest.raises(ValueError, match="skip_masked"):
-        jax.eval_shape(lambda *a: call(*a, seeds, skip_masked=True, **bound), *operands)
 
 
 # (shape, q dtype, bias dtype): d = 32 over tails (N = 200), d = 8 two heads
@@ -208,12 +236,17 @@ LOWERED = {
 }
 
 
-@pytest.mark.parametrize("case", list(LOWERED))
-def test_lowers_for_the_gpu_on_a_cpu(case):
+@pytest.mark.parametrize(
+    "case, skip_masked",
+    [(case, False) for case in LOWERED] + [("d32-N200", True)],
+    ids=list(LOWERED) + ["d32-N200-skipping"],
+)
+def test_lowers_for_the_gpu_on_a_cpu(case, skip_masked):
     """With dropout each kernel, with its default tiles with dropout, lowers
     for CUDA on a machine without a GPU (the word vectors' loads from GMEM
     and from shared memory in both orientations' layouts, their copies into
-    the dbias ring, the keep mask's uint32 arithmetic)."""
+    the dbias ring, the keep mask's uint32 arithmetic). Skipping padding,
+    dk/dv visits dead rows whole: it takes no means of `do`."""
     shape, dtype, bias_dtype = LOWERED[case]
     operands = mosaic_lowering.backward_operands(shape, dtype, bias_dtype)
     seeds = jax.ShapeDtypeStruct((shape[0], shape[1], shape[3]), jnp.uint32)
@@ -222,10 +255,11 @@ def test_lowers_for_the_gpu_on_a_cpu(case):
         call = getattr(mosaic_backward, kernel)
 
         def backward(*args, call=call, kernel_tiles=kernel_tiles):
-            return call(*args, scale=0.2, tiles=kernel_tiles, interpret=False, dropout_rate=0.1)
+            return call(*args, scale=0.2, tiles=kernel_tiles, interpret=False, dropout_rate=0.1,
+                        skip_masked=skip_masked)
 
         text = mosaic_lowering.lowered_for_cuda(backward, *operands, seeds)
-        assert "mosaic_gpu" in text, kernel
+        assert "mosaic_gpu" in text and "msa_dead_row_means" not in text, kernel
 
 
 PLANS = {"dkdv": dkdv_plan, "dq": dq_plan, "dbias": dbias_plan}

@@ -103,6 +103,32 @@ def test_forward_with_dropout_against_float64(case, seed):
     assert np.isfinite(np.asarray(row_max)).all() and np.isfinite(np.asarray(row_log2_sum)).all()
 
 
+@pytest.mark.parametrize("persistent", [False, True], ids=["per-item", "persistent"])
+def test_skipping_padding_with_dropout(persistent, seed):
+    """`skip_masked=True` with dropout: the row group that keeps keys skips
+    its masked last key tile; the dead group (rows 2 and 3), whose uniform
+    weights are dropped too, is visited whole, not given the mean of v. The
+    dead rows equal the visiting kernel's bit for bit, the live rows within
+    float32 rounding (a skipped tile leaves out a rescaling by exp2 of an FMA
+    residue), and every result float64's. N = 136: keys 68 on padding."""
+    inputs = helpers.random_inputs(seed, 1, 4, 136, 1, 32, jnp.bfloat16)
+    keep = helpers.padded_mask(1, 4, 136, seed, end_padding=0.5, dead=(2, 3))
+    inputs = inputs._replace(mask=jnp.asarray(keep))
+    seeds = random_seeds(seed, inputs)
+    tiles = dataclasses.replace(SMALL_TILES, persistent=persistent)
+    visited = run_forward(inputs, seeds, 0.3, tiles)
+    skipped = run_forward(inputs, seeds, 0.3, tiles, skip_masked=True)
+    dead = ~keep.any(-1)
+    for name, x, y in zip(("out", "attention", "row_max", "row_log2_sum"), skipped, visited):
+        x, y = helpers.to_f64(x), helpers.to_f64(y)
+        helpers.assert_finite(x, name)
+        np.testing.assert_array_equal(x[dead], y[dead], err_msg=f"{name} of dead rows")
+        assert helpers.rel_err(x[~dead], y[~dead]) < 1e-5, name
+    expected_out, expected_o = reference(inputs, seeds, 0.3, 32**-0.5)
+    assert helpers.rel_err(skipped[0], expected_out) <= OUT_TOLERANCE[jnp.dtype(jnp.bfloat16)]
+    assert helpers.rel_err(skipped[1], expected_o) <= OUT_TOLERANCE[jnp.dtype(jnp.bfloat16)]
+
+
 def test_statistics_are_the_undropped_ones_and_seeds_matter(seed):
     """The saved row max and log2 row sum are bitwise those of rate 0 (the
     backward recomputes the undropped softmax from them), while the outputs
@@ -155,18 +181,21 @@ def test_bad_dropout_arguments(seed):
         run_forward(inputs, seeds.astype(jnp.int32), 0.1)
     with pytest.raises(ValueError, match="expected uint32"):
         run_forward(inputs, seeds[:, :1], 0.1)
-    with pytest.raises(ValueError, match="skip_masked"):
-        run_forward(inputs, seeds, 0.1, skip_masked=True)
     with pytest.raises(ValueError, match="dropout rate"):
         run_forward(inputs, seeds, 1.0)
 
 
-@pytest.mark.parametrize("head_dim, persistent", [(32, False), (8, True)])
-def test_lowers_for_the_gpu_on_a_cpu(head_dim, persistent):
+@pytest.mark.parametrize(
+    "head_dim, persistent, skip_masked",
+    [(32, False, False), (8, True, False), (32, True, True)],
+    ids=["d32", "d8-persistent", "d32-persistent-skipping"],
+)
+def test_lowers_for_the_gpu_on_a_cpu(head_dim, persistent, skip_masked):
     """With dropout the kernel lowers for CUDA on a machine without a GPU
     (the word vectors' loads from GMEM in the wgmma row and column layouts,
     the keep mask's uint32 arithmetic): N = 200 runs past the last whole
-    tile."""
+    tile. Skipping padding, the bounds visit dead rows whole: no kernel
+    fills them after."""
     shape = (1, 4, 200, 8, head_dim)
     q = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
     bias = jax.ShapeDtypeStruct((1, 8, 200, 200), jnp.float32)
@@ -179,10 +208,11 @@ def test_lowers_for_the_gpu_on_a_cpu(head_dim, persistent):
     def forward(q, k, v, bias, mask, gate, seeds):
         return mosaic_forward.attention_forward(
             q, k, v, bias, mask, gate, seeds, scale=0.2, tiles=tiles, interpret=False,
-            save_stats=True, dropout_rate=0.1,
+            save_stats=True, dropout_rate=0.1, skip_masked=skip_masked,
         )
 
-    assert "mosaic_gpu" in mosaic_lowering.lowered_for_cuda(forward, q, q, q, bias, mask, q, seeds)
+    text = mosaic_lowering.lowered_for_cuda(forward, q, q, q, bias, mask, q, seeds)
+    assert "mosaic_gpu" in text and "msa_fill_dead_rows" not in text
 
 
 # (B, S, N, H, d): the train crop's N and H at fewer MSA rows, d = 8 of the

@@ -109,18 +109,22 @@ def test_reference_is_the_gradient_of_its_forward(seed):
         assert rel_err(grad, reference[name]) < 1e-12, name
 
 
-def run_kernels(q, k, v, do, bias, mask, gate, seeds, rate, config, *, interpret=True):
+def run_kernels(q, k, v, do, bias, mask, gate, seeds, rate, config, *, interpret=True,
+                skip_padding=False):
     """`kernel_results` as NumPy arrays."""
-    results = kernel_results(q, k, v, do, bias, mask, gate, seeds, rate, config, interpret)
+    results = kernel_results(q, k, v, do, bias, mask, gate, seeds, rate, config, interpret,
+                             skip_padding)
     return {name: np.asarray(x) for name, x in results.items()}
 
 
-def kernel_results(q, k, v, do, bias, mask, gate, seeds, rate, config, interpret):
+def kernel_results(q, k, v, do, bias, mask, gate, seeds, rate, config, interpret,
+                   skip_padding=False):
     """Every Triton kernel of `config` with dropout `rate`, the backward ones
     on the VJP's operands: a dict (out, attention, row_max, row_log2_sum, dk,
     dv, dq, dbias and, where the config has the fused kernel, dq_fused,
-    dbias_fused)."""
-    statics = dict(scale=q.shape[-1] ** -0.5, interpret=interpret, dropout_rate=rate)
+    dbias_fused). `skip_padding`: every kernel's."""
+    statics = dict(scale=q.shape[-1] ** -0.5, interpret=interpret, dropout_rate=rate,
+                   skip_padding=skip_padding)
     out, attention, row_max, row_log2_sum = forward.attention_forward(
         q, k, v, bias, mask, gate, seeds, tiles=config.forward, save_stats=True, **statics
     )
@@ -189,6 +193,34 @@ def test_kernels_against_float64(case, seed):
     )
     for position, name in ((2, "row_max"), (3, "row_log2_sum")):
         np.testing.assert_array_equal(results[name], np.asarray(undropped[position]), name)
+
+
+@pytest.mark.parametrize("case", ["f32-gate-r0.1", "bf16-bf16bias-gate-r0.5"])
+def test_skipping_padding_with_dropout_is_exact(case, seed):
+    """`skip_padding=True` with dropout on padded masks: the masked key tiles
+    of live rows are skipped, the dead rows (their uniform weights dropped
+    too) visited whole by the forward and dk/dv and skipped by dq and the
+    bias gradient (0 there), so every result equals the visiting kernels'
+    bit for bit, dead rows included, and float64. Masks: the last quarter of
+    the residues (a whole 16-key tile) and 20 keys in the middle of the odd
+    rows padded, row 3 dead, batch element 1 all padding."""
+    dtype, bias_dtype, gate, head_dim, rate = CASES[case]
+    shape = (2, 4, 40, 2, head_dim)
+    q, k, v, do, bias, gate, _, seeds = random_case(seed, shape, dtype, bias_dtype, gate)
+    keep = helpers.padded_mask(*shape[:3], seed, middle=(14, 34), dead=(3,), dead_batch=(1,))
+    mask = jnp.asarray(keep.astype(np.int8))
+    visited = run_kernels(q, k, v, do, bias, mask, gate, seeds, rate, CONFIG)
+    skipped = run_kernels(q, k, v, do, bias, mask, gate, seeds, rate, CONFIG, skip_padding=True)
+    for name, x in skipped.items():
+        np.testing.assert_array_equal(x, visited[name], err_msg=f"{case} {name}")
+    assert_against_reference(
+        skipped, dropout_reference(q, k, v, bias, mask, gate, do, seeds, rate), dtype, case
+    )
+    # A dead row's output is its dropped uniform weights' (not the mean of v).
+    dead = ~keep.any(-1)
+    v_mean = helpers.to_f64(v)[dead].mean(axis=1, keepdims=True)
+    assert rel_err(skipped["attention"][dead], np.broadcast_to(
+        v_mean, skipped["attention"][dead].shape)) > 0.05
 
 
 def test_bias_gradient_loops_over_rows_with_their_seeds(seed):
@@ -293,8 +325,8 @@ def test_rate_zero_is_the_kernel_without_dropout(interpret):
 
 
 def test_bad_dropout_arguments():
-    """Dropout without seeds, with padding skipping, with seeds of the wrong
-    shape or dtype, or at a rate outside [0, 1): a ValueError at trace time."""
+    """Dropout without seeds, with seeds of the wrong shape or dtype, or at a
+    rate outside [0, 1): a ValueError at trace time."""
     shape = (1, 2, 24, 2, 8)
     q = jnp.ones(shape, jnp.float32)
     bias = jnp.ones((1, 2, 24, 24), jnp.float32)
@@ -314,8 +346,6 @@ def test_bad_dropout_arguments():
     for call in (forward_call, backward_call):
         with pytest.raises(ValueError, match="needs dropout_seeds"):
             call(None, dropout_rate=0.1)
-        with pytest.raises(ValueError, match="skip_padding"):
-            call(seeds, dropout_rate=0.1, skip_padding=True)
         with pytest.raises(ValueError, match=r"expected \(1, 2, 2\)"):
             call(jnp.ones((1, 2, 3), jnp.uint32), dropout_rate=0.1)
         with pytest.raises(ValueError, match="uint32"):

@@ -69,7 +69,7 @@ each wrapper computes the words of the rows' global positions from the
 seeds in XLA, its kernel regenerates the forward's mask from a tile's
 vectors of them (one load each), and `operands.recompute` gives `ds = p
 (keep dp - delta)` and dv's weights `p keep`; `do` and delta come scaled
-by the vjp, so no kernel divides by 1 - rate. Not with padding skipping.
+by the vjp, so no kernel divides by 1 - rate.
 
 Padding (`kernels.key_tiles`): every kernel's loop runs between bounds
 read at run time (`lb`, `ub` in dq and dk/dv, the row range in dbias),
@@ -78,12 +78,15 @@ the ring's slots counted from the loop's first step (`pipeline.produce`,
 (int32 inputs, a pass over the mask in XLA): dq visits the key tiles that
 hold its row group's kept keys; dk/dv runs its query loop only where a row
 of the group keeps a key of its key tile, and a dead row there takes the
-mean of its `do` as dv (one more XLA pass, over `do`); dbias sums the rows
-between the first and the last that keep a key of its key tile, shared out
-among its row chunks. What is left out adds exactly 0, so the results are
-bitwise those of every tile, but for the dead rows' dv (the mean against
-the uniform weights' sum, equal to rounding) and the bias gradient where
-its rows are chunked (the chunks' partial sums group the rows otherwise).
+mean of its `do` as dv (`triton.dead_rows.dead_row_means`, which reads
+dead rows alone; with dropout, which drops a dead row's uniform weights
+too, a dead row's query loops run as for a row keeping every key); dbias
+sums the rows between the first and the last that keep a key of its key
+tile, shared out among its row chunks. What is left out adds exactly 0,
+so the results are bitwise those of every tile, but for the dead rows' dv
+without dropout (the mean against the uniform weights' sum, equal to
+rounding) and the bias gradient where its rows are chunked (the chunks'
+partial sums group the rows otherwise).
 `skip_masked=False` visits every tile (the tests' unskipped kernels);
 without a mask nothing of this is traced.
 """

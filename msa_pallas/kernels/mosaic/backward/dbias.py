@@ -237,13 +237,14 @@ def backward_dbias(
     accuracy from the 16-bit `wgmma`.
 
     `dropout_seeds`, `dropout_rate`: attention dropout, as in
-    `backward_dkdv` (not with `skip_masked`).
+    `backward_dkdv`; skipping, dead rows are left out with dropout too
+    (their part is 0 whatever is dropped).
     """
     check_kernel_inputs(q, bias, float32=True, paired_heads=q.dtype != jnp.float32)
     batch, rows, n_res, heads, _ = q.shape
     consumers = tiles.msa_rows
     pair = tile_heads(q.shape, q.dtype)
-    dropout = check_dropout(dropout_seeds, dropout_rate, q.shape, skips_masked=skip_masked)
+    dropout = check_dropout(dropout_seeds, dropout_rate, q.shape)
     kernel_plan = dbias_plan(
         q.shape, q.dtype, bias.dtype, tiles,
         mask_dtype=None if mask is None else mask.dtype, interpret=interpret,

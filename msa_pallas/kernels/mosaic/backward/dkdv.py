@@ -307,6 +307,11 @@ def backward_dkdv(
     `do` of its share of their rows once per row and stores it (and dk = 0)
     to every key tile. Not with dropout.
 
+    With dropout a dead row's uniform weights are dropped too: skipping,
+    its query loops run as if it kept every key
+    (`key_tiles.kept_whole_dead_rows`), and only live rows' masked key
+    tiles are skipped.
+
     Args:
       tile_bounds: None, or, to test the pipeline's runtime bounds,
         `tile_bounds(work, tiles) -> (lb, ub)`: the tiles of the loop,
@@ -314,7 +319,7 @@ def backward_dkdv(
         (batch, head, MSA-row group, first key) visits, of `tiles`; the
         others are left out of its gradients. In place of the mask's.
       skip_masked: False runs every query loop whatever the mask (the
-        default; the op skips inside `skipping_padding`). Not with dropout.
+        default; the op skips inside `skipping_padding`).
       dropout_seeds, dropout_rate: attention dropout (`dropout_words`;
         rate 0: none), `do` and the statistics' delta scaled as
         `operands.recompute` says: `dv = (p keep)^T do`, `ds = p (keep dp -
@@ -325,11 +330,14 @@ def backward_dkdv(
     msa_rows = tiles.msa_rows_for(rows)
     pair = tile_heads(q.shape, q.dtype)
     skips = mask is not None and skip_masked and tile_bounds is None
-    dropout = check_dropout(dropout_seeds, dropout_rate, q.shape, skips_masked=skip_masked)
+    dropout = check_dropout(dropout_seeds, dropout_rate, q.shape)
     if tiles.persistent and dropout is not None:
         raise ValueError("the persistent dk/dv kernel (tiles.persistent) takes no dropout")
+    # With dropout a dead row's dv has no shortcut (its uniform weights are
+    # dropped too): its query loops run, as a row keeping every key's would.
+    skips_dead_rows = skips and dropout is None
     dead_dv = None
-    if skips:
+    if skips_dead_rows:
         # `do` as the kernels multiply it, in q's dtype, read in dead rows alone.
         dead_dv = dead_row_means(do, mask, n_res=n_res, interpret=interpret)
         # Heads 2h and 2h + 1 side by side, as their tile holds them.
@@ -342,9 +350,12 @@ def backward_dkdv(
     if dropout is not None:
         inputs |= word_operands(dropout_seeds, word_length(n_res, tiles.block_q, tiles.block_k))
     if skips:
-        kept = key_tiles.kept_key_tiles(mask, n_res, tiles.block_k)
+        summarised = mask if skips_dead_rows else key_tiles.kept_whole_dead_rows(mask, n_res)
+        kept = key_tiles.kept_key_tiles(summarised, n_res, tiles.block_k)
         kept = jnp.any(kept.reshape(batch, rows // msa_rows, msa_rows, -1), axis=2)
-        inputs |= {"visited": kept.astype(jnp.int32), "dead_dv": dead_dv}
+        inputs["visited"] = kept.astype(jnp.int32)
+        if skips_dead_rows:
+            inputs["dead_dv"] = dead_dv
         if tiles.persistent:
             inputs["row_groups"] = key_tiles.visited_row_groups(
                 key_tiles.key_tile_bounds(mask, n_res, tiles.block_k, msa_rows)
@@ -353,8 +364,8 @@ def backward_dkdv(
                  "dv": jax.ShapeDtypeStruct(k.shape[pieces > 1:], q.dtype)}
     kernel_plan = dkdv_plan(
         q.shape, q.dtype, bias.dtype, tiles,
-        mask_dtype=None if mask is None else mask.dtype, interpret=interpret, dead_rows=skips,
-        dropout=dropout is not None,
+        mask_dtype=None if mask is None else mask.dtype, interpret=interpret,
+        dead_rows=skips_dead_rows, dropout=dropout is not None,
     )
     body = functools.partial(
         _dkdv_kernel, scale=scale, n_res=n_res, tiles=tiles,

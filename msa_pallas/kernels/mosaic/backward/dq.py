@@ -279,14 +279,15 @@ def backward_dq(
         (batch, head, MSA-row group, first query) visits, of `tiles`; the
         others are left out of its gradients. In place of the mask's.
       skip_masked: False visits every key tile whatever the mask (the
-        default; the op skips inside `skipping_padding`). Not with dropout.
+        default; the op skips inside `skipping_padding`). Dead rows are
+        skipped with dropout too: their dq is 0 whatever is dropped.
       dropout_seeds, dropout_rate: attention dropout, as in `backward_dkdv`.
     """
     check_kernel_inputs(q, bias, float32=True, paired_heads=q.dtype != jnp.float32)
     rows, n_res, heads = q.shape[1], q.shape[2], q.shape[3]
     msa_rows = tiles.msa_rows_for(rows)
     pair = tile_heads(q.shape, q.dtype)
-    dropout = check_dropout(dropout_seeds, dropout_rate, q.shape, skips_masked=skip_masked)
+    dropout = check_dropout(dropout_seeds, dropout_rate, q.shape)
     pieces, (q_in, k, v, do) = split_operands(*tiles_of_head_pairs(pair, q, k, v, do))
     inputs = kernel_operands(
         q=q_in, k=k, v=v, bias=accumulator_bias(bias, scale), mask=mask, do=do, stats=stats
