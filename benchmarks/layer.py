@@ -18,7 +18,11 @@ LayerNorm options of AF2, attention dropout). A core named `CORE+dropout` is
 CORE with the layer's dropout at `--dropout` (default 0.1) and
 `deterministic=False` in both the forward and the step (a fresh `"dropout"`
 key per call): attention dropout in the reference preset, AF2's shared-row
-output dropout in the alphafold2 one.
+output dropout in the alphafold2 one. A `+skip` suffix (after `+dropout`
+where both) compiles the core's forward and step inside
+`msa_pallas.skipping_padding()`; on the padded shapes (`train_padded`,
+`extra_padded`: a padded batch's mask, benchmarks/shapes.py) the table then
+gives each `+skip` core's time against the same core's without.
 
 For each core: the forward, and a training step, `jax.value_and_grad` of a scalar loss
 w.r.t. the parameters AND both inputs (msa_repr, pair_repr), all under `jax.jit`; the
@@ -34,6 +38,7 @@ Shapes (benchmarks/shapes.py, with the AlphaFold2 layer's channels c_m and c_z):
   train     B=1, S=128,  N=256, H=8, d=32, c_m=256, c_z=128   Evoformer, training crop
   finetune  B=1, S=512,  N=384, H=8, d=32, c_m=256, c_z=128   Evoformer, fine-tuning crop
   extra     B=1, S=1024, N=384, H=8, d=8,  c_m=64,  c_z=128   extra-MSA stack
+  train_padded, extra_padded: train and extra with the padded masks of shapes.py
   tiny      B=1, S=4,    N=64,  H=2, d=16, c_m=32,  c_z=16    CPU (Pallas in interpret mode)
 
 Writes `results.json` to `--out DIR` (meta: device, commit, date, ...; rows: shape, core,
@@ -60,24 +65,43 @@ import jax.numpy as jnp
 
 from benchmarks import runs, timing
 from benchmarks.alternatives import LAYER_CORES, Unavailable
+from msa_pallas import skipping_padding
 from msa_pallas.layers import MSARowAttentionWithPairBias
-from benchmarks.shapes import DIMS, LAYER_CHANNELS
+from benchmarks.shapes import LAYER_CHANNELS, SHAPES, Shape, make_mask
 
 # The layer's own `implementation`s: "default" is None (what a user gets:
 # the Mosaic GPU kernels on Hopper where they run), "pallas" the Triton kernels.
 OWN_CORES = ("default", "pallas", "mosaic", "xla")
 CORES = OWN_CORES + tuple(LAYER_CORES)
 DROPOUT = "+dropout"  # a core's suffix: the same core with the layer's dropout on
+SKIP = "+skip"  # a core's last suffix: the same core inside msa_pallas.skipping_padding()
 PRESETS = ("alphafold2", "reference")
 DTYPES = {"bfloat16": jnp.bfloat16, "float16": jnp.float16, "float32": jnp.float32}
 
 
 def layer_shape(name: str) -> dict:
-    """B, S, N, H, d of the attention and the layer's channels c_m (msa_dim), c_z (pair_dim)."""
-    b, s, n, h, d = DIMS[name]
+    """B, S, N, H, d of the attention, the layer's channels c_m (msa_dim), c_z (pair_dim),
+    and `padding`: a padded shape's fractions of padding (MSA rows, residues), else None."""
+    shape = SHAPES[name]
+    b, s, n, h, d = shape.dims
     msa_dim, pair_dim = LAYER_CHANNELS[name]
     assert msa_dim == h * d, (name, msa_dim, h, d)
-    return dict(B=b, S=s, N=n, heads=h, head_dim=d, msa_dim=msa_dim, pair_dim=pair_dim)
+    padding = shape.padding if shape.mask == "padded" else None
+    return dict(B=b, S=s, N=n, heads=h, head_dim=d, msa_dim=msa_dim, pair_dim=pair_dim,
+                padding=padding)
+
+
+def core_flags(core: str) -> tuple[str, bool, bool]:
+    """(the core, with dropout, skipping padding) of a core name `CORE[+dropout][+skip]`;
+    ValueError for a name of another form."""
+    skip = core.endswith(SKIP)
+    base = core.removesuffix(SKIP)
+    dropout = base.endswith(DROPOUT)
+    base = base.removesuffix(DROPOUT)
+    if base not in CORES:
+        raise ValueError(f"unknown core {core!r}; choose from {', '.join(CORES)} (each with "
+                         f"optional {DROPOUT} and {SKIP} suffixes, in that order)")
+    return base, dropout, skip
 
 
 def supports_attention_fn(layer_cls=MSARowAttentionWithPairBias) -> bool:
@@ -86,9 +110,9 @@ def supports_attention_fn(layer_cls=MSARowAttentionWithPairBias) -> bool:
 
 
 def core_options(core: str, layer_cls=MSARowAttentionWithPairBias) -> dict:
-    """The layer's fields that select `core` (a `+dropout` suffix ignored);
-    raises `Unavailable` where it cannot run."""
-    core = core.removesuffix(DROPOUT)
+    """The layer's fields that select `core` (its suffixes ignored); raises
+    `Unavailable` where it cannot run."""
+    core, _, _ = core_flags(core)
     if core == "mosaic" and jax.default_backend() != "gpu":
         raise Unavailable("the Mosaic GPU kernels are timed on a GPU only")
     if core in OWN_CORES:
@@ -101,13 +125,17 @@ def core_options(core: str, layer_cls=MSARowAttentionWithPairBias) -> dict:
 
 def make_inputs(shape: dict, input_dtype, seed: int = 0):
     """msa_repr `[B, S, N, c_m]`, pair_repr `[B, N, N, c_z]`, mask `[B, S, N]` (90% kept,
-    the first residue always) and a float32 cotangent `[B, S, N, c_m]`."""
+    the first residue always; a padded shape's padding masked, `shapes.make_mask`) and a
+    float32 cotangent `[B, S, N, c_m]`."""
     # XLA's RngBitGenerator: compiles in a fraction of the time of threefry on CPU.
     k_m, k_z, k_mask, k_cot = jax.random.split(jax.random.key(seed, impl="rbg"), 4)
     B, S, N = shape["B"], shape["S"], shape["N"]
     m = jax.random.normal(k_m, (B, S, N, shape["msa_dim"]), input_dtype)
     z = jax.random.normal(k_z, (B, N, N, shape["pair_dim"]), input_dtype)
     mask = jax.random.bernoulli(k_mask, 0.9, (B, S, N)).at[..., 0].set(True)
+    if shape.get("padding") is not None:
+        dims = (B, S, N, shape["heads"], shape["head_dim"])
+        mask = make_mask(Shape("padded", dims, mask="padded", padding=shape["padding"]), k_mask)
     cot = jax.random.normal(k_cot, (B, S, N, shape["msa_dim"]), jnp.float32)
     return m, z, mask, cot
 
@@ -199,12 +227,14 @@ def bench_one(shape_name: str, core: str, dtype, input_dtype, warmup: int, iters
     except Unavailable as why:
         row.update(status=f"skipped: {why}")
         return row, None
-    rate = dropout if core.endswith(DROPOUT) else 0.0
-    row["dropout"] = rate
+    _, dropped, skips = core_flags(core)
+    rate = dropout if dropped else 0.0
+    row["dropout"], row["skips_padding"] = rate, skips
     out = None
     try:
         program = LayerProgram(shape, preset, rate, dtype, input_dtype, options)
-        fwd_c, step_c = program.compile()
+        with skipping_padding(skips):  # read when the programs are traced, here
+            fwd_c, step_c = program.compile()
         params, m, z, mask, cot, key = program.args
         row["temp_bytes"] = temp_bytes(step_c)
         row["fwd_ms"] = time_fn(fwd_c, (params, m, z, mask, key), warmup, iters, reps)
@@ -263,6 +293,7 @@ def markdown(rows: list[dict], cores: list[str]) -> str:
                   "error): " + ", ".join(f"{r['shape']} {r['core']} vs {r['reference_core']} "
                                           f"{r['rel_err']:.1e}" for r in checked)]
     lines += dropout_lines(rows)
+    lines += skipping_lines(rows)
     skipped = {f"{r['core']}: {r['status']}" for r in rows if r["status"].startswith("skipped")}
     if skipped:
         lines += ["", *sorted(f"- {text}" for text in skipped)]
@@ -295,6 +326,26 @@ def dropout_lines(rows: list[dict]) -> list[str]:
             f"XLA path with dropout / the kernels' {faster:.2f}× (target ≥ "
             f"{DROPOUT_TARGET_SPEEDUP:g}×: {'yes' if faster >= DROPOUT_TARGET_SPEEDUP else 'no'})")
     return ["", "Attention dropout (f+b, the training step):", "", *lines] if lines else []
+
+
+def skipping_lines(rows: list[dict]) -> list[str]:
+    """Per padded shape, each `CORE+skip` core's forward and step against CORE's
+    (skipping the padding against visiting it), beside the fraction of the attention's
+    B·S·N² logits the mask keeps."""
+    lines = []
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        by_core = {r["core"]: r for r in rows if r["shape"] == shape and r.get("status") == "ok"}
+        for core, row in by_core.items():
+            visiting = by_core.get(core.removesuffix(SKIP))
+            if not core.endswith(SKIP) or visiting is None or not row.get("padding"):
+                continue
+            rows_padding, residues_padding = row["padding"]
+            kept = (1 - rows_padding) * (1 - residues_padding)
+            ratios = ", ".join(f"{mode} {row[key] / visiting[key]:.2f}" for mode, key in
+                               (("fwd", "fwd_ms"), ("f+b", "fwd_bwd_ms")))
+            lines.append(f"- {shape}: {core} / {visiting['core']}: {ratios} (the mask keeps "
+                         f"{kept:.2f} of the logits)")
+    return ["", "Padding skipped (skipping / visiting):", "", *lines] if lines else []
 
 
 # Metadata a results file must share with this run for the run to continue it.
@@ -334,9 +385,10 @@ def main(argv=None, prog: str | None = None) -> list[dict]:
             p.error(f"unknown shape {s!r}; choose from {', '.join(LAYER_CHANNELS)}")
     cores = [c for c in args.cores.split(",") if c]
     for core in cores:
-        if core.removesuffix(DROPOUT) not in CORES:
-            p.error(f"unknown core {core!r}; choose from {', '.join(CORES)} (each with an "
-                    f"optional {DROPOUT} suffix)")
+        try:
+            core_flags(core)
+        except ValueError as error:
+            p.error(str(error))
     warmup = args.warmup if args.warmup is not None else (5 if on_gpu else 1)
     iters = args.iters if args.iters is not None else (10 if on_gpu else 3)
     reps = args.reps if args.reps is not None else (10 if on_gpu else 1)

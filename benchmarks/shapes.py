@@ -110,6 +110,8 @@ LAYER_CHANNELS: dict[str, tuple[int, int]] = {
     "train": (256, 128),
     "finetune": (256, 128),
     "extra": (64, 128),
+    "train_padded": (256, 128),
+    "extra_padded": (64, 128),
 }
 
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}

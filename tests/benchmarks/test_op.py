@@ -619,6 +619,40 @@ def test_layer_table_judges_dropout_against_the_step_without_and_the_xla_path():
     assert "Attention dropout" not in layer.markdown(rows[:1], ["default"])
 
 
+def test_layer_core_suffixes_and_padded_shapes():
+    """`CORE[+dropout][+skip]`; the padded shapes' layer inputs carry their padding
+    in the mask, the others 90% of keys kept."""
+    assert layer.core_flags("default+dropout+skip") == ("default", True, True)
+    assert layer.core_flags("xla+skip") == ("xla", False, True)
+    assert layer.core_flags("pallas") == ("pallas", False, False)
+    for wrong in ("default+skip+dropout", "fast", "default+fast"):
+        with pytest.raises(ValueError, match="unknown core"):
+            layer.core_flags(wrong)
+    shape = layer.layer_shape("extra_padded")
+    assert shape["padding"] == (0.75, 0.0) and layer.layer_shape("extra")["padding"] is None
+    small = dict(shape, S=8, N=16)  # the padded extra MSA's mask at a small size
+    _, _, mask, _ = layer.make_inputs(small, jnp.bfloat16)
+    assert np.asarray(mask[0, :2]).all() and not np.asarray(mask[0, 2:]).any()
+    _, _, mask, _ = layer.make_inputs(dict(small, padding=None), jnp.bfloat16)
+    assert 0.8 < float(np.asarray(mask).mean()) < 1.0
+
+
+def test_layer_table_gives_skipping_against_visiting():
+    def row(core, fwd, fwd_bwd, padding=(0.25, 0.25)):
+        return dict(shape="train_padded", core=core, status="ok", fwd_ms=fwd,
+                    fwd_bwd_ms=fwd_bwd, B=1, S=128, N=256, heads=8, head_dim=32, msa_dim=256,
+                    pair_dim=128, padding=padding)
+
+    rows = [row("default+dropout", 0.4, 1.0), row("default+dropout+skip", 0.3, 0.8),
+            row("default", 0.35, 0.9)]
+    table = layer.markdown(rows, ["default", "default+dropout", "default+dropout+skip"])
+    lines = table.split("Padding skipped (skipping / visiting):\n\n")[1].splitlines()
+    assert lines == ["- train_padded: default+dropout+skip / default+dropout: fwd 0.75, "
+                     "f+b 0.80 (the mask keeps 0.56 of the logits)"]
+    unpadded = [dict(r, padding=None) for r in rows]
+    assert "Padding skipped" not in layer.markdown(unpadded, ["default+dropout+skip"])
+
+
 @CPU_ONLY
 def test_layer_times_each_core(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(alternatives.LAYER_CORES, "xla_swapped", _xla_core)
