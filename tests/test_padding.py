@@ -132,3 +132,32 @@ def test_one_jitted_function_skips_inside_the_context_alone(seed):
             assert attend.lower(*args).as_text() == visiting
     assert skipping != visiting and attend.lower(*args).as_text() == visiting
     assert helpers.rel_err(skipped, attend(*args)) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16], ids=["bias-f32", "bias-bf16"])
+def test_gpu_padded_crop_with_dropout(bias_dtype, seed):
+    """The default kernels (Mosaic on Hopper) at a train-like size, 16 MSA rows
+    of the padded crop's mask (a quarter of residues and of rows padding) and
+    attention dropout 0.1: skipping equals visiting and the float64 reference
+    with the same mask."""
+    from benchmarks import shapes
+
+    dims = (1, 16, 256, 8, 32)
+    keep = np.asarray(shapes.make_mask(shapes.Shape("padded", dims, mask="padded"),
+                                       jax.random.key(0)))
+    inputs = helpers.random_inputs(seed, *dims, jnp.bfloat16, bias_dtype=bias_dtype)
+    inputs = inputs._replace(mask=jnp.asarray(keep))
+    rate, key = 0.1, jax.random.key(seed % 1000)
+    skipping = _fwd_bwd_with_dropout(None, rate, key, True)(*inputs.args)
+    visiting = _fwd_bwd_with_dropout(None, rate, key, False)(*inputs.args)
+    helpers.assert_shapes_dtypes_finite(skipping, inputs)
+    for name, x, y in zip(helpers.RESULT_NAMES, jax.tree.leaves(skipping),
+                          jax.tree.leaves(visiting)):
+        assert helpers.rel_err(x, y) < 1e-2, name
+    seeds = msa_pallas.dropout.row_seeds(key, *dims[:2], dims[3])
+    drop = (np.asarray(msa_pallas.dropout.keep_mask(seeds, dims[2], rate)), rate)
+    reference = (numpy_reference.forward(*inputs.args[:6], None, dropout=drop),
+                 numpy_reference.vjp(*inputs.args[:6], None, inputs.dout, dropout=drop))
+    helpers.compare(skipping, reference, TOLERANCE[jnp.dtype(jnp.bfloat16)],
+                    "gpu padded crop dropout", floor=1e-3)
