@@ -39,17 +39,23 @@ def _inputs(case, seed):
     return inputs._replace(mask=jnp.asarray(helpers.padded_mask(batch, rows, n_res, seed, **mask)))
 
 
-@pytest.mark.parametrize("implementation", ["mosaic", "triton", "xla"])
-@pytest.mark.parametrize("case", list(CASES))
-def test_padded_batches_against_float64(case, implementation, seed):
+def _inputs_to_run(case, implementation, seed):
+    """`_inputs`, or a skip where `implementation` does not run `case` here."""
     inputs = _inputs(case, seed)
-    dtype = jnp.dtype(inputs.q.dtype)
-    if implementation == "mosaic" and dtype == jnp.float32:
+    if implementation == "mosaic" and inputs.q.dtype == jnp.float32:
         pytest.skip("the Mosaic forward takes 16-bit inputs (float32 runs the Triton forward)")
     if implementation == "mosaic" and case != "end-dead-rows" and jax.default_backend() == "cpu":
         # 40 s in the interpreter; d = 8 pairs, padding in the middle and an
-        # all-padding element are held there by the kernels' own padding tests.
-        pytest.skip("one Mosaic case in the interpreter (tests/kernels/mosaic/test_padding_*)")
+        # all-padding element are held there by the kernels' own tests.
+        pytest.skip("one Mosaic case in the interpreter (tests/kernels/mosaic/)")
+    return inputs
+
+
+@pytest.mark.parametrize("implementation", ["mosaic", "triton", "xla"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_padded_batches_against_float64(case, implementation, seed):
+    inputs = _inputs_to_run(case, implementation, seed)
+    dtype = jnp.dtype(inputs.q.dtype)
     result = helpers.fwd_bwd(implementation, skip_padding=True)(*inputs.args)
     for x in (result[0], *result[1]):
         helpers.assert_finite(x)
@@ -87,12 +93,8 @@ def test_padded_batches_with_dropout(case, implementation, seed):
     on the Triton kernels; to float32 rounding on the Mosaic ones, whose
     forward rescales by exp2 of an FMA residue when it passes a masked
     tile) and the float64 reference with the same dropout mask."""
-    inputs = _inputs(case, seed)
+    inputs = _inputs_to_run(case, implementation, seed)
     dtype = jnp.dtype(inputs.q.dtype)
-    if implementation == "mosaic" and dtype == jnp.float32:
-        pytest.skip("the Mosaic forward takes 16-bit inputs (float32 runs the Triton forward)")
-    if implementation == "mosaic" and case != "end-dead-rows" and jax.default_backend() == "cpu":
-        pytest.skip("one Mosaic case in the interpreter (tests/kernels/mosaic/test_dropout_*)")
     rate, key = 0.25, jax.random.key(seed % 1000)
     skipping = _fwd_bwd_with_dropout(implementation, rate, key, True)(*inputs.args)
     visiting = _fwd_bwd_with_dropout(implementation, rate, key, False)(*inputs.args)
