@@ -84,6 +84,28 @@ def _fwd_bwd_with_dropout(implementation, rate, key, skip_padding):
     return jax.jit(run)
 
 
+def _check_skipping_with_dropout(inputs, implementation, rate, key, label, *, bitwise):
+    """The op with dropout on `inputs`, skipping padding: finite, equal to the
+    op visiting every tile (`bitwise`, or to a bf16 step: a float32 rounding
+    may move one), and to the float64 reference with the same dropout mask."""
+    skipping = _fwd_bwd_with_dropout(implementation, rate, key, True)(*inputs.args)
+    visiting = _fwd_bwd_with_dropout(implementation, rate, key, False)(*inputs.args)
+    helpers.assert_shapes_dtypes_finite(skipping, inputs)
+    for name, x, y in zip(helpers.RESULT_NAMES, jax.tree.leaves(skipping),
+                          jax.tree.leaves(visiting)):
+        if bitwise:
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+        else:
+            assert helpers.rel_err(x, y) < 1e-2, name
+    batch, rows, n_res, heads, _ = inputs.q.shape
+    seeds = msa_pallas.dropout.row_seeds(key, batch, rows, heads)
+    drop = (np.asarray(msa_pallas.dropout.keep_mask(seeds, n_res, rate)), rate)
+    reference = (numpy_reference.forward(*inputs.args[:6], None, dropout=drop),
+                 numpy_reference.vjp(*inputs.args[:6], None, inputs.dout, dropout=drop))
+    helpers.compare(skipping, reference, TOLERANCE[jnp.dtype(inputs.q.dtype)], label,
+                    floor=1e-3)
+
+
 @pytest.mark.parametrize("implementation", ["mosaic", "triton"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_padded_batches_with_dropout(case, implementation, seed):
@@ -94,26 +116,9 @@ def test_padded_batches_with_dropout(case, implementation, seed):
     forward rescales by exp2 of an FMA residue when it passes a masked
     tile) and the float64 reference with the same dropout mask."""
     inputs = _inputs_to_run(case, implementation, seed)
-    dtype = jnp.dtype(inputs.q.dtype)
-    rate, key = 0.25, jax.random.key(seed % 1000)
-    skipping = _fwd_bwd_with_dropout(implementation, rate, key, True)(*inputs.args)
-    visiting = _fwd_bwd_with_dropout(implementation, rate, key, False)(*inputs.args)
-    helpers.assert_shapes_dtypes_finite(skipping, inputs)
-    for name, x, y in zip(helpers.RESULT_NAMES, jax.tree.leaves(skipping),
-                          jax.tree.leaves(visiting)):
-        if implementation == "triton":
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
-        else:  # bf16 outputs and gradients: a float32 rounding may move one bf16 step
-            assert helpers.rel_err(x, y) < 1e-2, name
-    q = inputs.q
-    seeds = msa_pallas.dropout.row_seeds(key, q.shape[0], q.shape[1], q.shape[3])
-    keep = np.asarray(msa_pallas.dropout.keep_mask(seeds, q.shape[2], rate))
-    reference = (
-        numpy_reference.forward(*inputs.args[:6], None, dropout=(keep, rate)),
-        numpy_reference.vjp(*inputs.args[:6], None, inputs.dout, dropout=(keep, rate)),
-    )
-    helpers.compare(skipping, reference, TOLERANCE[dtype], f"{case} {implementation} dropout",
-                    floor=1e-3)
+    _check_skipping_with_dropout(inputs, implementation, 0.25, jax.random.key(seed % 1000),
+                                 f"{case} {implementation} dropout",
+                                 bitwise=implementation == "triton")
 
 
 def test_one_jitted_function_skips_inside_the_context_alone(seed):
@@ -150,16 +155,5 @@ def test_gpu_padded_crop_with_dropout(bias_dtype, seed):
                                        jax.random.key(0)))
     inputs = helpers.random_inputs(seed, *dims, jnp.bfloat16, bias_dtype=bias_dtype)
     inputs = inputs._replace(mask=jnp.asarray(keep))
-    rate, key = 0.1, jax.random.key(seed % 1000)
-    skipping = _fwd_bwd_with_dropout(None, rate, key, True)(*inputs.args)
-    visiting = _fwd_bwd_with_dropout(None, rate, key, False)(*inputs.args)
-    helpers.assert_shapes_dtypes_finite(skipping, inputs)
-    for name, x, y in zip(helpers.RESULT_NAMES, jax.tree.leaves(skipping),
-                          jax.tree.leaves(visiting)):
-        assert helpers.rel_err(x, y) < 1e-2, name
-    seeds = msa_pallas.dropout.row_seeds(key, *dims[:2], dims[3])
-    drop = (np.asarray(msa_pallas.dropout.keep_mask(seeds, dims[2], rate)), rate)
-    reference = (numpy_reference.forward(*inputs.args[:6], None, dropout=drop),
-                 numpy_reference.vjp(*inputs.args[:6], None, inputs.dout, dropout=drop))
-    helpers.compare(skipping, reference, TOLERANCE[jnp.dtype(jnp.bfloat16)],
-                    "gpu padded crop dropout", floor=1e-3)
+    _check_skipping_with_dropout(inputs, None, 0.1, jax.random.key(seed % 1000),
+                                 "gpu padded crop dropout", bitwise=False)
