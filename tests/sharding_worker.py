@@ -21,7 +21,8 @@ from the one-device float32 sum, in bfloat16 rounding steps.
 
 Each case runs forward and backward (`jax.vjp`, all five gradients) of the op
 under `jax.jit` with inputs placed with `jax.device_put(x, NamedSharding)`,
-and the same function on unsharded inputs (one device: no partitioning).
+and the same function on unsharded inputs (one device: no partitioning; the
+`*-skipping` cases' sharded run skips padding, the unsharded one visits it).
 """
 
 from __future__ import annotations
@@ -93,6 +94,13 @@ CASES = {
         dict(shard_map=True, dropout=0.3)),
     "pallas-shard-map-heads-dropout": (
         "pallas", "Auto", dict(head_axis="rows"), dict(shard_map=True, dropout=0.3)),
+    # Padding skipped (`msa_pallas.skipping_padding()`): each shard's kernels
+    # read the summaries of their own mask (a fully masked row among them).
+    "pallas-batch-rows-skipping": (
+        "pallas", "Auto", dict(batch_axis="data", row_axis="rows"), dict(skip=True)),
+    "pallas-shard-map-batch-rows-dropout-skipping": (
+        "pallas", "Auto", dict(batch_axis="data", row_axis="rows"),
+        dict(shard_map=True, dropout=0.3, skip=True)),
     "xla-batch-rows-dropout": (
         "xla", "Auto", dict(batch_axis="data", row_axis="rows"), dict(dropout=0.3)),
     "xla-batch-rows": ("xla", "Auto", dict(batch_axis="data", row_axis="rows"), {}),
@@ -203,7 +211,9 @@ def run_case(implementation, axis_type, spec_axes, options) -> dict:
 
     place = lambda x, spec: x if x is None else jax.device_put(x, NamedSharding(mesh, spec))
     sharded_args = [place(x, s) for x, s in zip(args, placement)]
-    compiled = jax.jit(run).lower(*sharded_args).compile()
+    # Against the unsharded run that visits every tile.
+    with msa_pallas.skipping_padding(options.get("skip", False)):
+        compiled = jax.jit(run).lower(*sharded_args).compile()
     hlo = compiled.as_text()
     got = compiled(*sharded_args)
     again = compiled(*sharded_args)
