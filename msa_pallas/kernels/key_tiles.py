@@ -65,7 +65,8 @@ def skipping_padding(enabled: bool = True):
     key tiles and MSA rows their key mask removes; results are the same up
     to float32 rounding. The setting is part of JAX's jit cache key: a
     jitted function called inside is traced and compiled for it, whether or
-    not it ran outside before. With attention dropout the same masks give
+    not it ran outside before (as is every other jitted function, once
+    per value of the setting). With attention dropout the same masks give
     the same dropped weights: the forward and dk/dv then visit the rows
     that keep no key whole (their uniform weights are dropped too), the rest
     is skipped.
