@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import msa_pallas
 from msa_pallas.layers import MSARowAttentionWithPairBias
 from msa_pallas.nnx_layers import MSARowAttentionWithPairBiasNNX
 
@@ -213,8 +214,6 @@ def test_padded_training_step_with_dropout_skips_padding():
     gradient equal the step's that visits every tile (Triton kernels: the
     masked key tiles of live rows add exact zeros, dead rows are visited as
     before), and the plan it runs says padding is skipped."""
-    import msa_pallas
-
     m, z, _ = random_inputs(21, B=2, S=4, N=40)
     keep = np.ones((2, 4, 40), bool)
     keep[..., 30:] = False  # padding residues
