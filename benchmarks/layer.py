@@ -20,9 +20,10 @@ CORE with the layer's dropout at `--dropout` (default 0.1) and
 key per call): attention dropout in the reference preset, AF2's shared-row
 output dropout in the alphafold2 one. A `+skip` suffix (after `+dropout`
 where both) compiles the core's forward and step inside
-`msa_pallas.skipping_padding()`; on the padded shapes (`train_padded`,
-`extra_padded`: a padded batch's mask, benchmarks/shapes.py) the table then
-gives each `+skip` core's time against the same core's without.
+`msa_pallas.skipping_padding()`; the table then gives each `+skip` core's
+time against the same core's without: what skipping saves on the padded
+shapes (`train_padded`, `extra_padded`: a padded batch's mask,
+benchmarks/shapes.py), what it costs on the others (nothing to skip).
 
 For each core: the forward, and a training step, `jax.value_and_grad` of a scalar loss
 w.r.t. the parameters AND both inputs (msa_repr, pair_repr), all under `jax.jit`; the
@@ -329,22 +330,25 @@ def dropout_lines(rows: list[dict]) -> list[str]:
 
 
 def skipping_lines(rows: list[dict]) -> list[str]:
-    """Per padded shape, each `CORE+skip` core's forward and step against CORE's
-    (skipping the padding against visiting it), beside the fraction of the attention's
-    B·S·N² logits the mask keeps."""
+    """Per shape, each `CORE+skip` core's forward and step against CORE's (skipping
+    the padding against visiting it), beside the fraction of the attention's B·S·N²
+    logits a padded shape's mask keeps."""
     lines = []
     for shape in dict.fromkeys(r["shape"] for r in rows):
         by_core = {r["core"]: r for r in rows if r["shape"] == shape and r.get("status") == "ok"}
         for core, row in by_core.items():
             visiting = by_core.get(core.removesuffix(SKIP))
-            if not core.endswith(SKIP) or visiting is None or not row.get("padding"):
+            if not core.endswith(SKIP) or visiting is None:
                 continue
-            rows_padding, residues_padding = row["padding"]
-            kept = (1 - rows_padding) * (1 - residues_padding)
             ratios = ", ".join(f"{mode} {row[key] / visiting[key]:.2f}" for mode, key in
                                (("fwd", "fwd_ms"), ("f+b", "fwd_bwd_ms")))
-            lines.append(f"- {shape}: {core} / {visiting['core']}: {ratios} (the mask keeps "
-                         f"{kept:.2f} of the logits)")
+            if row.get("padding"):
+                rows_padding, residues_padding = row["padding"]
+                kept = (1 - rows_padding) * (1 - residues_padding)
+                about = f"the mask keeps {kept:.2f} of the logits"
+            else:
+                about = "no padding: nothing to skip"
+            lines.append(f"- {shape}: {core} / {visiting['core']}: {ratios} ({about})")
     return ["", "Padding skipped (skipping / visiting):", "", *lines] if lines else []
 
 

@@ -649,8 +649,12 @@ def test_layer_table_gives_skipping_against_visiting():
     lines = table.split("Padding skipped (skipping / visiting):\n\n")[1].splitlines()
     assert lines == ["- train_padded: default+dropout+skip / default+dropout: fwd 0.75, "
                      "f+b 0.80 (the mask keeps 0.56 of the logits)"]
-    unpadded = [dict(r, padding=None) for r in rows]
-    assert "Padding skipped" not in layer.markdown(unpadded, ["default+dropout+skip"])
+    unpadded = [dict(r, shape="train", padding=None) for r in rows]
+    table = layer.markdown(unpadded, ["default", "default+dropout", "default+dropout+skip"])
+    assert table.split("Padding skipped (skipping / visiting):\n\n")[1].splitlines() == [
+        "- train: default+dropout+skip / default+dropout: fwd 0.75, f+b 0.80 (no padding: "
+        "nothing to skip)"]
+    assert "Padding skipped" not in layer.markdown(rows[:1] + rows[2:], ["default"])
 
 
 @CPU_ONLY
