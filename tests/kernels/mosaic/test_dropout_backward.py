@@ -144,14 +144,25 @@ def test_backward_kernels_with_dropout_against_float64(case, seed):
     assert all(error <= tolerance for error in errors.values()), errors
 
 
-def test_skipping_padding_with_dropout(seed):
+# MSA-row pairs, and one row per CTA in every kernel (dead rows 2 and 3 then
+# each a group of their own).
+ONE_ROW = MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=1)
+SKIPPING_TILES = {
+    "row-pairs": SMALL_TILES,
+    "one-row": MosaicBackwardTiles(dkdv=ONE_ROW, dq=ONE_ROW, dbias=ONE_ROW),
+}
+
+
+@pytest.mark.parametrize("tiles", list(SKIPPING_TILES))
+def test_skipping_padding_with_dropout(tiles, seed):
     """`skip_masked=True` with dropout, on the vjp's operands: dq skips the
-    masked last key tile of the live row group and the dead group (rows 2
-    and 3; dq = 0 there whatever is dropped), dk/dv skips that tile's query
-    loops but visits the dead rows whole (their dv is their dropped uniform
-    weights' product with `do`, not its mean), and dbias sums the live rows
-    alone. dq, dk and dv equal the visiting kernels' bit for bit, dbias to
-    float32 rounding (its row chunks split other rows), all float64's."""
+    masked last key tile of the live rows and the dead rows 2 and 3 (dq = 0
+    there whatever is dropped), dk/dv skips that tile's query loops but
+    visits the dead rows whole (their dv is their dropped uniform weights'
+    product with `do`, not its mean), and dbias sums the live rows alone.
+    dq, dk and dv equal the visiting kernels' bit for bit, dbias to float32
+    rounding (its row chunks split other rows), all float64's."""
+    tiles = SKIPPING_TILES[tiles]
     inputs = helpers.random_inputs(seed, 1, 4, 136, 1, 32, jnp.bfloat16, gate=False)
     keep = helpers.padded_mask(1, 4, 136, seed, end_padding=0.5, dead=(2, 3))
     inputs = inputs._replace(mask=jnp.asarray(keep))
@@ -159,8 +170,8 @@ def test_skipping_padding_with_dropout(seed):
     rate, scale = 0.3, 32**-0.5
     o, expected = reference(inputs, seeds, rate, scale)
     operands, scale = vjp_operands(inputs, o, rate)
-    visited = run_backward(operands, seeds, rate, scale, SMALL_TILES)
-    skipped = run_backward(operands, seeds, rate, scale, SMALL_TILES, skip_masked=True)
+    visited = run_backward(operands, seeds, rate, scale, tiles)
+    skipped = run_backward(operands, seeds, rate, scale, tiles, skip_masked=True)
     for name, x, y, want in zip(GRADIENTS, skipped, visited, expected):
         helpers.assert_finite(x, name)
         if name == "dbias":
