@@ -272,8 +272,7 @@ def _dkdv_kernel(
     serve_items(
         consume_item, produce_item, query_tiles_of, consumers=msa_rows, heads=heads,
         persistent=tiles.persistent, tile_axis="key_tiles", work_items=work_items,
-        live_groups=gmem["row_groups"][0] if "row_groups" in gmem else None,
-        dead_groups=dead_groups if "row_groups" in gmem else None,
+        row_groups=gmem.get("row_groups"), dead_groups=dead_groups,
     )
 
 

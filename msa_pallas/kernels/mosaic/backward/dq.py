@@ -241,8 +241,7 @@ def _dq_kernel(
     serve_items(
         consume_item, produce_item, key_tiles_of, consumers=msa_rows, heads=heads,
         persistent=tiles.persistent, tile_axis="query_tiles", work_items=work_items,
-        live_groups=gmem["row_groups"][0] if "row_groups" in gmem else None,
-        dead_groups=dead_groups if "row_groups" in gmem else None,
+        row_groups=gmem.get("row_groups"), dead_groups=dead_groups,
     )
 
 
