@@ -1,4 +1,4 @@
-"""What the key mask lets the kernels skip: a small summary, computed once per kernel call.
+"""What the key mask lets the kernels skip: a small summary of it, computed once per call.
 
 The mask's meaning is exact (SPEC §1), so padding costs nothing it need not:
 
@@ -14,10 +14,23 @@ The mask's meaning is exact (SPEC §1), so padding costs nothing it need not:
   over queries of its output gradient: no tile of it needs the matrix units.
 
 Each kernel loops over key (or query, or MSA-row) tiles between bounds read
-at run time; the functions here give those bounds from the mask, in XLA,
-for a few microseconds (B·S·N bytes read). Tiles masked in the middle of a
-row are inside the bounds and computed (exactly, as zeros): real padding is
-at the end of a crop and of an alignment.
+at run time; the functions here give those bounds from the mask. Tiles
+masked in the middle of a row are inside the bounds and computed (exactly,
+as zeros): real padding is at the end of a crop and of an alignment.
+
+- The Mosaic GPU kernels all read the same small arrays, so XLA computes
+  them once per call (it merges the kernels' identical computations):
+  `key_spans`, each row's span of kept keys, reductions that XLA computes
+  in the pass that converts the mask for the kernels (`dead_rows` too),
+  and `live_extents`, each batch element's live rows and kept keys, a
+  small pass over the spans. Each kernel derives its own bounds from them
+  at run time (`SpanReader`): its key tiles, its row groups, its rows.
+  Every summary XLA computes is a kernel launch of its own (1-2 us each at
+  the training crop on an H200): compiled for an H200, the forward and
+  backward's summaries are now one launch (the extents) where tile bounds
+  made for each kernel were seven.
+- The Triton kernels read tile bounds computed for them (`key_tile_bounds`,
+  `row_bounds`).
 
 Arrays are int32 whatever `jax_enable_x64` says (the kernels' index type).
 
@@ -27,9 +40,10 @@ dv's means, to small kernels that read and write those rows alone
 
 With attention dropout a dead row's uniform weights are dropped too, so
 its output and dv have no shortcut: the forward and dk/dv kernels then
-take their bounds from `kept_whole_dead_rows` (a dead row visited like a
-row that keeps every key; its logits still see the mask) and skip only
-the masked key tiles of live rows. dq and the bias gradient skip dead rows
+visit a dead row like a row that keeps every key (`SpanReader`'s
+`dead_rows_whole`; the Triton kernels' bounds from `kept_whole_dead_rows`;
+its logits still see the mask) and skip only the masked key tiles of live
+rows. dq and the bias gradient skip dead rows
 with or without dropout: their part there is exactly 0 either way (the
 logits do not depend on q, k or the bias).
 
@@ -45,6 +59,7 @@ import contextlib
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 
 # Part of JAX's jit cache key (`jax.make_user_context`): a function jitted
@@ -96,7 +111,10 @@ def kept_key_tiles(mask, n_res: int, block_k: int):
 
 
 def dead_rows(mask, n_res: int):
-    """`[B, S]` bool: the rows that keep no key among the first `n_res`."""
+    """`[B, S]` bool: the rows that keep no key among the first `n_res`.
+    (A reduction of its own, not `key_spans`' end == 0: XLA computes it in
+    the spans' pass, as one more of its results, where a comparison on them
+    would be a pass of its own.)"""
     return ~jnp.any(mask[..., :n_res] != 0, axis=-1)
 
 
@@ -106,6 +124,125 @@ def kept_whole_dead_rows(mask, n_res: int):
     dead rows whole (with attention dropout). Only the bounds come from it;
     the kernels' logits still take `mask`."""
     return jnp.where(dead_rows(mask, n_res)[..., None], jnp.ones_like(mask), mask)
+
+
+def key_spans(mask, n_res: int):
+    """`(from_first, end)`, each `[B, S]` int32: each row's span of kept keys,
+    first <= key < end, with from_first = N - first; both 0 for a dead row.
+    Both are maxima over the keys (the first key as N less it): two
+    reductions over the mask that XLA fuses into one pass, with the mask's
+    conversion for the kernels; `SpanReader` reads them.
+
+    Args:
+      mask: `[B, S, N']` (N' >= N; nonzero keeps a key; columns past N, the
+        kernels' padding, are ignored).
+      n_res: N.
+    """
+    keep = mask[..., :n_res] != 0
+    index = lax.broadcasted_iota(jnp.int32, keep.shape, keep.ndim - 1)
+    from_first = jnp.max(jnp.where(keep, n_res - index, 0), axis=-1)
+    end = jnp.max(jnp.where(keep, index + 1, 0), axis=-1)
+    return from_first, end
+
+
+def live_extents(from_first, end):
+    """`[B, 4]` int32 from `key_spans`: for each batch element `(S - first
+    live row, last live row + 1, N - first kept key of any row, last kept
+    key + 1 of any row)`, as maxima; zeros where every row is dead.
+    `SpanReader` reads it."""
+    batch, rows = end.shape
+    shape = (batch, rows, 4)
+    row = lax.broadcasted_iota(jnp.int32, shape, 1)
+    part = lax.broadcasted_iota(jnp.int32, shape, 2)
+    # Elementwise over [B, S, 4], no stacked copy: XLA fuses it into the
+    # reduction (a stack would be a pass of its own).
+    value = jnp.where(part == 0, rows - row, row + 1)
+    value = jnp.where((end > 0)[..., None], value, 0)
+    value = jnp.where(part == 2, from_first[..., None], value)
+    value = jnp.where(part == 3, end[..., None], value)
+    return jnp.max(value, axis=1)
+
+
+def span_operands(mask, n_res: int) -> dict:
+    """A Mosaic kernel's skipping inputs, by name: "key_from_first" and
+    "key_end" (`key_spans`), and "live_extents" (`live_extents`)."""
+    from_first, end = key_spans(mask, n_res)
+    return {"key_from_first": from_first, "key_end": end,
+            "live_extents": live_extents(from_first, end)}
+
+
+class SpanReader:
+    """A kernel's bounds from `key_spans` and `live_extents`, read at run
+    time (int32 scalars; any backend whose refs index to scalars).
+
+    Args:
+      from_first, end, extents: the refs of `key_spans` (`[B, S]` each) and
+        `live_extents` (`[B, 4]`); `reads(operands)` takes them from a
+        kernel's inputs by name.
+      n_res: N.
+      rows_per_group: the MSA rows one work item serves.
+      dead_rows_whole: read a dead row as one that keeps every key (attention
+        dropout: its dropped uniform weights have no shortcut).
+    """
+
+    def __init__(self, from_first, end, extents, *, n_res: int, rows_per_group: int = 1,
+                 dead_rows_whole: bool = False):
+        self.from_first, self.end, self.extents = from_first, end, extents
+        self.n_res, self.rows_per_group = n_res, rows_per_group
+        self.dead_rows_whole = dead_rows_whole
+
+    @classmethod
+    def reads(cls, operands, **options) -> "SpanReader | None":
+        """The reader of a kernel's `operands` (a dict of refs) holding
+        `span_operands`' names; None where they are absent."""
+        if "key_end" not in operands:
+            return None
+        return cls(operands["key_from_first"], operands["key_end"], operands["live_extents"],
+                   **options)
+
+    def key_tiles(self, batch, row_group, block_k: int):
+        """`(lb, ub)`: the key tiles lb <= t < ub hold every key that the
+        group's rows keep; lb = ub (no tile) for a group of dead rows."""
+        first, end = jnp.int32(self.n_res), jnp.int32(0)
+        for member in range(self.rows_per_group):
+            row = row_group * self.rows_per_group + member
+            row_first = self.n_res - self.from_first[batch, row]
+            row_end = self.end[batch, row]
+            if self.dead_rows_whole:
+                dead = row_end == 0
+                row_first = jnp.where(dead, 0, row_first)
+                row_end = jnp.where(dead, self.n_res, row_end)
+            first, end = jnp.minimum(first, row_first), jnp.maximum(end, row_end)
+        upper = ceil_div(end, block_k)
+        return jnp.minimum(lax.div(first, jnp.int32(block_k)), upper), upper
+
+    def live_row_groups(self, groups: int):
+        """The row groups, of `groups`, up to the last that keeps a key in
+        any batch element (all of them with `dead_rows_whole`): a kernel
+        that serves groups in order gives those after it no work item."""
+        if self.dead_rows_whole:
+            return jnp.int32(groups)
+        end = jnp.int32(0)
+        for batch in range(self.extents.shape[0]):
+            end = jnp.maximum(end, self.extents[batch, 1])
+        return ceil_div(end, self.rows_per_group)
+
+    def rows_of_key_tile(self, batch, key_tile, block_k: int):
+        """`(first, end)`: the rows first <= row < end of batch element
+        `batch` hold every row that keeps a key of key tile `key_tile`;
+        (0, 0) where no row does."""
+        rows = self.end.shape[1]
+        first_row = rows - self.extents[batch, 0]
+        end_row = self.extents[batch, 1]
+        first_key = self.n_res - self.extents[batch, 2]
+        end_key = self.extents[batch, 3]
+        hit = (key_tile * block_k < end_key) & ((key_tile + 1) * block_k > first_key)
+        return jnp.where(hit, first_row, 0), jnp.where(hit, end_row, 0)
+
+
+def ceil_div(x, divisor: int):
+    """ceil(x / divisor) for int32 x >= 0 and a static divisor."""
+    return lax.div(x + (divisor - 1), jnp.int32(divisor))
 
 
 def _first_and_end(kept, axis: int):

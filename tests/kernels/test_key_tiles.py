@@ -94,3 +94,85 @@ def test_kept_whole_dead_rows(dtype, seed):
     np.testing.assert_array_equal(whole[~dead], wide[~dead].astype(dtype))
     bounds = np.asarray(key_tiles.key_tile_bounds(jnp.asarray(whole), n_res, 32, 1))
     assert (bounds[dead] == (0, 4)).all() and (bounds[..., 1] > 0).all()
+
+
+def span_reader(mask, n_res, group, dead_rows_whole=False):
+    """A `SpanReader` over the arrays the Mosaic kernels read (concrete arrays
+    index as their refs do)."""
+    return key_tiles.SpanReader.reads(
+        key_tiles.span_operands(mask, n_res), n_res=n_res, rows_per_group=group,
+        dead_rows_whole=dead_rows_whole,
+    )
+
+
+@pytest.mark.parametrize("batch, rows, n_res, block_k, group", CASES)
+def test_spans_give_the_tile_summaries(batch, rows, n_res, block_k, group, seed):
+    """What the Mosaic kernels derive at run time from the rows' spans of kept keys
+    (`key_spans`, `live_extents`, `SpanReader`): each row group's key tiles and the
+    live row groups as the tile summaries give them, with and without dead rows read
+    as whole; each key tile's rows, a range that holds the rows keeping a key of it
+    and no row outside the batch element's live ones."""
+    keep = random_padded_mask(np.random.default_rng(seed), batch, rows, n_res, group)
+    wide = np.concatenate([keep, np.ones((batch, rows, 8), bool)], axis=-1)
+    mask = jnp.asarray(wide.astype(np.int8))
+    tiles = -(-n_res // block_k)
+
+    from_first, ends = (np.asarray(x) for x in key_tiles.key_spans(mask, n_res))
+    for x in (from_first, ends):
+        assert x.dtype == np.int32 and x.shape == (batch, rows)
+    for b in range(batch):
+        for s in range(rows):
+            first, end = bounds_of(keep[b, s])
+            expected = (n_res - first, end) if end else (0, 0)
+            assert (from_first[b, s], ends[b, s]) == expected, (b, s)
+    np.testing.assert_array_equal(key_tiles.dead_rows(mask, n_res), ~keep.any(-1))
+
+    whole = key_tiles.kept_whole_dead_rows(mask, n_res)
+    for dead_rows_whole, summarised in ((False, mask), (True, whole)):
+        reader = span_reader(mask, n_res, group, dead_rows_whole)
+        bounds = np.asarray(key_tiles.key_tile_bounds(summarised, n_res, block_k, group))
+        for b in range(batch):
+            for g in range(rows // group):
+                got = tuple(int(x) for x in reader.key_tiles(b, g, block_k))
+                assert got == tuple(bounds[b, g]), (dead_rows_whole, b, g)
+        expected = int(key_tiles.visited_row_groups(jnp.asarray(bounds))[0])
+        assert int(reader.live_row_groups(rows // group)) == expected
+
+    reader = span_reader(mask, n_res, group)
+    by_tile = np.asarray(key_tiles.row_bounds(mask, n_res, block_k))
+    for b in range(batch):
+        live_rows = bounds_of(keep[b].any(-1))
+        for t in range(tiles):
+            first, end = (int(x) for x in reader.rows_of_key_tile(b, t, block_k))
+            tight_first, tight_end = by_tile[b, t]
+            if tight_end == 0:
+                assert (first, end) in ((0, 0), live_rows), (b, t)
+            else:
+                assert first <= tight_first and tight_end <= end, (b, t)
+                assert (first, end) == live_rows, (b, t)
+
+
+def test_spans_of_end_padding_are_the_tight_summaries():
+    """Padding at the end of a crop and of an alignment (no holes): each key tile's
+    rows from the spans are exactly the rows that keep a key of it."""
+    batch, rows, n_res, block_k = 2, 8, 200, 64
+    keep = np.zeros((batch, rows, n_res), bool)
+    keep[0, :5, :130] = True
+    keep[1, :3, :64] = True
+    mask = jnp.asarray(keep.astype(np.int8))
+    reader = span_reader(mask, n_res, 1)
+    by_tile = np.asarray(key_tiles.row_bounds(mask, n_res, block_k))
+    for b in range(batch):
+        for t in range(-(-n_res // block_k)):
+            got = tuple(int(x) for x in reader.rows_of_key_tile(b, t, block_k))
+            assert got == tuple(by_tile[b, t]), (b, t)
+    assert int(reader.live_row_groups(rows)) == 5
+
+
+def test_no_live_row_gives_empty_spans():
+    mask = jnp.zeros((2, 4, 64), jnp.int8)
+    reader = span_reader(mask, 64, 2)
+    assert not np.asarray(key_tiles.live_extents(*key_tiles.key_spans(mask, 64))).any()
+    assert tuple(int(x) for x in reader.key_tiles(1, 1, 64)) == (0, 0)
+    assert int(reader.live_row_groups(2)) == 0
+    assert tuple(int(x) for x in reader.rows_of_key_tile(0, 0, 64)) == (0, 0)

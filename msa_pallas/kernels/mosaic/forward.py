@@ -61,7 +61,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2
-from msa_pallas.kernels.key_tiles import dead_rows
+from msa_pallas.kernels.key_tiles import SpanReader, dead_rows
 from msa_pallas.kernels.mosaic.dropout_words import HeadDropout, check_dropout, kept_sum_scale
 from msa_pallas.kernels.mosaic.forward_operands import forward_operands
 from msa_pallas.kernels.mosaic.heads import (
@@ -101,9 +101,9 @@ def _kernel(
     `row_views`: the names of `smem` that are pairs of views
     (`smem.unaligned_row_tile`, N % 8 != 0): TMA copies go through the
     first, everything else through the second. `key_bounds`: as in
-    `attention_forward`. `skips_masked`: gmem holds "key_bounds" and
-    "row_groups" (`forward_operands.skipping_operands`); dead rows' results
-    are not the op's (`attention_forward` replaces them).
+    `attention_forward`. `skips_masked`: gmem holds the mask's spans
+    (`key_tiles.span_operands`); without dropout, dead rows' results are
+    not the op's (`attention_forward` replaces them).
     `dropout` (`dropout_words.Dropout`): gmem holds "query_words", "key_words"."""
     smem_tma, smem = split_row_views(smem, row_views)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
@@ -116,6 +116,12 @@ def _kernel(
     masked = masked_accumulator_logit(scale)
     wg = lax.axis_index("wg")
     static_bounds = key_bounds is None and not skips_masked  # every item, every key tile
+    if skips_masked:
+        # With dropout a dead row's dropped uniform weights have no shortcut:
+        # its items visit every key tile.
+        spans = SpanReader.reads(
+            gmem, n_res=n_res, rows_per_group=msa_rows, dead_rows_whole=dropout is not None
+        )
     tile_dim = gmem["q"].shape[-1]
 
     def key_tiles_of(work):
@@ -127,7 +133,7 @@ def _kernel(
         if key_bounds is not None:
             return key_bounds(work, key_tiles)
         batch, _, row_group, _ = work
-        return gmem["key_bounds"][batch, row_group, 0], gmem["key_bounds"][batch, row_group, 1]
+        return spans.key_tiles(batch, row_group, block_k)
 
     def load_own(name, work):
         """The consumer's copy of its q or gate tile for item `work`, on its
@@ -376,7 +382,7 @@ def _kernel(
 
     items = ForwardItems(
         grid, heads, block_q, tiles.persistent,
-        row_groups=gmem["row_groups"][0] if skips_masked else None,
+        row_groups=spans.live_row_groups(grid[2]) if skips_masked else None,
     )
     first_item = items.first
 
@@ -465,7 +471,7 @@ def attention_forward(
         the row groups up to the last with one (`kernels.key_tiles`; the op:
         `skipping_padding`), the dead rows' results given after the
         kernel (`_with_dead_rows`), or with dropout, the dead rows visited
-        whole (`key_tiles.kept_whole_dead_rows`); False, all.
+        whole (`key_tiles.SpanReader`'s `dead_rows_whole`); False, all.
       dropout_rate: attention dropout on the probabilities (`dropout`'s
         mask, kept ones scaled by 1 / (1 - rate)); the row statistics are
         the undropped ones'. 0: none.

@@ -1,7 +1,7 @@
 """The Mosaic GPU forward kernel's operands as it reads them, made in XLA
 once per call: q, k, v and the gate as head pairs for d = 8, the bias in
 the units of `q . k` with its rows padded, the mask padded, the inputs of
-padding skipping or of dropout (the rows' query and key words); and the
+padding skipping (the mask's spans) or of dropout (the rows' query and key words); and the
 kernel's output types."""
 
 from __future__ import annotations
@@ -10,9 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from msa_pallas.kernels.key_tiles import (
-    key_tile_bounds, kept_whole_dead_rows, visited_row_groups,
-)
+from msa_pallas.kernels.key_tiles import span_operands
 from msa_pallas.kernels.mosaic.dropout_words import word_length, word_operands
 from msa_pallas.kernels.mosaic.heads import as_head_pairs
 from msa_pallas.kernels.mosaic.logits import accumulator_bias
@@ -29,8 +27,8 @@ def forward_operands(
 
     Arguments as `forward.attention_forward`'s (`dropout_seeds` None without
     dropout); `pair`: heads per tile (`heads.heads_per_tile`);
-    `skips_masked`: the kernel skips masked key tiles (`kernels.key_tiles`;
-    with dropout, not those of dead rows).
+    `skips_masked`: the kernel skips masked key tiles, reading the mask's
+    spans (`key_tiles.span_operands`).
     The outputs are those of the head-pair view; the statistics' planes run
     to whole query tiles.
     """
@@ -46,9 +44,7 @@ def forward_operands(
     if dropout_seeds is not None:
         inputs |= word_operands(dropout_seeds, word_length(n_res, tiles.block_q, tiles.block_k))
     if skips_masked:
-        # With dropout a dead row's dropped uniform weights have no shortcut.
-        summarised = mask if dropout_seeds is None else kept_whole_dead_rows(mask, n_res)
-        inputs |= skipping_operands(summarised, n_res, tiles.block_k, msa_rows)
+        inputs |= span_operands(mask, n_res)
     if mask is not None:
         inputs["mask"] = pad_residues(mask, swizzled=False)
     inputs = {name: x for name, x in inputs.items() if x is not None}
@@ -62,11 +58,3 @@ def forward_operands(
             "row_max": stats, "row_log2_sum": stats,
         }
     return inputs, out_types
-
-
-def skipping_operands(mask, n_res: int, block_k: int, msa_rows: int) -> dict:
-    """What the kernel reads to skip padding (`kernels.key_tiles`): "key_bounds"
-    `[B, S / msa_rows, 2]`, each row group's key tiles, and "row_groups" `[1]`,
-    the row groups that have work items (`work_items.ForwardItems`), both int32."""
-    bounds = key_tile_bounds(mask, n_res, block_k, msa_rows)
-    return {"key_bounds": bounds, "row_groups": visited_row_groups(bounds)}

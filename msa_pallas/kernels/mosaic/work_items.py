@@ -130,7 +130,7 @@ class BackwardItems:
 
     `live_groups` (a traced int32, or None for all): the row groups before
     it have items, run in full; those from it on are dead (padding rows at
-    the end of the alignment, `key_tiles.visited_row_groups`) and only
+    the end of the alignment, `key_tiles.SpanReader.live_row_groups`) and only
     write their fixed results, a (batch, head, row group) at a time: every
     tile of a dead group takes the same values. CTA `cta` takes items (and
     dead groups) cta, cta + ctas, ..."""
@@ -173,7 +173,7 @@ class BackwardItems:
 
 
 def serve_items(consume, produce, bounds_of, *, consumers: int, heads: int, persistent: bool,
-                tile_axis: str, work_items=None, row_groups=None, dead_groups=None) -> None:
+                tile_axis: str, work_items=None, live_groups=None, dead_groups=None) -> None:
     """A backward kernel's warp-specialised body over its work items
     (batch, head, row group, tile): the consumer warpgroups (wg < consumers)
     run `consume(*item, lb, ub)` for each, the producer `produce(*item, lb,
@@ -181,10 +181,10 @@ def serve_items(consume, produce, bounds_of, *, consumers: int, heads: int, pers
 
     One CTA per item (not `persistent`): the grid's "batch_heads",
     "row_groups" and `tile_axis` axes name it. Persistent: the CTA's share
-    of `work_items` (`BackwardItems`); with `row_groups`, the `[1]` int32
-    ref of the row groups that have items (`key_tiles.visited_row_groups`;
-    None: all), those alone, then, on the consumers, `dead_groups(items)`
-    for the groups after them (all dead).
+    of `work_items` (`BackwardItems`); with `live_groups`, the count of
+    row groups that have items (a traced int32, `key_tiles.SpanReader.
+    live_row_groups`; None: all), those alone, then, on the consumers,
+    `dead_groups(items)` for the groups after them (all dead).
     """
     wg = lax.axis_index("wg")
     if not persistent:
@@ -204,7 +204,7 @@ def serve_items(consume, produce, bounds_of, *, consumers: int, heads: int, pers
 
         return
 
-    items = BackwardItems(work_items, heads, None if row_groups is None else row_groups[0])
+    items = BackwardItems(work_items, heads, live_groups)
 
     def with_bounds(run):
         return lambda *item: run(*item, *bounds_of(*item))
@@ -213,7 +213,7 @@ def serve_items(consume, produce, bounds_of, *, consumers: int, heads: int, pers
     def _consumer():
         consumer_registers(consumers)
         items.for_each_live(with_bounds(consume))
-        if row_groups is not None:
+        if live_groups is not None:
             dead_groups(items)
 
     @pl.when(wg == consumers)

@@ -52,6 +52,8 @@ ONE_ROW = MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=1)
 # The GPU tests' shapes (train-like, 16 MSA rows).
 GPU_SHAPES = {"N256": (1, 16, 256, 8, 32), "N333": (1, 16, 333, 8, 32), "d8": (1, 16, 256, 8, 8)}
 KERNEL_OUTPUTS = {"dq": ("dq",), "dkdv": ("dk", "dv"), "dbias": ("dbias",)}
+# The skipping inputs every Mosaic kernel reads (`key_tiles.span_operands`).
+SPANS = ("key_from_first", "key_end", "live_extents")
 
 
 def padded_keep(kind: str, batch: int, rows: int, n_res: int, rng) -> np.ndarray:
@@ -270,8 +272,8 @@ def test_inputs_of_each_kernel(mask_kind, monkeypatch):
     unmasked = {"q", "k", "v", "do", "stats"}
     added = {
         "none": {"dq": set(), "dkdv": set(), "dbias": set()},
-        "mask": {"dq": {"mask", "key_tile_bounds"}, "dkdv": {"mask", "visited", "dead_dv"},
-                 "dbias": {"mask", "row_bounds"}},
+        "mask": {"dq": {"mask", *SPANS}, "dkdv": {"mask", *SPANS, "dead_dv"},
+                 "dbias": {"mask", *SPANS}},
         "mask-unskipped": {"dq": {"mask"}, "dkdv": {"mask"}, "dbias": {"mask"}},
     }[mask_kind]
     for kernel, (inputs, smem) in launched.items():

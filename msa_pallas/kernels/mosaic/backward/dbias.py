@@ -50,15 +50,15 @@ def _chunk_batch_and_head(batch_heads: int, heads: int):
 def _dbias_kernel(
     gmem, smem, produced, consumed, *, scale: float, tiles: MosaicTiles, consumers: int,
     chunks: int, rows_per_chunk: int, batch_heads: int, heads: int, heads_per_tile: int,
-    interpret: bool, row_views: tuple[str, ...] = (), dropout=None,
+    n_res: int, interpret: bool, row_views: tuple[str, ...] = (), dropout=None,
 ):
     """`heads`, `heads_per_tile` and `row_views` as in `dkdv._dkdv_kernel`: with
     two heads per tile the CTA sums one head's gradient over the chunk's
     rows, then the other's, each head's bias tile loaded into the same
-    shared memory. With a mask, `gmem` may hold "row_bounds" (`[B, key
-    tiles, 2]` int32, `key_tiles.row_bounds`): the rows outside them keep
-    no key of the CTA's key tile and are not visited. `dropout`
-    (`dropout_words.Dropout`): gmem holds "query_words" and "key_words"
+    shared memory. With a mask, `gmem` may hold the mask's spans
+    (`key_tiles.span_operands`): the loop visits the batch element's live
+    rows, and none where the CTA's key tile lies outside every row's kept
+    keys; the rows left out add exactly 0. `dropout` (`dropout_words.Dropout`): gmem holds "query_words" and "key_words"
     (`dropout_words.word_operands`); each step's row and head has its own
     words, which the producer copies into the step's slot."""
     smem_tma, smem = split_row_views(smem, row_views)
@@ -74,13 +74,14 @@ def _dbias_kernel(
     # the consumers and the producer both read them here, so they agree on
     # the ring's steps (`visited_rows` per head).
     first_row, visited_rows = chunk * rows_per_chunk, rows_per_chunk
-    if "row_bounds" in gmem:
+    spans = key_tiles.SpanReader.reads(gmem, n_res=n_res)
+    if spans is not None:
         # With a mask, the rows between the first and the last that keep a
-        # key of the tile (a row that keeps none adds exactly 0), shared out
-        # evenly among the chunks: padding rows at the end of the alignment
-        # would otherwise leave the chunks that hold them idle while the
-        # others do every live row.
-        first, end = (gmem["row_bounds"][batch, key_tile, i] for i in range(2))
+        # key (a row that keeps none adds exactly 0), shared out evenly
+        # among the chunks: padding rows at the end of the alignment would
+        # otherwise leave the chunks that hold them idle while the others do
+        # every live row.
+        first, end = spans.rows_of_key_tile(batch, key_tile, block_k)
         live_rows = end - first
         first_row = first + lax.div(live_rows * chunk, chunks)
         visited_rows = first + lax.div(live_rows * (chunk + 1), chunks) - first_row
@@ -220,10 +221,11 @@ def backward_dbias(
     in `kernels.mosaic.backward`'s docstring; q, k, v and do may also be float32).
 
     With a mask, each CTA's loop over rows runs from the first to the last
-    row that keeps a key of its key tile (`key_tiles.row_bounds`, an int32
-    input): the rows left out (padding rows, dead or not, at the ends of
-    the alignment) would add exactly 0. `skip_masked` False (the default;
-    the op skips inside `skipping_padding`) visits every row.
+    row that keeps a key, and not at all where no row keeps a key of its
+    key tile (from the mask's spans, `key_tiles.span_operands`): the rows
+    left out (padding rows at the ends of the alignment) would add exactly
+    0. `skip_masked` False (the default; the op skips inside
+    `skipping_padding`) visits every row.
 
     When (tiles x heads x batch) gives too few CTAs to fill the GPU, the rows
     are split into chunks (`block_sizes.row_chunks`), one CTA each, and the
@@ -260,7 +262,7 @@ def backward_dbias(
         length = word_length(n_res, tiles.block_q * consumers, tiles.block_k)
         inputs |= word_operands(dropout_seeds, length)
     if mask is not None and skip_masked:
-        inputs["row_bounds"] = key_tiles.row_bounds(mask, n_res, tiles.block_k)
+        inputs |= key_tiles.span_operands(mask, n_res)
     # Rows of whole 8-row tiles and columns of a whole TMA stride, sliced
     # back to N below.
     dbias_shape = (
@@ -271,7 +273,7 @@ def backward_dbias(
     body = functools.partial(
         _dbias_kernel, scale=scale, tiles=tiles, consumers=consumers,
         chunks=chunks, rows_per_chunk=rows // chunks, batch_heads=batch * heads // pair,
-        heads=heads // pair, heads_per_tile=pair, interpret=interpret,
+        heads=heads // pair, heads_per_tile=pair, n_res=n_res, interpret=interpret,
         row_views=row_view_names(kernel_plan.smem), dropout=dropout,
     )
     (partial_sums,) = launch(

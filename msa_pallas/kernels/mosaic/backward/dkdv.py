@@ -19,6 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from msa_pallas.kernels import key_tiles
+from msa_pallas.kernels.key_tiles import SpanReader
 from msa_pallas.kernels.mosaic.backward.operands import (
     kernel_operands, load_stats, recompute, split_operands,
 )
@@ -56,17 +57,17 @@ def _dkdv_kernel(
     `heads_per_tile` heads of the bias and statistics (2 for d = 8).
     `row_views`: the names of `smem` that are pairs of views (N % 8 != 0,
     `smem.split_row_views`): copies go through `smem_tma`. `tile_bounds`:
-    as in `backward_dkdv`. With a mask, `gmem` may hold "visited" (`[B,
-    S / msa_rows, key tiles]` int32: 1 where the loop runs) and "dead_dv"
-    (`[B, S, heads, tile width]` float32: a dead row's dv per key, 0 for
-    the other rows), as `backward_dkdv` makes them. `dropout`
-    (`dropout_words.Dropout`): gmem holds "query_words" and "key_words"
+    as in `backward_dkdv`. With a mask, `gmem` may hold the mask's spans
+    (`key_tiles.span_operands`: the loop runs where the key tile lies
+    within the group's kept keys) and "dead_dv" (`[B, S, heads, tile
+    width]` float32: a dead row's dv per key, 0 for the other rows), as
+    `backward_dkdv` makes them. `dropout` (`dropout_words.Dropout`): gmem holds "query_words" and "key_words"
     (`dropout_words.word_operands`); each consumer reads its keys' words
     once, and the producer copies each step's query words into its slot.
     With `tiles.persistent`, `work_items` = (B * H', key tiles, row groups),
-    which the CTAs share out (`work_items.BackwardItems`): the row groups
-    from gmem's "row_groups" on (all dead) take no loop, only their dk = 0
-    and dv = the mean of their `do` ("dead_dv")."""
+    which the CTAs share out (`work_items.BackwardItems`): skipping
+    padding, the row groups after the last that keeps a key take no loop,
+    only their dk = 0 and dv = the mean of their `do` ("dead_dv")."""
     smem_tma, smem = split_row_views(smem, row_views)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair = heads_per_tile
@@ -92,6 +93,11 @@ def _dkdv_kernel(
         plgpu.barrier_wait(produced["dead_dv"].at[wg])
         return plgpu.load(smem["dead_dv"].at[wg, 0, pl.ds(0, tile_dim)], layout=WGMMA_COL)
 
+    # With dropout a dead row's dv has no shortcut: its loops run.
+    spans = SpanReader.reads(
+        gmem, n_res=n_res, rows_per_group=msa_rows, dead_rows_whole=dropout is not None
+    )
+
     def query_tiles_of(batch, head, row_group, key_tile):
         """The query tiles the item's loop visits, lb <= query tile < ub; the
         consumers and the producer both read them here, so they agree on
@@ -99,11 +105,13 @@ def _dkdv_kernel(
         group keeps a key of the tile, else none."""
         if tile_bounds is not None:
             return tile_bounds((batch, head, row_group, key_tile * block_k), query_tiles)
-        if "visited" in gmem:
+        if spans is not None:
+            first, end = spans.key_tiles(batch, row_group, block_k)
+            visited = (first <= key_tile) & (key_tile < end)
             # An int32 lower bound, not a Python 0: the producer's first
             # steps' query tiles then stay unknown at trace time, where a
             # tile past N would fail the slice's bounds check.
-            return jnp.int32(0), gmem["visited"][batch, row_group, key_tile] * query_tiles
+            return jnp.int32(0), visited.astype(jnp.int32) * query_tiles
         return 0, query_tiles
 
     def consume_item(batch, head, row_group, key_tile, lb, ub):
@@ -267,12 +275,14 @@ def _dkdv_kernel(
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    # Dead row groups only where a persistent kernel skips padding
-    # ("dead_dv", "row_groups"), as in dq.
+    # Dead row groups only where a persistent kernel skips padding (without
+    # dropout, so with "dead_dv"), as in dq.
     serve_items(
         consume_item, produce_item, query_tiles_of, consumers=msa_rows, heads=heads,
         persistent=tiles.persistent, tile_axis="key_tiles", work_items=work_items,
-        row_groups=gmem.get("row_groups"), dead_groups=dead_groups,
+        live_groups=(spans.live_row_groups(work_items[2])
+                     if spans is not None and tiles.persistent else None),
+        dead_groups=dead_groups,
     )
 
 
@@ -291,13 +301,13 @@ def backward_dkdv(
     `kernels.mosaic.backward`'s docstring; float32 q, k, v and do as in
     `backward_dbias`).
 
-    With a mask, a CTA whose rows keep no key of its key tile runs no
-    query loop and loads no K, V or mask (`key_tiles.kept_key_tiles`, an
-    int32 input): it writes dk = 0, and dv = 0 but for a dead row, whose
-    uniform weights give every key the mean of its `do` over the N queries
-    (`triton.dead_rows.dead_row_means`, which reads dead rows alone). Rows
-    that keep a key there, and dead rows beside them, are computed as
-    without the mask's help.
+    With a mask, a CTA whose key tile lies outside its rows' kept keys
+    (from the mask's spans, `key_tiles.span_operands`) runs no query loop
+    and loads no K, V or mask: it writes dk = 0, and dv = 0 but for a dead
+    row, whose uniform weights give every key the mean of its `do` over the
+    N queries (`triton.dead_rows.dead_row_means`, which reads dead rows
+    alone). Rows that keep a key there, and dead rows beside them, are
+    computed as without the mask's help.
 
     With `tiles.persistent` one CTA per SM loops over its share of the
     work items (`work_items.BackwardItems`); skipping padding, the row
@@ -308,8 +318,8 @@ def backward_dkdv(
 
     With dropout a dead row's uniform weights are dropped too: skipping,
     its query loops run as if it kept every key
-    (`key_tiles.kept_whole_dead_rows`), and only live rows' masked key
-    tiles are skipped.
+    (`key_tiles.SpanReader`'s `dead_rows_whole`), and only live rows'
+    masked key tiles are skipped.
 
     Args:
       tile_bounds: None, or, to test the pipeline's runtime bounds,
@@ -349,16 +359,9 @@ def backward_dkdv(
     if dropout is not None:
         inputs |= word_operands(dropout_seeds, word_length(n_res, tiles.block_q, tiles.block_k))
     if skips:
-        summarised = mask if skips_dead_rows else key_tiles.kept_whole_dead_rows(mask, n_res)
-        kept = key_tiles.kept_key_tiles(summarised, n_res, tiles.block_k)
-        kept = jnp.any(kept.reshape(batch, rows // msa_rows, msa_rows, -1), axis=2)
-        inputs["visited"] = kept.astype(jnp.int32)
+        inputs |= key_tiles.span_operands(mask, n_res)
         if skips_dead_rows:
             inputs["dead_dv"] = dead_dv
-        if tiles.persistent:
-            inputs["row_groups"] = key_tiles.visited_row_groups(
-                key_tiles.key_tile_bounds(mask, n_res, tiles.block_k, msa_rows)
-            )
     out_types = {"dk": jax.ShapeDtypeStruct(k.shape[pieces > 1:], q.dtype),
                  "dv": jax.ShapeDtypeStruct(k.shape[pieces > 1:], q.dtype)}
     kernel_plan = dkdv_plan(

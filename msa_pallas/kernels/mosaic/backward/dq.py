@@ -14,6 +14,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from msa_pallas.kernels import key_tiles
+from msa_pallas.kernels.key_tiles import SpanReader
 from msa_pallas.kernels.mosaic.backward.operands import (
     kernel_operands, load_stats, recompute, split_operands,
 )
@@ -102,8 +103,9 @@ def _dq_kernel(
     good, and the producer copies each step's key words into its slot);
     `tile_bounds` as in `backward_dq`. With `tiles.persistent`,
     `work_items` = (B * H', query tiles, row groups), which the CTAs share
-    out (`work_items.BackwardItems`): the row groups from gmem's
-    "row_groups" on (all dead) take no loop, only their dq = 0."""
+    out (`work_items.BackwardItems`): skipping padding, the row groups
+    after the last that keeps a key (`key_tiles.SpanReader`) take no loop,
+    only their dq = 0."""
     smem_tma, smem = split_row_views(smem, row_views)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair = heads_per_tile
@@ -114,6 +116,10 @@ def _dq_kernel(
     # 16-bit: q's tile is free after the loop and holds dq on its way out.
     out_name = "dq" if "dq" in smem else "q"
 
+    # With a mask to skip by (`key_tiles.span_operands`); dead rows are
+    # skipped with dropout too (their dq is 0 whatever is dropped).
+    spans = SpanReader.reads(gmem, n_res=n_res, rows_per_group=msa_rows)
+
     def key_tiles_of(batch, head, row_group, query_tile):
         """The key tiles the item's loop visits, lb <= key tile < ub; the
         consumers and the producer both read them here, so they agree on the
@@ -121,8 +127,8 @@ def _dq_kernel(
         rows keep (none for a group of dead rows, whose dq is 0)."""
         if tile_bounds is not None:
             return tile_bounds((batch, head, row_group, query_tile * block_q), key_tile_count)
-        if "key_tile_bounds" in gmem:
-            return tuple(gmem["key_tile_bounds"][batch, row_group, i] for i in range(2))
+        if spans is not None:
+            return spans.key_tiles(batch, row_group, block_k)
         return 0, key_tile_count
 
     def consume_item(batch, head, row_group, query_tile, lb, ub):
@@ -241,7 +247,9 @@ def _dq_kernel(
     serve_items(
         consume_item, produce_item, key_tiles_of, consumers=msa_rows, heads=heads,
         persistent=tiles.persistent, tile_axis="query_tiles", work_items=work_items,
-        row_groups=gmem.get("row_groups"), dead_groups=dead_groups,
+        live_groups=(spans.live_row_groups(work_items[2])
+                     if spans is not None and tiles.persistent else None),
+        dead_groups=dead_groups,
     )
 
 
@@ -261,7 +269,7 @@ def backward_dq(
     `backward_dbias`).
 
     With a mask, each CTA's key loop runs over the key tiles that hold its
-    rows' kept keys alone (`key_tiles.key_tile_bounds`, an int32 input):
+    rows' kept keys alone (from the mask's spans, `key_tiles.span_operands`):
     the tiles it leaves out would add exactly 0. A CTA of dead rows runs
     no step and loads none of its q, do and statistics: it writes dq = 0.
 
@@ -296,10 +304,7 @@ def backward_dq(
     if tiles.persistent and dropout is not None:
         raise ValueError("the persistent dq kernel (tiles.persistent) takes no dropout")
     if mask is not None and skip_masked and tile_bounds is None:
-        bounds = key_tiles.key_tile_bounds(mask, n_res, tiles.block_k, msa_rows)
-        inputs["key_tile_bounds"] = bounds
-        if tiles.persistent:
-            inputs["row_groups"] = key_tiles.visited_row_groups(bounds)
+        inputs |= key_tiles.span_operands(mask, n_res)
     out_types = {"dq": jax.ShapeDtypeStruct(k.shape[pieces > 1:], q.dtype)}
     kernel_plan = dq_plan(
         q.shape, q.dtype, bias.dtype, tiles,
