@@ -58,7 +58,8 @@ def _dbias_kernel(
     shared memory. With a mask, `gmem` may hold the mask's spans
     (`key_tiles.span_operands`): the loop visits the batch element's live
     rows, and none where the CTA's key tile lies outside every row's kept
-    keys; the rows left out add exactly 0. `dropout` (`dropout_words.Dropout`): gmem holds "query_words" and "key_words"
+    keys; the rows left out add exactly 0. `dropout`
+    (`dropout_words.Dropout`): gmem holds "query_words" and "key_words"
     (`dropout_words.word_operands`); each step's row and head has its own
     words, which the producer copies into the step's slot."""
     smem_tma, smem = split_row_views(smem, row_views)
