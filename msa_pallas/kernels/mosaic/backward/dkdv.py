@@ -63,8 +63,8 @@ def _dkdv_kernel(
     width]` float32: a dead row's dv per key, 0 for the other rows), as
     `backward_dkdv` makes them. `dropout` (`dropout_words.Dropout`): gmem
     holds "query_words" and "key_words" (`dropout_words.word_operands`);
-    each consumer reads its keys' words
-    once, and the producer copies each step's query words into its slot.
+    each consumer reads its keys' words once, and the producer copies each
+    step's query words into its slot.
     With `tiles.persistent`, `work_items` = (B * H', key tiles, row groups),
     which the CTAs share out (`work_items.BackwardItems`): skipping
     padding, the row groups after the last that keeps a key take no loop,
