@@ -10,7 +10,9 @@
 - durations.py: every kernel launch of one call under Nsight Compute;
 - timeline.py: one call's GPU kernels and the gaps between them, from a jax trace;
 - stall_sources.py: where a kernel's warps wait, from profile_ncu.sh's source CSVs;
-- memory_breakdown.py: the largest buffers of the compiled forward+backward.
+- memory_breakdown.py: the largest buffers of the compiled forward+backward;
+- launches.py: what the compiled forward+backward launches, on a GPU or compiled for one
+  from a host without it (`scripts/compile_for_gpu.sh`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ COMMANDS = {
     "timeline": (_HERE + "timeline", "one call's kernels and gaps, from a jax trace"),
     "stalls": (_HERE + "stall_sources", "where the warps wait (profile_ncu.sh's CSVs)"),
     "memory": (_HERE + "memory_breakdown", "the largest buffers of the compiled f+b"),
+    "launches": (_HERE + "launches", "the compiled f+b's launches (a GPU's, or for one)"),
 }
 
 

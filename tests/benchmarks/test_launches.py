@@ -1,0 +1,56 @@
+"""`python -m benchmarks profile launches`: the launches of a compiled program, read
+from its text, and the tool run end to end on the CPU (the op's plain-jnp path there)."""
+
+from __future__ import annotations
+
+from benchmarks.profiling import launches
+
+# An entry computation as XLA's GPU compiler prints it (lines shortened): a fusion, a
+# Mosaic GPU kernel, a Pallas Triton kernel, a custom call of XLA's own, and
+# instructions that launch nothing; a fused computation before it is not the entry's.
+MODULE = """HloModule jit_loss, is_scheduled=true
+
+%fused_reduce (param_0: pred[1,8,16]) -> s32[8] {
+  %fusion.9 = s32[8]{0} fusion(%param_0), kind=kLoop, calls=%inner
+}
+
+ENTRY %main.30 (a_0_.1: bf16[1,8,16,2,8], a_5_.1: pred[1,8,16]) -> (bf16[1,8,16,2,8]) {
+  %a_5_.1 = pred[1,8,16]{2,1,0} parameter(1)
+  %input_reduce_fusion = (s32[8]{0}, s8[1,8,16]{2,1,0}) fusion(%a_5_.1), kind=kInput, calls=%fused_reduce, metadata={op_name="jit(loss)/jvp()/jit(attention_forward)/reduce_max" scheduling_name="input_reduce_fusion"}
+  %get-tuple-element.1 = s32[8]{0} get-tuple-element(%input_reduce_fusion), index=0
+  %mpmd_map.0 = (bf16[1,8,16,2,8]{4,3,2,1,0}, f32[1,8,2,16]{3,2,1,0}) custom-call(%a_0_.1, %get-tuple-element.1), custom_call_target="mosaic_gpu_v2", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(loss)/jvp()/jit(attention_forward)/msa_mosaic_forward/mpmd_map" scheduling_name="mpmd_map.0"}
+  %pallas_call.0 = bf16[1,8,16,16]{3,2,1,0} custom-call(%a_5_.1), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(loss)/jvp()/jit(attention_forward)/msa_fill_dead_rows/pallas_call" scheduling_name="pallas_call.0"}, backend_config={debug = false, grid_x = 8}
+  %cublas-gemm.1 = f32[16,16]{1,0} custom-call(%a_0_.1), custom_call_target="__cublas$gemm"
+  %copy.3 = bf16[1,8,16,2,8]{4,3,2,1,0} copy(%mpmd_map.0)
+  ROOT %tuple.2 = (bf16[1,8,16,2,8]{4,3,2,1,0}) tuple(%copy.3)
+}
+"""
+
+
+def test_entry_launches_name_each_kernel():
+    got = launches.entry_launches(MODULE)
+    assert [(x.name, x.opcode, x.runs) for x in got] == [
+        ("input_reduce_fusion", "fusion", "jit(attention_forward)/reduce_max"),
+        ("mpmd_map.0", "custom-call", "msa_mosaic_forward"),
+        ("pallas_call.0", "custom-call", "msa_fill_dead_rows"),
+        ("cublas-gemm.1", "custom-call", "__cublas$gemm"),
+        ("copy.3", "copy", ""),
+    ]
+
+
+def test_target_configs_name_their_gpu():
+    for kind, target in launches.DEVICELESS_TARGETS.items():
+        text = launches.target_config(kind)
+        assert f'device_description_str: "{target["name"]}"' in text
+        assert f"major: {target['major']}" in text and f"core_count: {target['cores']}" in text
+        assert text.count("{") == text.count("}")
+
+
+def test_the_tool_lists_a_compiled_program(capsys):
+    """On the CPU the op runs its plain-jnp path: XLA's fusions, and no Pallas kernel."""
+    assert launches.main(["--shape", "1x2x16x2x8", "--dtype", "f32", "--skip"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    count = int(out[1].split()[0])
+    assert count >= 1 and len(out) == 2 + count
+    assert "forward+backward at 1x2x16x2x8 f32" in out[0] and "skip=True" in out[0]
+    assert not any("msa_mosaic" in line or "msa_fill" in line for line in out[2:])
