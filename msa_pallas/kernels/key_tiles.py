@@ -13,44 +13,49 @@ The mask's meaning is exact (SPEC §1), so padding costs nothing it need not:
   0 (its logits depend on neither q, k nor the bias) and its dv is the mean
   over queries of its output gradient: no tile of it needs the matrix units.
 
-Each kernel loops over key (or query, or MSA-row) tiles between bounds read
-at run time; the functions here give those bounds from the mask. Tiles
-masked in the middle of a row are inside the bounds and computed (exactly,
-as zeros): real padding is at the end of a crop and of an alignment.
+Each kernel loops over key (or query, or MSA-row) tiles between bounds
+derived at run time from a small summary of the mask. Tiles masked in the
+middle of a row are inside the bounds and computed (exactly, as zeros):
+real padding is at the end of a crop and of an alignment.
 
-- The Mosaic GPU kernels all read the same small arrays, so XLA computes
-  them once per call (it merges the kernels' identical computations):
-  `key_spans`, each row's span of kept keys, reductions that XLA computes
-  in the pass that converts the mask for the kernels (`dead_rows` too),
-  and `live_extents`, each batch element's live rows and kept keys, a
-  small pass over the spans. Each kernel derives its own bounds from them
-  at run time (`SpanReader`): its key tiles, its row groups, its rows.
-  Every summary XLA computes is a kernel launch of its own (1-2 us each at
-  the training crop on an H200): compiled for an H200, the forward and
-  backward's summaries are now one launch (the extents) where tile bounds
-  made for each kernel were seven.
-- The Triton kernels read tile bounds computed for them (`key_tile_bounds`,
-  `row_bounds`).
+The summary is the same for every kernel of either backend, so XLA
+computes it once per call (it merges the kernels' identical computations):
+
+- `key_spans`: each row's span of kept keys, two `[B, S]` int32 arrays;
+  reductions over the keys that XLA computes in the pass that converts the
+  mask for the kernels (`dead_rows` too);
+- `live_extents`: each batch element's live rows and kept keys, `[B, 4]`
+  int32, a small pass over the spans, for the kernels that serve row
+  groups in order or sum over the rows (`span_operands` gives both).
+
+The kernels derive their own bounds from it (`tile_span`,
+`rows_of_key_tile`; `SpanReader` for the Mosaic kernels' refs): a row's
+or a row group's key tiles, the row groups up to the last live one, a key
+tile's rows. Every summary XLA computes is a launch of its own (1-2 us
+each at the training crop on an H200): compiled for an H200, the Mosaic
+forward and backward read one launch of summary (the extents) where tile
+bounds made for each kernel took seven, the Triton ones one where they
+took six (`python -m benchmarks profile launches`).
 
 Arrays are int32 whatever `jax_enable_x64` says (the kernels' index type).
 
-The Mosaic forward leaves the dead rows' output, and the dk/dv kernel their
-dv's means, to small kernels that read and write those rows alone
-(`triton.dead_rows`).
+The Mosaic forward leaves the dead rows' output, and the Mosaic dk/dv
+kernel their dv's means, to small kernels that read and write those rows
+alone (`triton.dead_rows`); the Triton kernels compute them themselves.
 
 With attention dropout a dead row's uniform weights are dropped too, so
 its output and dv have no shortcut: the forward and dk/dv kernels then
-visit a dead row like a row that keeps every key (`SpanReader`'s
-`dead_rows_whole`; the Triton kernels' bounds from `kept_whole_dead_rows`;
-its logits still see the mask) and skip only the masked key tiles of live
-rows. dq and the bias gradient skip dead rows
-with or without dropout: their part there is exactly 0 either way (the
-logits do not depend on q, k or the bias).
+visit a dead row like a row that keeps every key (`dead_rows_whole`; its
+logits still see the mask) and skip only the masked key tiles of live
+rows. dq and the bias gradient skip dead rows with or without dropout:
+their part there is exactly 0 either way (the logits do not depend on q,
+k or the bias).
 
-Skipping is off by default (`skipping_padding`): measured on the H200, the
-bounds, the dead rows' means and the forward's fill (then XLA passes over
-every row) cost 3-11% on masked shapes with nothing to skip, against the
-9-64% it saves on padded ones (benchmarks/log, 2026-12-04 08).
+Skipping is off by default (`skipping_padding`): measured on the H200
+before the summary was shared, the bounds, the dead rows' means and the
+forward's fill (then XLA passes over every row) cost 3-11% on masked
+shapes with nothing to skip, against the 9-64% it saves on padded ones
+(benchmarks/log, 2026-12-04 08).
 """
 
 from __future__ import annotations
@@ -93,37 +98,12 @@ def skipping_padding(enabled: bool = True):
         yield
 
 
-def kept_key_tiles(mask, n_res: int, block_k: int):
-    """`[B, S, T]` bool: whether key tile t (keys t·block_k ... up to N) of
-    each row keeps a key, T = ceil(N / block_k).
-
-    Args:
-      mask: `[B, S, N']` (N' >= N; nonzero keeps a key; columns past N,
-        the kernels' padding, are ignored).
-      n_res: N.
-      block_k: keys per tile.
-    """
-    batch, rows = mask.shape[:2]
-    tiles = -(-n_res // block_k)
-    keep = mask[..., :n_res] != 0
-    keep = jnp.pad(keep, ((0, 0), (0, 0), (0, tiles * block_k - n_res)))
-    return jnp.any(keep.reshape(batch, rows, tiles, block_k), axis=-1)
-
-
 def dead_rows(mask, n_res: int):
     """`[B, S]` bool: the rows that keep no key among the first `n_res`.
     (A reduction of its own, not `key_spans`' end == 0: XLA computes it in
     the spans' pass, as one more of its results, where a comparison on them
     would be a pass of its own.)"""
     return ~jnp.any(mask[..., :n_res] != 0, axis=-1)
-
-
-def kept_whole_dead_rows(mask, n_res: int):
-    """`mask` `[B, S, N']` with every key of its dead rows (`dead_rows`)
-    kept, in its dtype: the mask to summarise where a kernel must visit
-    dead rows whole (with attention dropout). Only the bounds come from it;
-    the kernels' logits still take `mask`."""
-    return jnp.where(dead_rows(mask, n_res)[..., None], jnp.ones_like(mask), mask)
 
 
 def key_spans(mask, n_res: int):
@@ -171,6 +151,28 @@ def span_operands(mask, n_res: int) -> dict:
             "live_extents": live_extents(from_first, end)}
 
 
+def tile_span(from_first, end, *, n_res: int, block_k: int, dead_rows_whole: bool = False):
+    """`(lb, ub)` int32: the key tiles lb <= t < ub that hold the kept keys
+    of one row whose `key_spans` values are `from_first` and `end` (int32
+    scalars); (0, 0) for a dead row, or every tile with `dead_rows_whole`."""
+    dead = end == 0
+    first = n_res - from_first
+    if dead_rows_whole:
+        first, end = jnp.where(dead, 0, first), jnp.where(dead, n_res, end)
+    upper = ceil_div(end, block_k)
+    return jnp.minimum(lax.div(first, jnp.int32(block_k)), upper), upper
+
+
+def rows_of_key_tile(extent, key_tile, block_k: int, *, rows: int, n_res: int):
+    """`(first, end)` int32: the rows first <= row < end of a batch element
+    whose `live_extents` values are `extent` (four int32 scalars) hold every
+    row that keeps a key of key tile `key_tile`: its live rows where the
+    tile meets the keys its rows keep, else (0, 0)."""
+    from_first_row, end_row, from_first_key, end_key = extent
+    hit = (key_tile * block_k < end_key) & ((key_tile + 1) * block_k > n_res - from_first_key)
+    return jnp.where(hit, rows - from_first_row, 0), jnp.where(hit, end_row, 0)
+
+
 class SpanReader:
     """A kernel's bounds from `key_spans` and `live_extents`, read at run
     time (int32 scalars; any backend whose refs index to scalars).
@@ -203,18 +205,20 @@ class SpanReader:
     def key_tiles(self, batch, row_group, block_k: int):
         """`(lb, ub)`: the key tiles lb <= t < ub hold every key that the
         group's rows keep; lb = ub (no tile) for a group of dead rows."""
-        first, end = jnp.int32(self.n_res), jnp.int32(0)
+        # The group's span, as one row's: the largest of its N - first and of
+        # its ends (a dead row's zeros leave both as they are).
+        from_first, end = jnp.int32(0), jnp.int32(0)
         for member in range(self.rows_per_group):
             row = row_group * self.rows_per_group + member
-            row_first = self.n_res - self.from_first[batch, row]
-            row_end = self.end[batch, row]
+            row_from_first, row_end = self.from_first[batch, row], self.end[batch, row]
             if self.dead_rows_whole:
+                # A dead row read as one that keeps every key.
                 dead = row_end == 0
-                row_first = jnp.where(dead, 0, row_first)
+                row_from_first = jnp.where(dead, self.n_res, row_from_first)
                 row_end = jnp.where(dead, self.n_res, row_end)
-            first, end = jnp.minimum(first, row_first), jnp.maximum(end, row_end)
-        upper = ceil_div(end, block_k)
-        return jnp.minimum(lax.div(first, jnp.int32(block_k)), upper), upper
+            from_first = jnp.maximum(from_first, row_from_first)
+            end = jnp.maximum(end, row_end)
+        return tile_span(from_first, end, n_res=self.n_res, block_k=block_k)
 
     def live_row_groups(self, groups: int):
         """The row groups, of `groups`, up to the last that keeps a key in
@@ -231,62 +235,11 @@ class SpanReader:
         """`(first, end)`: the rows first <= row < end of batch element
         `batch` hold every row that keeps a key of key tile `key_tile`;
         (0, 0) where no row does."""
-        rows = self.end.shape[1]
-        first_row = rows - self.extents[batch, 0]
-        end_row = self.extents[batch, 1]
-        first_key = self.n_res - self.extents[batch, 2]
-        end_key = self.extents[batch, 3]
-        hit = (key_tile * block_k < end_key) & ((key_tile + 1) * block_k > first_key)
-        return jnp.where(hit, first_row, 0), jnp.where(hit, end_row, 0)
+        extent = [self.extents[batch, part] for part in range(4)]
+        return rows_of_key_tile(extent, key_tile, block_k, rows=self.end.shape[1],
+                                n_res=self.n_res)
 
 
 def ceil_div(x, divisor: int):
     """ceil(x / divisor) for int32 x >= 0 and a static divisor."""
     return lax.div(x + (divisor - 1), jnp.int32(divisor))
-
-
-def _first_and_end(kept, axis: int):
-    """(first index where `kept`, last such index + 1) along `axis`, int32;
-    (0, 0) where nothing is kept."""
-    axis = axis % kept.ndim
-    count = kept.shape[axis]
-    index = jax.lax.broadcasted_iota(jnp.int32, kept.shape, axis)
-    first = jnp.min(jnp.where(kept, index, count), axis=axis)
-    end = jnp.max(jnp.where(kept, index + 1, 0), axis=axis)
-    return jnp.where(end > 0, first, 0).astype(jnp.int32), end.astype(jnp.int32)
-
-
-def key_tile_bounds(mask, n_res: int, block_k: int, rows_per_group: int = 1):
-    """`[B, S / rows_per_group, 2]` int32: for each group of `rows_per_group`
-    consecutive MSA rows (the rows one CTA serves), `(first, end)`: the key
-    tiles first <= t < end hold every kept key of those rows; (0, 0) where
-    they keep none (all dead)."""
-    kept = kept_key_tiles(mask, n_res, block_k)
-    batch, rows, tiles = kept.shape
-    kept = jnp.any(kept.reshape(batch, rows // rows_per_group, rows_per_group, tiles), axis=2)
-    first, end = _first_and_end(kept, axis=-1)
-    return jnp.stack([first, end], axis=-1)
-
-
-def visited_row_groups(bounds):
-    """`[1]` int32: the row groups up to the last that keeps a key in any
-    batch element, from `key_tile_bounds`' `[B, G, 2]` (a group keeps none
-    where its end is 0). The groups after it are all dead (padding rows at
-    the end of the alignment): a kernel that serves groups in order stops
-    there."""
-    live = bounds[..., 1] > 0
-    groups = jax.lax.broadcasted_iota(jnp.int32, live.shape, 1) + 1
-    return jnp.max(jnp.where(live, groups, 0), keepdims=True).reshape(1)
-
-
-def row_bounds(mask, n_res: int, block_k: int, rows_per_step: int = 1):
-    """`[B, T, 2]` int32: for each key tile t, `(first, end)` over MSA-row
-    steps of `rows_per_step` rows (S / rows_per_step of them): the steps
-    first <= step < end hold every row that keeps a key in tile t; (0, 0)
-    where no row does. For a kernel that sums over MSA rows per key tile
-    (the bias gradient)."""
-    kept = kept_key_tiles(mask, n_res, block_k)
-    batch, rows, tiles = kept.shape
-    kept = jnp.any(kept.reshape(batch, rows // rows_per_step, rows_per_step, tiles), axis=2)
-    first, end = _first_and_end(kept, axis=1)
-    return jnp.stack([first, end], axis=-1)

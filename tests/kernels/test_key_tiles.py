@@ -1,7 +1,8 @@
-"""The mask summaries the kernels skip padding by (`msa_pallas.kernels.key_tiles`),
-against a direct NumPy reading of the same masks: key tiles kept per row, dead rows,
-each row group's key-tile bounds, each key tile's row bounds, and the row groups that
-have work items."""
+"""The mask summary the kernels skip padding by (`msa_pallas.kernels.key_tiles`), and
+the bounds the kernels derive from it at run time, against a direct NumPy reading of
+the same masks: each row's span of kept keys, dead rows, each batch element's live rows,
+each row group's key tiles (dead rows skipped, or read whole as with dropout), the row
+groups that have work items, and each key tile's rows."""
 
 from __future__ import annotations
 
@@ -30,6 +31,35 @@ def bounds_of(kept: np.ndarray) -> tuple[int, int]:
     return (int(where[0]), int(where[-1]) + 1) if where.size else (0, 0)
 
 
+def kept_tiles(keep: np.ndarray, block_k: int) -> np.ndarray:
+    """`[B, S, T]`: whether each key tile of each row keeps a key."""
+    batch, rows, n_res = keep.shape
+    tiles = -(-n_res // block_k)
+    padded = np.pad(keep, ((0, 0), (0, 0), (0, tiles * block_k - n_res)))
+    return padded.reshape(batch, rows, tiles, block_k).any(-1)
+
+
+def as_kernel_mask(keep: np.ndarray) -> jnp.ndarray:
+    """The int8 mask as the kernels read it: wider than N (their padded copy), the
+    columns past N kept, which must neither make a row live nor matter."""
+    batch, rows, _ = keep.shape
+    wide = np.concatenate([keep, np.ones((batch, rows, 8), bool)], axis=-1)
+    return jnp.asarray(wide.astype(np.int8))
+
+
+def span_reader(mask, n_res, group, dead_rows_whole=False):
+    """A `SpanReader` over the arrays the kernels read (concrete arrays index as
+    their refs do)."""
+    return key_tiles.SpanReader.reads(
+        key_tiles.span_operands(mask, n_res), n_res=n_res, rows_per_group=group,
+        dead_rows_whole=dead_rows_whole,
+    )
+
+
+def ints(values) -> tuple[int, ...]:
+    return tuple(int(x) for x in values)
+
+
 CASES = [  # (B, S, N, block_k, rows per group)
     (1, 8, 256, 64, 2),
     (2, 6, 200, 128, 2),  # N no whole number of tiles
@@ -38,84 +68,9 @@ CASES = [  # (B, S, N, block_k, rows per group)
 
 
 @pytest.mark.parametrize("batch, rows, n_res, block_k, group", CASES)
-def test_summaries_match_the_mask(batch, rows, n_res, block_k, group, seed):
+def test_spans_and_extents_match_the_mask(batch, rows, n_res, block_k, group, seed):
     keep = random_padded_mask(np.random.default_rng(seed), batch, rows, n_res, group)
-    # A mask wider than N (the kernels' padded copy): columns past N are ignored.
-    wide = np.concatenate([keep, np.ones((batch, rows, 8), bool)], axis=-1)
-    mask = jnp.asarray(wide.astype(np.int8))
-    tiles = -(-n_res // block_k)
-    padded = np.pad(keep, ((0, 0), (0, 0), (0, tiles * block_k - n_res)))
-    kept = padded.reshape(batch, rows, tiles, block_k).any(-1)
-
-    np.testing.assert_array_equal(key_tiles.kept_key_tiles(mask, n_res, block_k), kept)
-    np.testing.assert_array_equal(key_tiles.dead_rows(mask, n_res), ~keep.any(-1))
-
-    groups = kept.reshape(batch, rows // group, group, tiles).any(2)
-    bounds = np.asarray(key_tiles.key_tile_bounds(mask, n_res, block_k, group))
-    assert bounds.dtype == np.int32
-    for b in range(batch):
-        for g in range(rows // group):
-            assert tuple(bounds[b, g]) == bounds_of(groups[b, g]), (b, g)
-
-    by_tile = np.asarray(key_tiles.row_bounds(mask, n_res, block_k))
-    for b in range(batch):
-        for t in range(tiles):
-            assert tuple(by_tile[b, t]) == bounds_of(kept[b, :, t]), (b, t)
-
-    # Up to the last live group of any batch element; dead groups in the middle count.
-    live_groups = groups.any(-1)
-    expected = max((bounds_of(live_groups[b])[1] for b in range(batch)), default=0)
-    visited = key_tiles.visited_row_groups(key_tiles.key_tile_bounds(mask, n_res, block_k, group))
-    assert visited.shape == (1,) and visited.dtype == jnp.int32
-    assert int(visited[0]) == expected
-
-
-def test_no_live_row_visits_no_group():
-    mask = jnp.zeros((2, 4, 64), jnp.int8)
-    bounds = key_tiles.key_tile_bounds(mask, 64, 64, 2)
-    assert not np.asarray(bounds).any()
-    assert int(key_tiles.visited_row_groups(bounds)[0]) == 0
-
-
-@pytest.mark.parametrize("dtype", [jnp.int8, jnp.bool_])
-def test_kept_whole_dead_rows(dtype, seed):
-    """With dropout the forward and dk/dv visit dead rows whole: their summary's
-    mask keeps every key of a dead row, and is the mask elsewhere (live rows'
-    masked tiles still skipped), in the mask's dtype and width."""
-    batch, rows, n_res = 2, 6, 100
-    keep = random_padded_mask(np.random.default_rng(seed), batch, rows, n_res, 2)
-    dead = ~keep.any(-1)
-    assert dead.any() and (~dead).any()
-    # Columns past N (the kernels' padded copy) neither make a row live nor matter.
-    wide = np.concatenate([keep, np.ones((batch, rows, 8), bool)], axis=-1)
-    whole = np.asarray(key_tiles.kept_whole_dead_rows(jnp.asarray(wide.astype(dtype)), n_res))
-    assert whole.dtype == np.dtype(dtype) and whole.shape == wide.shape
-    np.testing.assert_array_equal(whole[dead] != 0, np.ones((dead.sum(), n_res + 8), bool))
-    np.testing.assert_array_equal(whole[~dead], wide[~dead].astype(dtype))
-    bounds = np.asarray(key_tiles.key_tile_bounds(jnp.asarray(whole), n_res, 32, 1))
-    assert (bounds[dead] == (0, 4)).all() and (bounds[..., 1] > 0).all()
-
-
-def span_reader(mask, n_res, group, dead_rows_whole=False):
-    """A `SpanReader` over the arrays the Mosaic kernels read (concrete arrays
-    index as their refs do)."""
-    return key_tiles.SpanReader.reads(
-        key_tiles.span_operands(mask, n_res), n_res=n_res, rows_per_group=group,
-        dead_rows_whole=dead_rows_whole,
-    )
-
-
-@pytest.mark.parametrize("batch, rows, n_res, block_k, group", CASES)
-def test_spans_give_the_tile_summaries(batch, rows, n_res, block_k, group, seed):
-    """What the Mosaic kernels derive at run time from the rows' spans of kept keys
-    (`key_spans`, `live_extents`, `SpanReader`): each row group's key tiles and the
-    live row groups as the tile summaries give them, with and without dead rows read
-    as whole; each key tile's rows, a range that holds the rows keeping a key of it
-    and no row outside the batch element's live ones."""
-    keep = random_padded_mask(np.random.default_rng(seed), batch, rows, n_res, group)
-    wide = np.concatenate([keep, np.ones((batch, rows, 8), bool)], axis=-1)
-    mask = jnp.asarray(wide.astype(np.int8))
-    tiles = -(-n_res // block_k)
+    mask = as_kernel_mask(keep)
 
     from_first, ends = (np.asarray(x) for x in key_tiles.key_spans(mask, n_res))
     for x in (from_first, ends):
@@ -127,52 +82,95 @@ def test_spans_give_the_tile_summaries(batch, rows, n_res, block_k, group, seed)
             assert (from_first[b, s], ends[b, s]) == expected, (b, s)
     np.testing.assert_array_equal(key_tiles.dead_rows(mask, n_res), ~keep.any(-1))
 
-    whole = key_tiles.kept_whole_dead_rows(mask, n_res)
-    for dead_rows_whole, summarised in ((False, mask), (True, whole)):
-        reader = span_reader(mask, n_res, group, dead_rows_whole)
-        bounds = np.asarray(key_tiles.key_tile_bounds(summarised, n_res, block_k, group))
-        for b in range(batch):
-            for g in range(rows // group):
-                got = tuple(int(x) for x in reader.key_tiles(b, g, block_k))
-                assert got == tuple(bounds[b, g]), (dead_rows_whole, b, g)
-        expected = int(key_tiles.visited_row_groups(jnp.asarray(bounds))[0])
-        assert int(reader.live_row_groups(rows // group)) == expected
+    extents = np.asarray(key_tiles.live_extents(jnp.asarray(from_first), jnp.asarray(ends)))
+    assert extents.dtype == np.int32 and extents.shape == (batch, 4)
+    for b in range(batch):
+        first_row, end_row = bounds_of(keep[b].any(-1))
+        first_key, end_key = bounds_of(keep[b].any(0))
+        assert ints(extents[b]) == (rows - first_row, end_row, n_res - first_key, end_key), b
 
-    reader = span_reader(mask, n_res, group)
-    by_tile = np.asarray(key_tiles.row_bounds(mask, n_res, block_k))
+
+@pytest.mark.parametrize("batch, rows, n_res, block_k, group", CASES)
+@pytest.mark.parametrize("dead_rows_whole", [False, True], ids=["skip-dead", "dead-whole"])
+def test_row_groups_key_tiles(batch, rows, n_res, block_k, group, dead_rows_whole, seed):
+    """Each row group's key tiles run from the first to the last tile that keeps a key
+    in any of its rows, (0, 0) for a group of dead rows; read whole (dropout), a dead
+    row keeps every tile. The live row groups run up to the last group that keeps a key
+    in any batch element (dead groups in the middle count); read whole, all of them."""
+    keep = random_padded_mask(np.random.default_rng(seed), batch, rows, n_res, group)
+    tiles = kept_tiles(keep, block_k)
+    if dead_rows_whole:
+        tiles[~keep.any(-1)] = True
+    by_group = tiles.reshape(batch, rows // group, group, -1).any(2)
+    reader = span_reader(as_kernel_mask(keep), n_res, group, dead_rows_whole)
+    for b in range(batch):
+        for g in range(rows // group):
+            got = ints(reader.key_tiles(b, g, block_k))
+            assert got == bounds_of(by_group[b, g]), (b, g)
+    live_groups = by_group.any(-1)
+    expected = max(bounds_of(live_groups[b])[1] for b in range(batch))
+    assert int(reader.live_row_groups(rows // group)) == expected
+    # The Triton kernels' per-row reading of the same spans.
+    from_first, ends = key_tiles.key_spans(as_kernel_mask(keep), n_res)
+    for b in range(batch):
+        for s in range(rows):
+            got = ints(key_tiles.tile_span(from_first[b, s], ends[b, s], n_res=n_res,
+                                           block_k=block_k, dead_rows_whole=dead_rows_whole))
+            assert got == bounds_of(tiles[b, s]), (b, s)
+
+
+@pytest.mark.parametrize("batch, rows, n_res, block_k, group", CASES)
+def test_key_tiles_rows(batch, rows, n_res, block_k, group, seed):
+    """A key tile's rows (the bias gradient's row loop): the batch element's live rows
+    where some row keeps a key between the first and the last kept key of the batch
+    element, so that they hold every row that keeps a key of the tile; else none."""
+    keep = random_padded_mask(np.random.default_rng(seed), batch, rows, n_res, group)
+    tiles = kept_tiles(keep, block_k)
+    reader = span_reader(as_kernel_mask(keep), n_res, group)
     for b in range(batch):
         live_rows = bounds_of(keep[b].any(-1))
-        for t in range(tiles):
-            first, end = (int(x) for x in reader.rows_of_key_tile(b, t, block_k))
-            tight_first, tight_end = by_tile[b, t]
-            if tight_end == 0:
-                assert (first, end) in ((0, 0), live_rows), (b, t)
-            else:
-                assert first <= tight_first and tight_end <= end, (b, t)
-                assert (first, end) == live_rows, (b, t)
+        first_key, end_key = bounds_of(keep[b].any(0))
+        for t in range(tiles.shape[-1]):
+            got = ints(reader.rows_of_key_tile(b, t, block_k))
+            inside = end_key > 0 and t * block_k < end_key and (t + 1) * block_k > first_key
+            assert got == (live_rows if inside else (0, 0)), (b, t)
+            tight_first, tight_end = bounds_of(tiles[b, :, t])
+            if tight_end:
+                assert got[0] <= tight_first and tight_end <= got[1], (b, t)
 
 
-def test_spans_of_end_padding_are_the_tight_summaries():
-    """Padding at the end of a crop and of an alignment (no holes): each key tile's
-    rows from the spans are exactly the rows that keep a key of it."""
+def test_end_padding_gives_the_tight_rows():
+    """Padding at the end of a crop and of an alignment, or keys kept from a tile's
+    start on (no holes): each key tile's rows are exactly the rows that keep a key of
+    it."""
     batch, rows, n_res, block_k = 2, 8, 200, 64
     keep = np.zeros((batch, rows, n_res), bool)
     keep[0, :5, :130] = True
-    keep[1, :3, :64] = True
-    mask = jnp.asarray(keep.astype(np.int8))
-    reader = span_reader(mask, n_res, 1)
-    by_tile = np.asarray(key_tiles.row_bounds(mask, n_res, block_k))
+    keep[1, :3, 64:128] = True
+    tiles = kept_tiles(keep, block_k)
+    reader = span_reader(jnp.asarray(keep.astype(np.int8)), n_res, 1)
     for b in range(batch):
-        for t in range(-(-n_res // block_k)):
-            got = tuple(int(x) for x in reader.rows_of_key_tile(b, t, block_k))
-            assert got == tuple(by_tile[b, t]), (b, t)
+        for t in range(tiles.shape[-1]):
+            assert ints(reader.rows_of_key_tile(b, t, block_k)) == bounds_of(tiles[b, :, t])
     assert int(reader.live_row_groups(rows)) == 5
 
 
-def test_no_live_row_gives_empty_spans():
+def test_no_live_row_gives_empty_bounds():
     mask = jnp.zeros((2, 4, 64), jnp.int8)
     reader = span_reader(mask, 64, 2)
     assert not np.asarray(key_tiles.live_extents(*key_tiles.key_spans(mask, 64))).any()
-    assert tuple(int(x) for x in reader.key_tiles(1, 1, 64)) == (0, 0)
+    assert ints(reader.key_tiles(1, 1, 64)) == (0, 0)
     assert int(reader.live_row_groups(2)) == 0
-    assert tuple(int(x) for x in reader.rows_of_key_tile(0, 0, 64)) == (0, 0)
+    assert ints(reader.rows_of_key_tile(0, 0, 64)) == (0, 0)
+    whole = span_reader(mask, 64, 2, dead_rows_whole=True)
+    assert ints(whole.key_tiles(1, 1, 32)) == (0, 2)
+    assert int(whole.live_row_groups(2)) == 2
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.bool_])
+def test_any_mask_dtype(dtype):
+    keep = np.zeros((1, 3, 40), bool)
+    keep[0, 0, 5:17] = True
+    keep[0, 1, 30] = True
+    from_first, ends = key_tiles.key_spans(jnp.asarray(keep.astype(dtype)), 40)
+    assert ints(from_first[0]) == (35, 10, 0) and ints(ends[0]) == (17, 31, 0)

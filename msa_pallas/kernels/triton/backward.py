@@ -21,15 +21,16 @@ When (tiles x heads x batch) gives too few programs to fill the GPU, the
 kernels that loop over S split the rows into chunks (`row_chunks`), one
 program each, and their float32 partial bias gradients are added.
 
-With a key mask, every loop runs between bounds read at run time from the
-mask's summary (`key_tiles`, one small int32 input): dq's key loop over the
-tiles that keep a key in its rows; dk/dv's query loop only for a key tile
-that some row keeps a key in; the bias gradient's row loop over the rows
-that keep a key in its key tile. What is skipped would add exactly 0. A row
-that keeps no key gets dq = dk = 0 and dv = the mean of its `do` (uniform
-weights) without a matrix product; with dropout, which drops those uniform
-weights too, dk/dv visits its every key tile instead
-(`key_tiles.kept_whole_dead_rows`).
+With a key mask, every loop runs between bounds derived at run time from
+the mask's summary (`key_tiles`, small int32 inputs): dq's key loop over
+the tiles that hold its rows' kept keys (`key_tiles.key_spans`); dk/dv's
+query loop only for a key tile within some row's kept keys; the bias
+gradient's row loop over the batch element's live rows, and none for a key
+tile that no row keeps a key of (`key_tiles.live_extents`). What is skipped
+would add exactly 0. A row that keeps no key gets dq = dk = 0 and dv = the
+mean of its `do` (uniform weights) without a matrix product; with dropout,
+which drops those uniform weights too, dk/dv visits its every key tile
+instead.
 
 With dropout (`dropout_rate > 0`) every kernel regenerates the forward's
 mask (`common.dropout_keeps`) and computes `ds = p * (keep * dp - delta)` and
@@ -53,6 +54,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from msa_pallas import dropout
+from msa_pallas.kernels import key_tiles
 from msa_pallas.kernels.triton import common
 from msa_pallas.kernels.triton.backward_launch import bind, call_over_row_chunks, per_row_call
 
@@ -95,12 +97,12 @@ def _tile_words(words, seeds, start, block):
 
 def _dkdv_kernel(
     q_ref, k_ref, v_ref, bias_ref, mask_ref, do_ref, row_max_ref, row_log2_sum_ref, delta_ref,
-    bounds_ref, seeds_ref, dk_ref, dv_ref,
+    spans_ref, seeds_ref, dk_ref, dv_ref,
     *, scale: float, n_res: int, head_dim: int, block_q: int, block_k: int, msa_rows: int,
     precision, dropout_threshold=None,
 ):
-    """`bounds_ref`: the rows' key-tile bounds (`key_tiles.key_tile_bounds`)
-    or None. A row whose bounds leave out this key tile keeps no key in it:
+    """`spans_ref`: the rows' spans of kept keys (`key_tiles.key_spans`) or
+    None. A row whose span leaves out this key tile keeps no key in it:
     its dk and dv are 0; a row that keeps no key at all has dk = 0 and dv =
     the mean of its `do` over the N queries. The query loop runs only when
     some row of the program keeps a key in the tile."""
@@ -108,11 +110,16 @@ def _dkdv_kernel(
     k_start = key_tile * block_k
     program_rows = common.program_rows_of(msa_rows)
     num_query_tiles = pl.cdiv(n_res, block_q)
-    if bounds_ref is None:
+    if spans_ref is None:
         query_tiles_end, dead_rows = num_query_tiles, None
     else:
-        row_bounds = [common.load_bounds(bounds_ref, row) for row in program_rows]
-        # With dropout the bounds visit dead rows whole (`per_row_call`).
+        # With dropout dead rows are visited whole: their dropped weights have
+        # no shortcut.
+        row_bounds = [
+            common.load_key_tiles(spans_ref, row, n_res=n_res, block_k=block_k,
+                                  dead_rows_whole=seeds_ref is not None)
+            for row in program_rows
+        ]
         dead_rows = None if seeds_ref is not None else [end == 0 for _, end in row_bounds]
         tile_kept = functools.reduce(
             jnp.logical_or,
@@ -171,22 +178,23 @@ def _dkdv_kernel(
 
 def _dq_kernel(
     q_ref, k_ref, v_ref, bias_ref, mask_ref, do_ref, row_max_ref, row_log2_sum_ref, delta_ref,
-    bounds_ref, seeds_ref, dq_ref,
+    spans_ref, seeds_ref, dq_ref,
     *, scale: float, n_res: int, head_dim: int, block_q: int, block_k: int, msa_rows: int,
     precision, dropout_threshold=None,
 ):
-    """`bounds_ref`: the rows' key-tile bounds (`key_tiles.key_tile_bounds`)
-    or None: the key loop spans the tiles that keep a key in some row of the
+    """`spans_ref`: the rows' spans of kept keys (`key_tiles.key_spans`) or
+    None: the key loop spans the tiles that keep a key in some row of the
     program (a row that keeps none has dq = 0)."""
     q_start = pl.program_id(0) * block_q
     program_rows = common.program_rows_of(msa_rows)
     num_key_tiles = pl.cdiv(n_res, block_k)
-    if bounds_ref is None:
+    if spans_ref is None:
         first, end = 0, num_key_tiles
     else:
-        first, end = common.union_of_bounds(
-            [common.load_bounds(bounds_ref, row) for row in program_rows], num_key_tiles
-        )
+        first, end = common.union_of_bounds([
+            common.load_key_tiles(spans_ref, row, n_res=n_res, block_k=block_k)
+            for row in program_rows
+        ], num_key_tiles)
     queries = [
         (
             common.load_residues(q_ref, row, q_start, block_q, n_res, head_dim),
@@ -228,7 +236,7 @@ def _dq_kernel(
 
 def _bias_gradient_body(
     q_ref, k_ref, v_ref, bias_ref, mask_ref, do_ref, row_max_ref, row_log2_sum_ref, delta_ref,
-    bounds_ref, seeds_ref, dq_ref, dbias_ref,
+    extent_ref, seeds_ref, dq_ref, dbias_ref,
     *, scale: float, n_res: int, head_dim: int, block_q: int, block_k: int, precision,
     dropout_threshold=None,
 ):
@@ -237,11 +245,12 @@ def _bias_gradient_body(
     which needs the key tile to span every key (block_k >= N): the `ds` tile
     then covers whole softmax rows and gives dq in one product.
 
-    `bounds_ref`: `[2]` int32, the MSA rows that keep a key in this key tile
-    lie in `[first, end)` (`key_tiles.row_bounds`, over all S rows), or
-    None. The row loop visits those of this program's rows only: the others
-    add exactly 0 to the bias gradient, and their dq (rows that keep no key)
-    is 0. `seeds_ref`: `[rows, 1]` uint32 dropout seeds of the program's
+    `extent_ref`: `[4]` int32, the batch element's `key_tiles.live_extents`,
+    or None: the MSA rows that keep a key in this key tile lie among its
+    live rows (`key_tiles.rows_of_key_tile`, over all S rows; none where no
+    row keeps a key of the tile). The row loop visits those of this
+    program's rows only: the others add exactly 0 to the bias gradient, and
+    their dq (rows that keep no key) is 0. `seeds_ref`: `[rows, 1]` uint32 dropout seeds of the program's
     rows, or None: each row hashes its own words of the two tiles."""
     q_start = pl.program_id(0) * block_q
     # With dq there is one key tile: a constant start lets the compiler fold it.
@@ -275,14 +284,17 @@ def _bias_gradient_body(
         return dbias + ds
 
     msa_rows_here = q_ref.shape[0]
-    if bounds_ref is None:
+    if extent_ref is None:
         first, end = 0, msa_rows_here
     else:
         # This program's rows are rows [chunk * R, (chunk + 1) * R) of S.
         row_offset = pl.program_id(2) * msa_rows_here
+        rows_of_tile = key_tiles.rows_of_key_tile(
+            common.load_extent(extent_ref), pl.program_id(1), block_k,
+            rows=msa_rows_here * pl.num_programs(2), n_res=n_res,
+        )
         first, end = (
-            jnp.clip(bound - row_offset, 0, msa_rows_here)
-            for bound in common.load_bounds(bounds_ref, ())
+            jnp.clip(bound - row_offset, 0, msa_rows_here) for bound in rows_of_tile
         )
         end = jnp.maximum(first, end)
         if dq_ref is not None:
@@ -339,7 +351,6 @@ def backward_dkdv(
         _dkdv_kernel, 2, tiles.block_k, (q, k, v, bias, mask, do, row_max, row_log2_sum, delta),
         dropout_seeds, scale=scale, tiles=tiles, interpret=interpret,
         skip_padding=skip_padding, dropout_rate=dropout_rate, name="msa_row_attention_bwd_dkdv",
-        dropout_visits_dead_rows=True,
     )
     return dk, dv
 

@@ -17,7 +17,7 @@ from msa_pallas.block_sizes import padded_head_dim, row_chunks
 from msa_pallas.kernels import key_tiles as mask_summary  # `key_tiles` names a count here
 from msa_pallas.kernels.triton import common
 from msa_pallas.kernels.triton.forward import (
-    bias_spec, bounds_spec, mask_spec, qkv_spec, seeds_spec, stats_spec,
+    bias_spec, mask_spec, qkv_spec, seeds_spec, spans_spec, stats_spec,
 )
 
 
@@ -33,8 +33,8 @@ def row_chunk_specs(rows_per_chunk: int, n_res: int, d_pad: int):
         bias=pl.BlockSpec((None, None, n_res, n_res), lambda i, j, c, h, b: (b, h, 0, 0)),
         mask=pl.BlockSpec((None, rows, n_res), lambda i, j, c, h, b: (b, c, 0)),
         stats=pl.BlockSpec((None, rows, None, n_res), lambda i, j, c, h, b: (b, c, h, 0)),
-        # `[B, T, 2]` row bounds per key tile (`key_tiles.row_bounds`).
-        row_bounds=pl.BlockSpec((None, None, 2), lambda i, j, c, h, b: (b, j, 0)),
+        # `[B, 4]` live rows and kept keys per batch element (`key_tiles.live_extents`).
+        extent=pl.BlockSpec((None, 4), lambda i, j, c, h, b: (b, 0)),
         # `[B, S, H, 1]` dropout seeds (`common.dropout_operand`).
         seeds=pl.BlockSpec((None, rows, None, 1), lambda i, j, c, h, b: (b, c, h, 0)),
         partial_bias=pl.BlockSpec(
@@ -58,10 +58,10 @@ def call_over_row_chunks(
     query_tiles = pl.cdiv(n_res, tiles.block_q)
     chunks = row_chunks(query_tiles * key_tiles * heads * batch, num_msa_rows)
     specs = row_chunk_specs(num_msa_rows // chunks, n_res, padded_head_dim(head_dim))
-    bounds = None
+    extents = None
     if mask is not None and skip_padding:
         # block_k >= N (dq+dbias) gives one key tile: the rows that keep any key.
-        bounds = mask_summary.row_bounds(mask, n_res, tiles.block_k)
+        extents = mask_summary.live_extents(*mask_summary.key_spans(mask, n_res))
     # One chunk writes the gradient in dbias_dtype; several write float32
     # partial sums, added here.
     partial = jax.ShapeDtypeStruct(
@@ -78,23 +78,22 @@ def call_over_row_chunks(
             specs["qkv"], specs["qkv"], specs["qkv"], specs["bias"],
             None if mask is None else specs["mask"],
             specs["qkv"], specs["stats"], specs["stats"], specs["stats"],
-            None if bounds is None else specs["row_bounds"],
+            None if extents is None else specs["extent"],
             None if seeds is None else specs["seeds"],
         ],
         out_specs=out_specs, out_shape=out_shape, interpret=interpret, name=name,
-    )(*operands, bounds, seeds)
+    )(*operands, extents, seeds)
     dbias = results[-1][0] if chunks == 1 else results[-1].sum(axis=0).astype(dbias_dtype)
     return (results[0] if row_out else None), dbias
 
 
 def per_row_call(body, outputs: int, block: int, operands, dropout_seeds, *, scale, tiles,
-                  interpret, skip_padding, dropout_rate, name, dropout_visits_dead_rows=False):
+                  interpret, skip_padding, dropout_rate, name):
     """Runs a per-row kernel (dk/dv: 2 outputs over key tiles of size
     `block`; dq: 1 over query tiles) on a (tile, S / msa_rows, h, b) grid:
-    with a mask to skip by, the rows' key-tile bounds (at the kernel's
-    block_k) are one more operand; then the dropout seeds, or None.
-    `dropout_visits_dead_rows`: with dropout, the bounds give dead rows
-    every key tile (`key_tiles.kept_whole_dead_rows`).
+    with a mask to skip by, the rows' spans of kept keys
+    (`key_tiles.key_spans`) are one more operand; then the dropout seeds,
+    or None.
 
     Returns the list of `outputs` gradients `[B, S, N, H, d]` in q's dtype.
     """
@@ -103,18 +102,15 @@ def per_row_call(body, outputs: int, block: int, operands, dropout_seeds, *, sca
     d_pad = padded_head_dim(head_dim)
     msa_rows = tiles.msa_rows_for(num_msa_rows)
     seeds, threshold = common.dropout_operand(dropout_seeds, dropout_rate, q.shape)
-    bounds = None
+    spans = None
     if mask is not None and skip_padding:
-        summarised = mask
-        if seeds is not None and dropout_visits_dead_rows:
-            summarised = mask_summary.kept_whole_dead_rows(mask, n_res)
-        bounds = mask_summary.key_tile_bounds(summarised, n_res, tiles.block_k)
+        spans = mask_summary.key_spans(mask, n_res)
     row_spec, stat_spec = qkv_spec(n_res, d_pad, msa_rows), stats_spec(n_res, msa_rows)
     in_specs = [
         row_spec, row_spec, row_spec, bias_spec(n_res),
         None if mask is None else mask_spec(n_res, msa_rows),
         row_spec, stat_spec, stat_spec, stat_spec,
-        None if bounds is None else bounds_spec(msa_rows),
+        None if spans is None else spans_spec(msa_rows),
         None if seeds is None else seeds_spec(msa_rows),
     ]
     return common.pallas_call(
@@ -124,7 +120,7 @@ def per_row_call(body, outputs: int, block: int, operands, dropout_seeds, *, sca
         in_specs=in_specs, out_specs=[row_spec] * outputs,
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)] * outputs,
         interpret=interpret, name=name,
-    )(*operands, bounds, seeds)
+    )(*operands, spans, seeds)
 
 
 def bind(body, scale, n_res, head_dim, tiles, dtype, interpret, dropout_threshold, **extra):

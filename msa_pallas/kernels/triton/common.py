@@ -27,6 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from msa_pallas import dropout
 from msa_pallas.kernels.constants import LOG2E, MASKED_LOGIT_LOG2  # noqa: F401 (re-exported)
+from msa_pallas.kernels import key_tiles
 
 
 def dot_precision(dtype, interpret: bool, d_pad: int, float32_products: str = "tf32x3"):
@@ -91,7 +92,7 @@ def tile_loop(first, end, visit, init):
 
     Static bounds (Python ints: a loop of known trip count) keep their
     counter int32 in an interpreted body whatever `jax_enable_x64` says
-    (`index`); bounds read at run time (int32 scalars, `load_bounds`) make
+    (`index`); bounds read at run time (int32 scalars, `load_key_tiles`) make
     both int32 in either mode. `first >= end` runs no iteration.
     """
     if isinstance(first, int) and isinstance(end, int):
@@ -99,10 +100,26 @@ def tile_loop(first, end, visit, init):
     return jax.lax.fori_loop(jnp.int32(first), jnp.int32(end), visit, init)
 
 
-def load_bounds(bounds_ref, prefix: tuple):
-    """`(first, end)` int32 scalars of one MSA row from a `[*prefix, 2]`
-    ref of tile bounds (`key_tiles.key_tile_bounds` / `row_bounds`)."""
-    return bounds_ref[(*prefix, index(0))], bounds_ref[(*prefix, index(1))]
+def _load_scalar(ref, prefix: tuple):
+    return ref[prefix] if prefix else ref[...]
+
+
+def load_key_tiles(spans_ref, prefix: tuple, *, n_res: int, block_k: int,
+                   dead_rows_whole: bool = False):
+    """`(first, end)` int32 scalars: the key tiles that hold one MSA row's
+    kept keys, (0, 0) for a row that keeps none (or every tile, with
+    `dead_rows_whole`), from the row's span (`spans_ref`: the refs of
+    `key_tiles.key_spans`' two arrays, the row at `prefix`)."""
+    from_first_ref, end_ref = spans_ref
+    return key_tiles.tile_span(
+        _load_scalar(from_first_ref, prefix), _load_scalar(end_ref, prefix),
+        n_res=n_res, block_k=block_k, dead_rows_whole=dead_rows_whole,
+    )
+
+
+def load_extent(extent_ref):
+    """The four int32 scalars of one batch element's `key_tiles.live_extents`."""
+    return [extent_ref[index(part)] for part in range(4)]
 
 
 def union_of_bounds(bounds: list, num_tiles: int):

@@ -39,29 +39,33 @@ from msa_pallas.kernels.triton import common
 
 
 def _forward_kernel(
-    q_ref, k_ref, v_ref, bias_ref, mask_ref, gate_ref, bounds_ref, seeds_ref,  # inputs
+    q_ref, k_ref, v_ref, bias_ref, mask_ref, gate_ref, spans_ref, seeds_ref,  # inputs
     out_ref, attention_ref, row_max_ref, row_log2_sum_ref,  # outputs
     *, qk_scale_log2: float, n_res: int, head_dim: int, block_q: int, block_k: int,
     msa_rows: int, precision, dropout_threshold=None, keep_probability: float = 1.0,
 ):
-    """`bounds_ref`: `[msa_rows, 2]` (or `[2]` for one row) int32 key-tile
-    bounds of this program's rows (`key_tiles.key_tile_bounds`), or None:
-    visit every key tile. `seeds_ref`: `[msa_rows, 1]` (or `[1]`) uint32
+    """`spans_ref`: the refs of this program's rows' spans of kept keys
+    (`key_tiles.key_spans`, `[msa_rows]` each, or scalars for one row), or
+    None: visit every key tile. `seeds_ref`: `[msa_rows, 1]` (or `[1]`) uint32
     dropout seeds of the rows, or None (no dropout); `dropout_threshold`
     (`dropout.keep_threshold`) and `keep_probability` (1 - rate) go with it."""
     q_start = pl.program_id(0) * block_q
     program_rows = common.program_rows_of(msa_rows)
     num_key_tiles = pl.cdiv(n_res, block_k)
-    if bounds_ref is None:
+    if spans_ref is None:
         first, end, dead_rows = 0, num_key_tiles, None
     else:
-        row_bounds = [common.load_bounds(bounds_ref, row) for row in program_rows]
+        # With dropout dead rows are visited whole: their dropped weights
+        # have no shortcut.
+        row_bounds = [
+            common.load_key_tiles(spans_ref, row, n_res=n_res, block_k=block_k,
+                                  dead_rows_whole=seeds_ref is not None)
+            for row in program_rows
+        ]
         first, end = common.union_of_bounds(row_bounds, num_key_tiles)
-        dead_rows = [row_end == 0 for _, row_end in row_bounds]
-        if seeds_ref is not None:
-            # With dropout the bounds visit dead rows whole (`key_tiles.
-            # kept_whole_dead_rows`): their dropped weights have no shortcut.
-            dead_rows = None
+        dead_rows = None
+        if seeds_ref is None:
+            dead_rows = [row_end == 0 for _, row_end in row_bounds]
     qs = [
         common.load_residues(q_ref, row, q_start, block_q, n_res, head_dim)
         for row in program_rows
@@ -164,9 +168,11 @@ def mask_spec(n_res: int, msa_rows: int = 1) -> pl.BlockSpec:
     return pl.BlockSpec((None, _rows_block(msa_rows), n_res), lambda t, s, h, b: (b, s, 0))
 
 
-def bounds_spec(msa_rows: int = 1) -> pl.BlockSpec:
-    """`[B, S, 2]` int32 tile bounds per MSA row (`key_tiles.key_tile_bounds`)."""
-    return pl.BlockSpec((None, _rows_block(msa_rows), 2), lambda t, s, h, b: (b, s, 0))
+def spans_spec(msa_rows: int = 1) -> tuple[pl.BlockSpec, pl.BlockSpec]:
+    """The two `[B, S]` int32 arrays of the rows' spans of kept keys
+    (`key_tiles.key_spans`)."""
+    spec = pl.BlockSpec((None, _rows_block(msa_rows)), lambda t, s, h, b: (b, s))
+    return spec, spec
 
 
 def seeds_spec(msa_rows: int = 1) -> pl.BlockSpec:
@@ -209,7 +215,7 @@ def attention_forward(
         The results are the same bit for bit, but for a row that keeps no
         key, whose mean of v is summed in another order. With dropout,
         which drops such a row's uniform weights too, that row is visited
-        whole (`key_tiles.kept_whole_dead_rows`): bit for bit throughout.
+        whole: bit for bit throughout.
       dropout_rate: attention dropout's rate in [0, 1), static: the softmax
         weights are dropped (`msa_pallas.dropout`) and the kept ones scaled
         by 1 / (1 - rate). 0 (the default) is the kernel without dropout.
@@ -234,16 +240,15 @@ def attention_forward(
         dropout_threshold=threshold, keep_probability=1.0 - float(dropout_rate),
     )
     qkv_block = qkv_spec(n_res, d_pad, msa_rows)
-    # The mask's summary: an int32 input only where there is a mask to skip by.
-    bounds = None
+    # The mask's summary: int32 inputs only where there is a mask to skip by.
+    spans = None
     if mask is not None and skip_padding:
-        summarised = mask if seeds is None else key_tiles.kept_whole_dead_rows(mask, n_res)
-        bounds = key_tiles.key_tile_bounds(summarised, n_res, tiles.block_k)
+        spans = key_tiles.key_spans(mask, n_res)
     in_specs = [
         qkv_block, qkv_block, qkv_block, bias_spec(n_res),
         None if mask is None else mask_spec(n_res, msa_rows),
         None if gate is None else qkv_block,
-        None if bounds is None else bounds_spec(msa_rows),
+        None if spans is None else spans_spec(msa_rows),
         None if seeds is None else seeds_spec(msa_rows),
     ]
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
@@ -257,7 +262,7 @@ def attention_forward(
     results = common.pallas_call(
         kernel, tiles, grid=grid, in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=interpret, name="msa_row_attention_fwd",
-    )(q, k, v, bias, mask, gate, bounds, seeds)
+    )(q, k, v, bias, mask, gate, spans, seeds)
     return tuple(results) if save_stats else results[0]
 
 
