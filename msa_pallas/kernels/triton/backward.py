@@ -250,8 +250,9 @@ def _bias_gradient_body(
     live rows (`key_tiles.rows_of_key_tile`, over all S rows; none where no
     row keeps a key of the tile). The row loop visits those of this
     program's rows only: the others add exactly 0 to the bias gradient, and
-    their dq (rows that keep no key) is 0. `seeds_ref`: `[rows, 1]` uint32 dropout seeds of the program's
-    rows, or None: each row hashes its own words of the two tiles."""
+    their dq (rows that keep no key) is 0. `seeds_ref`: `[rows, 1]` uint32
+    dropout seeds of the program's rows, or None: each row hashes its own
+    words of the two tiles."""
     q_start = pl.program_id(0) * block_q
     # With dq there is one key tile: a constant start lets the compiler fold it.
     k_start = common.index(0) if dq_ref is not None else pl.program_id(1) * block_k
