@@ -131,16 +131,17 @@ def live_extents(from_first, end):
     key + 1 of any row)`, as maxima; zeros where every row is dead.
     `SpanReader` reads it."""
     batch, rows = end.shape
-    shape = (batch, rows, 4)
-    row = lax.broadcasted_iota(jnp.int32, shape, 1)
-    part = lax.broadcasted_iota(jnp.int32, shape, 2)
-    # Elementwise over [B, S, 4], no stacked copy: XLA fuses it into the
-    # reduction (a stack would be a pass of its own).
+    shape = (batch, 4, rows)
+    part = lax.broadcasted_iota(jnp.int32, shape, 1)
+    row = lax.broadcasted_iota(jnp.int32, shape, 2)
+    # Elementwise over [B, 4, S], rows last: XLA fuses it into the reduction
+    # over them (a stacked copy, or rows before the parts, would be a pass
+    # of its own).
     value = jnp.where(part == 0, rows - row, row + 1)
-    value = jnp.where((end > 0)[..., None], value, 0)
-    value = jnp.where(part == 2, from_first[..., None], value)
-    value = jnp.where(part == 3, end[..., None], value)
-    return jnp.max(value, axis=1)
+    value = jnp.where((end > 0)[:, None, :], value, 0)
+    value = jnp.where(part == 2, from_first[:, None, :], value)
+    value = jnp.where(part == 3, end[:, None, :], value)
+    return jnp.max(value, axis=-1)
 
 
 def span_operands(mask, n_res: int) -> dict:
