@@ -24,9 +24,9 @@ computes it once per call (it merges the kernels' identical computations):
 - `key_spans`: each row's span of kept keys, two `[B, S]` int32 arrays;
   reductions over the keys that XLA computes in the pass that converts the
   mask for the kernels (`dead_rows` too);
-- `live_extents`: each batch element's live rows and kept keys, `[B, 4]`
-  int32, a small pass over the spans, for the kernels that serve row
-  groups in order or sum over the rows (`span_operands` gives both).
+- `live_extents`: each batch element's live rows and kept keys, four `[B]`
+  int32 arrays, a small pass over the spans, for the kernels that serve
+  row groups in order or sum over the rows (`span_operands` gives both).
 
 The kernels derive their own bounds from it (`tile_span`,
 `rows_of_key_tile`; `SpanReader` for the Mosaic kernels' refs): a row's
@@ -125,31 +125,32 @@ def key_spans(mask, n_res: int):
     return from_first, end
 
 
+# The names of `live_extents`' four arrays among a kernel's operands.
+EXTENT_NAMES = ("live_rows_from_first", "live_rows_end", "kept_keys_from_first", "kept_keys_end")
+
+
 def live_extents(from_first, end):
-    """`[B, 4]` int32 from `key_spans`: for each batch element `(S - first
-    live row, last live row + 1, N - first kept key of any row, last kept
-    key + 1 of any row)`, as maxima; zeros where every row is dead.
-    `SpanReader` reads it."""
-    batch, rows = end.shape
-    shape = (batch, 4, rows)
-    part = lax.broadcasted_iota(jnp.int32, shape, 1)
-    row = lax.broadcasted_iota(jnp.int32, shape, 2)
-    # Elementwise over [B, 4, S], rows last: XLA fuses it into the reduction
-    # over them (a stacked copy, or rows before the parts, would be a pass
-    # of its own).
-    value = jnp.where(part == 0, rows - row, row + 1)
-    value = jnp.where((end > 0)[:, None, :], value, 0)
-    value = jnp.where(part == 2, from_first[:, None, :], value)
-    value = jnp.where(part == 3, end[:, None, :], value)
-    return jnp.max(value, axis=-1)
+    """Four `[B]` int32 arrays from `key_spans`: for each batch element,
+    S - its first live row, its last live row + 1, N - the first key any of
+    its rows keeps, and the last such key + 1; all 0 where every row is
+    dead. Maxima over the rows, in one reduction (XLA's variadic reduce: one
+    pass, where stacking them would be one more); `SpanReader` reads them."""
+    rows = end.shape[1]
+    row = lax.broadcasted_iota(jnp.int32, end.shape, 1)
+    live = end > 0
+    parts = (jnp.where(live, rows - row, 0), jnp.where(live, row + 1, 0), from_first, end)
+    return lax.reduce(
+        parts, (jnp.int32(0),) * 4,
+        lambda xs, ys: tuple(jnp.maximum(x, y) for x, y in zip(xs, ys)), (1,),
+    )
 
 
 def span_operands(mask, n_res: int) -> dict:
-    """A Mosaic kernel's skipping inputs, by name: "key_from_first" and
-    "key_end" (`key_spans`), and "live_extents" (`live_extents`)."""
+    """A kernel's skipping inputs, by name: "key_from_first" and "key_end"
+    (`key_spans`), and `EXTENT_NAMES` (`live_extents`)."""
     from_first, end = key_spans(mask, n_res)
     return {"key_from_first": from_first, "key_end": end,
-            "live_extents": live_extents(from_first, end)}
+            **dict(zip(EXTENT_NAMES, live_extents(from_first, end)))}
 
 
 def tile_span(from_first, end, *, n_res: int, block_k: int, dead_rows_whole: bool = False):
@@ -180,7 +181,7 @@ class SpanReader:
 
     Args:
       from_first, end, extents: the refs of `key_spans` (`[B, S]` each) and
-        `live_extents` (`[B, 4]`); `reads(operands)` takes them from a
+        of `live_extents` (four `[B]`); `reads(operands)` takes them from a
         kernel's inputs by name.
       n_res: N.
       rows_per_group: the MSA rows one work item serves.
@@ -200,8 +201,8 @@ class SpanReader:
         `span_operands`' names; None where they are absent."""
         if "key_end" not in operands:
             return None
-        return cls(operands["key_from_first"], operands["key_end"], operands["live_extents"],
-                   **options)
+        extents = tuple(operands[name] for name in EXTENT_NAMES)
+        return cls(operands["key_from_first"], operands["key_end"], extents, **options)
 
     def key_tiles(self, batch, row_group, block_k: int):
         """`(lb, ub)`: the key tiles lb <= t < ub hold every key that the
@@ -228,15 +229,16 @@ class SpanReader:
         if self.dead_rows_whole:
             return jnp.int32(groups)
         end = jnp.int32(0)
-        for batch in range(self.extents.shape[0]):
-            end = jnp.maximum(end, self.extents[batch, 1])
+        ends = self.extents[1]
+        for batch in range(ends.shape[0]):
+            end = jnp.maximum(end, ends[batch])
         return ceil_div(end, self.rows_per_group)
 
     def rows_of_key_tile(self, batch, key_tile, block_k: int):
         """`(first, end)`: the rows first <= row < end of batch element
         `batch` hold every row that keeps a key of key tile `key_tile`;
         (0, 0) where no row does."""
-        extent = [self.extents[batch, part] for part in range(4)]
+        extent = [part[batch] for part in self.extents]
         return rows_of_key_tile(extent, key_tile, block_k, rows=self.end.shape[1],
                                 n_res=self.n_res)
 

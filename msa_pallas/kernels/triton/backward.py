@@ -245,8 +245,8 @@ def _bias_gradient_body(
     which needs the key tile to span every key (block_k >= N): the `ds` tile
     then covers whole softmax rows and gives dq in one product.
 
-    `extent_ref`: `[4]` int32, the batch element's `key_tiles.live_extents`,
-    or None: the MSA rows that keep a key in this key tile lie among its
+    `extent_ref`: the refs of the batch element's `key_tiles.live_extents`
+    (four int32 scalars), or None: the MSA rows that keep a key in this key tile lie among its
     live rows (`key_tiles.rows_of_key_tile`, over all S rows; none where no
     row keeps a key of the tile). The row loop visits those of this
     program's rows only: the others add exactly 0 to the bias gradient, and

@@ -33,8 +33,8 @@ def row_chunk_specs(rows_per_chunk: int, n_res: int, d_pad: int):
         bias=pl.BlockSpec((None, None, n_res, n_res), lambda i, j, c, h, b: (b, h, 0, 0)),
         mask=pl.BlockSpec((None, rows, n_res), lambda i, j, c, h, b: (b, c, 0)),
         stats=pl.BlockSpec((None, rows, None, n_res), lambda i, j, c, h, b: (b, c, h, 0)),
-        # `[B, 4]` live rows and kept keys per batch element (`key_tiles.live_extents`).
-        extent=pl.BlockSpec((None, 4), lambda i, j, c, h, b: (b, 0)),
+        # Live rows and kept keys per batch element: four `[B]` (`key_tiles.live_extents`).
+        extent=(pl.BlockSpec((None,), lambda i, j, c, h, b: (b,)),) * 4,
         # `[B, S, H, 1]` dropout seeds (`common.dropout_operand`).
         seeds=pl.BlockSpec((None, rows, None, 1), lambda i, j, c, h, b: (b, c, h, 0)),
         partial_bias=pl.BlockSpec(

@@ -117,9 +117,10 @@ def load_key_tiles(spans_ref, prefix: tuple, *, n_res: int, block_k: int,
     )
 
 
-def load_extent(extent_ref):
-    """The four int32 scalars of one batch element's `key_tiles.live_extents`."""
-    return [extent_ref[index(part)] for part in range(4)]
+def load_extent(extent_refs):
+    """The four int32 scalars of one batch element's `key_tiles.live_extents`
+    (the refs of its four arrays, the batch element's)."""
+    return [_load_scalar(ref, ()) for ref in extent_refs]
 
 
 def union_of_bounds(bounds: list, num_tiles: int):

@@ -40,6 +40,7 @@ import helpers
 import mosaic_lowering
 import numpy_reference
 from msa_pallas.block_sizes import row_chunks
+from msa_pallas.kernels import key_tiles
 from msa_pallas.kernels.mosaic import backward as mosaic_backward
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
 from msa_pallas.kernels.mosaic.tiles import MosaicBackwardTiles, MosaicTiles
@@ -53,7 +54,7 @@ ONE_ROW = MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=1)
 GPU_SHAPES = {"N256": (1, 16, 256, 8, 32), "N333": (1, 16, 333, 8, 32), "d8": (1, 16, 256, 8, 8)}
 KERNEL_OUTPUTS = {"dq": ("dq",), "dkdv": ("dk", "dv"), "dbias": ("dbias",)}
 # The skipping inputs every Mosaic kernel reads (`key_tiles.span_operands`).
-SPANS = ("key_from_first", "key_end", "live_extents")
+SPANS = ("key_from_first", "key_end", *key_tiles.EXTENT_NAMES)
 
 
 def padded_keep(kind: str, batch: int, rows: int, n_res: int, rng) -> np.ndarray:

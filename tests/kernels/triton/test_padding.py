@@ -342,7 +342,7 @@ def test_summary_input_only_with_a_mask(masked):
     """Without a mask the kernels take no summary (the unmasked kernels are
     the ones from before); with one, the per-row kernels take the rows' spans
     of kept keys (two `[B, S]` int32 arrays) and the kernels that loop over
-    S each batch element's live extents (`[B, 4]`)."""
+    S each batch element's live extents (four `[B]`)."""
     shape = (1, 4, 96, 2, 32)
     q = jnp.zeros(shape, jnp.bfloat16)
     bias = jnp.zeros((1, 2, 96, 96), jnp.float32)
@@ -360,7 +360,7 @@ def test_summary_input_only_with_a_mask(masked):
         for inner in eqn.params["jaxpr"].jaxpr.eqns if inner.primitive.name == "pallas_call"
     ]
     assert len(calls) == 5
-    spans, extents = [(1, 4), (1, 4)], [(1, 4)]
+    spans, extents = [(1, 4), (1, 4)], [(1,)] * 4
     expected = [spans, spans, spans, extents, extents]  # forward, dk/dv, dq, dbias, dq+dbias
     for call, summary in zip(calls, expected):
         summaries = [v.aval.shape for v in call.invars if v.aval.dtype == jnp.int32]
