@@ -175,6 +175,11 @@ def rows_of_key_tile(extent, key_tile, block_k: int, *, rows: int, n_res: int):
     return jnp.where(hit, rows - from_first_row, 0), jnp.where(hit, end_row, 0)
 
 
+# Batch elements whose live rows `SpanReader.live_row_groups` reads one by
+# one (independent loads, issued together); more are read in a loop.
+_UNROLLED_BATCH = 8
+
+
 class SpanReader:
     """A kernel's bounds from `key_spans` and `live_extents`, read at run
     time (int32 scalars; any backend whose refs index to scalars).
@@ -228,10 +233,16 @@ class SpanReader:
         that serves groups in order gives those after it no work item."""
         if self.dead_rows_whole:
             return jnp.int32(groups)
-        end = jnp.int32(0)
         ends = self.extents[1]
-        for batch in range(ends.shape[0]):
-            end = jnp.maximum(end, ends[batch])
+        batch_size = ends.shape[0]
+        if batch_size <= _UNROLLED_BATCH:
+            end = jnp.int32(0)
+            for batch in range(batch_size):
+                end = jnp.maximum(end, ends[batch])
+        else:
+            end = lax.fori_loop(
+                0, batch_size, lambda batch, end: jnp.maximum(end, ends[batch]), jnp.int32(0)
+            )
         return ceil_div(end, self.rows_per_group)
 
     def rows_of_key_tile(self, batch, key_tile, block_k: int):

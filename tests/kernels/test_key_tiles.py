@@ -175,3 +175,15 @@ def test_any_mask_dtype(dtype):
     keep[0, 1, 30] = True
     from_first, ends = key_tiles.key_spans(jnp.asarray(keep.astype(dtype)), 40)
     assert ints(from_first[0]) == (35, 10, 0) and ints(ends[0]) == (17, 31, 0)
+
+
+@pytest.mark.parametrize("batch", [3, 11])  # read one by one, and in a loop
+def test_live_row_groups_over_many_batch_elements(batch, seed):
+    rng = np.random.default_rng(seed)
+    rows, n_res = 12, 32
+    keep = np.zeros((batch, rows, n_res), bool)
+    ends = rng.integers(0, rows + 1, batch)
+    for b, end in enumerate(ends):
+        keep[b, :end, : rng.integers(1, n_res + 1)] = True
+    reader = span_reader(jnp.asarray(keep.astype(np.int8)), n_res, 2)
+    assert int(reader.live_row_groups(rows // 2)) == -(-int(ends.max()) // 2)
