@@ -1,8 +1,8 @@
 """The Mosaic GPU forward kernel's operands as it reads them, made in XLA
 once per call: q, k, v and the gate as head pairs for d = 8, the bias in
 the units of `q . k` with its rows padded, the mask padded, the inputs of
-padding skipping (the mask's spans) or of dropout (the rows' query and key words); and the
-kernel's output types."""
+padding skipping (the mask's spans) or of dropout (the rows' query and key
+words); and the kernel's output types."""
 
 from __future__ import annotations
 
