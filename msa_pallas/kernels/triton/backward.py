@@ -246,9 +246,9 @@ def _bias_gradient_body(
     then covers whole softmax rows and gives dq in one product.
 
     `extent_ref`: the refs of the batch element's `key_tiles.live_extents`
-    (four int32 scalars), or None: the MSA rows that keep a key in this key tile lie among its
-    live rows (`key_tiles.rows_of_key_tile`, over all S rows; none where no
-    row keeps a key of the tile). The row loop visits those of this
+    (four int32 scalars), or None: the MSA rows that keep a key in this key
+    tile lie among its live rows (`key_tiles.rows_of_key_tile`, over all S
+    rows; none where no row keeps a key of the tile). The row loop visits those of this
     program's rows only: the others add exactly 0 to the bias gradient, and
     their dq (rows that keep no key) is 0. `seeds_ref`: `[rows, 1]` uint32
     dropout seeds of the program's rows, or None: each row hashes its own
