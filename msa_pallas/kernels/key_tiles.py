@@ -153,16 +153,24 @@ def span_operands(mask, n_res: int) -> dict:
             **dict(zip(EXTENT_NAMES, live_extents(from_first, end)))}
 
 
-def tile_span(from_first, end, *, n_res: int, block_k: int, dead_rows_whole: bool = False):
-    """`(lb, ub)` int32: the key tiles lb <= t < ub that hold the kept keys
-    of one row whose `key_spans` values are `from_first` and `end` (int32
-    scalars); (0, 0) for a dead row, or every tile with `dead_rows_whole`."""
-    dead = end == 0
-    first = n_res - from_first
-    if dead_rows_whole:
-        first, end = jnp.where(dead, 0, first), jnp.where(dead, n_res, end)
+def tile_span(row_spans, *, n_res: int, block_k: int, dead_rows_whole: bool = False):
+    """`(lb, ub)` int32: the key tiles lb <= t < ub that hold every key kept
+    by the rows whose `key_spans` values are `row_spans` (a list of
+    `(from_first, end)` int32 scalars, one row's or a row group's); (0, 0)
+    where every row is dead, but for `dead_rows_whole`, which reads a dead
+    row as one that keeps every key."""
+    # The rows' span, as one row's: the largest of their N - first and of
+    # their ends (a dead row's zeros leave both as they are).
+    from_first, end = jnp.int32(0), jnp.int32(0)
+    for row_from_first, row_end in row_spans:
+        if dead_rows_whole:
+            dead = row_end == 0
+            row_from_first = jnp.where(dead, n_res, row_from_first)
+            row_end = jnp.where(dead, n_res, row_end)
+        from_first = jnp.maximum(from_first, row_from_first)
+        end = jnp.maximum(end, row_end)
     upper = ceil_div(end, block_k)
-    return jnp.minimum(lax.div(first, jnp.int32(block_k)), upper), upper
+    return jnp.minimum(lax.div(n_res - from_first, jnp.int32(block_k)), upper), upper
 
 
 def rows_of_key_tile(extent, key_tile, block_k: int, *, rows: int, n_res: int):
@@ -212,20 +220,11 @@ class SpanReader:
     def key_tiles(self, batch, row_group, block_k: int):
         """`(lb, ub)`: the key tiles lb <= t < ub hold every key that the
         group's rows keep; lb = ub (no tile) for a group of dead rows."""
-        # The group's span, as one row's: the largest of its N - first and of
-        # its ends (a dead row's zeros leave both as they are).
-        from_first, end = jnp.int32(0), jnp.int32(0)
-        for member in range(self.rows_per_group):
-            row = row_group * self.rows_per_group + member
-            row_from_first, row_end = self.from_first[batch, row], self.end[batch, row]
-            if self.dead_rows_whole:
-                # A dead row read as one that keeps every key.
-                dead = row_end == 0
-                row_from_first = jnp.where(dead, self.n_res, row_from_first)
-                row_end = jnp.where(dead, self.n_res, row_end)
-            from_first = jnp.maximum(from_first, row_from_first)
-            end = jnp.maximum(end, row_end)
-        return tile_span(from_first, end, n_res=self.n_res, block_k=block_k)
+        rows = (row_group * self.rows_per_group + member for member in range(self.rows_per_group))
+        return tile_span(
+            [(self.from_first[batch, row], self.end[batch, row]) for row in rows],
+            n_res=self.n_res, block_k=block_k, dead_rows_whole=self.dead_rows_whole,
+        )
 
     def live_row_groups(self, groups: int):
         """The row groups, of `groups`, up to the last that keeps a key in

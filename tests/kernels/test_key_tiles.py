@@ -115,7 +115,7 @@ def test_row_groups_key_tiles(batch, rows, n_res, block_k, group, dead_rows_whol
     from_first, ends = key_tiles.key_spans(as_kernel_mask(keep), n_res)
     for b in range(batch):
         for s in range(rows):
-            got = ints(key_tiles.tile_span(from_first[b, s], ends[b, s], n_res=n_res,
+            got = ints(key_tiles.tile_span([(from_first[b, s], ends[b, s])], n_res=n_res,
                                            block_k=block_k, dead_rows_whole=dead_rows_whole))
             assert got == bounds_of(tiles[b, s]), (b, s)
 

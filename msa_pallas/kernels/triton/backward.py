@@ -116,8 +116,8 @@ def _dkdv_kernel(
         # With dropout dead rows are visited whole: their dropped weights have
         # no shortcut.
         row_bounds = [
-            common.load_key_tiles(spans_ref, row, n_res=n_res, block_k=block_k,
-                                  dead_rows_whole=seeds_ref is not None)
+            key_tiles.tile_span([common.load_row_span(spans_ref, row)], n_res=n_res,
+                                block_k=block_k, dead_rows_whole=seeds_ref is not None)
             for row in program_rows
         ]
         dead_rows = None if seeds_ref is not None else [end == 0 for _, end in row_bounds]
@@ -191,10 +191,10 @@ def _dq_kernel(
     if spans_ref is None:
         first, end = 0, num_key_tiles
     else:
-        first, end = common.union_of_bounds([
-            common.load_key_tiles(spans_ref, row, n_res=n_res, block_k=block_k)
-            for row in program_rows
-        ], num_key_tiles)
+        first, end = key_tiles.tile_span(
+            [common.load_row_span(spans_ref, row) for row in program_rows],
+            n_res=n_res, block_k=block_k,
+        )
     queries = [
         (
             common.load_residues(q_ref, row, q_start, block_q, n_res, head_dim),

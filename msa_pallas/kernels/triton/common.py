@@ -92,7 +92,7 @@ def tile_loop(first, end, visit, init):
 
     Static bounds (Python ints: a loop of known trip count) keep their
     counter int32 in an interpreted body whatever `jax_enable_x64` says
-    (`index`); bounds read at run time (int32 scalars, `load_key_tiles`) make
+    (`index`); bounds read at run time (int32 scalars, `load_row_span`) make
     both int32 in either mode. `first >= end` runs no iteration.
     """
     if isinstance(first, int) and isinstance(end, int):
@@ -104,37 +104,18 @@ def _load_scalar(ref, prefix: tuple):
     return ref[prefix] if prefix else ref[...]
 
 
-def load_key_tiles(spans_ref, prefix: tuple, *, n_res: int, block_k: int,
-                   dead_rows_whole: bool = False):
-    """`(first, end)` int32 scalars: the key tiles that hold one MSA row's
-    kept keys, (0, 0) for a row that keeps none (or every tile, with
-    `dead_rows_whole`), from the row's span (`spans_ref`: the refs of
-    `key_tiles.key_spans`' two arrays, the row at `prefix`)."""
+def load_row_span(spans_ref, prefix: tuple):
+    """One MSA row's `key_tiles.key_spans` values `(from_first, end)`, int32
+    scalars (`spans_ref`: the refs of its two arrays, the row at `prefix`);
+    `key_tiles.tile_span` gives their key tiles."""
     from_first_ref, end_ref = spans_ref
-    return key_tiles.tile_span(
-        _load_scalar(from_first_ref, prefix), _load_scalar(end_ref, prefix),
-        n_res=n_res, block_k=block_k, dead_rows_whole=dead_rows_whole,
-    )
+    return _load_scalar(from_first_ref, prefix), _load_scalar(end_ref, prefix)
 
 
 def load_extent(extent_refs):
     """The four int32 scalars of one batch element's `key_tiles.live_extents`
     (the refs of its four arrays, the batch element's)."""
     return [_load_scalar(ref, ()) for ref in extent_refs]
-
-
-def union_of_bounds(bounds: list, num_tiles: int):
-    """`(first, end)` spanning the tiles of every row of `bounds` (a list of
-    `(first, end)`, `(0, 0)` for a row that keeps no key): the key tiles
-    a program serving those rows must visit; `first >= end` when none."""
-    first, end = bounds[0]
-    for row_first, row_end in bounds[1:]:
-        # A row that keeps nothing has (0, 0): it must not pull `first` down.
-        first = jnp.minimum(
-            jnp.where(end > 0, first, num_tiles), jnp.where(row_end > 0, row_first, num_tiles)
-        )
-        end = jnp.maximum(end, row_end)
-    return first, end
 
 
 def residue_mean(ref, prefix: tuple, dead, block: int, n_res: int, head_dim: int):

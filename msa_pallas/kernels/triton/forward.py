@@ -57,15 +57,12 @@ def _forward_kernel(
     else:
         # With dropout dead rows are visited whole: their dropped weights
         # have no shortcut.
-        row_bounds = [
-            common.load_key_tiles(spans_ref, row, n_res=n_res, block_k=block_k,
-                                  dead_rows_whole=seeds_ref is not None)
-            for row in program_rows
-        ]
-        first, end = common.union_of_bounds(row_bounds, num_key_tiles)
+        row_spans = [common.load_row_span(spans_ref, row) for row in program_rows]
+        first, end = key_tiles.tile_span(row_spans, n_res=n_res, block_k=block_k,
+                                         dead_rows_whole=seeds_ref is not None)
         dead_rows = None
         if seeds_ref is None:
-            dead_rows = [row_end == 0 for _, row_end in row_bounds]
+            dead_rows = [row_end == 0 for _, row_end in row_spans]
     qs = [
         common.load_residues(q_ref, row, q_start, block_q, n_res, head_dim)
         for row in program_rows
