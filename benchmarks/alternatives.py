@@ -80,6 +80,15 @@ def persistent_backward_config(config, plan):
     ))
 
 
+def persistent_backward_block_config(q, bias, mask=None, gate=None, implementation=None):
+    """The default block config of a call on `q` `[B, S, N, H, d]` and `bias`
+    (arrays or `jax.ShapeDtypeStruct`s) with its plan's Mosaic dq and dk/dv
+    tiles made persistent (`persistent_backward_config`)."""
+    plan = msa_pallas.explain(q, q, q, bias, mask, gate, implementation=implementation)
+    config = msa_pallas.default_block_config(q.shape[2], q.shape[-1], q.dtype, bias.dtype)
+    return persistent_backward_config(config, plan)
+
+
 def _msa_pallas_builder(implementation: str | None, skip_padding: bool = False,
                         persistent_backward: bool = False) -> Callable[[Case], Callables]:
     def build(case: Case) -> Callables:

@@ -30,8 +30,8 @@ from benchmarks.layer import PRESETS, LayerProgram, core_options, layer_shape
 from benchmarks.profiling.forward import parse_shape
 from benchmarks.profiling.kernels import make_inputs
 from benchmarks.shapes import DTYPES, SHAPES, make_mask
-from benchmarks.alternatives import persistent_backward_config
-from msa_pallas import default_block_config, explain, msa_row_attention, skipping_padding
+from benchmarks.alternatives import persistent_backward_block_config
+from msa_pallas import msa_row_attention, skipping_padding
 
 
 def layer_step_call(args):
@@ -63,9 +63,8 @@ def op_call(args):
     implementation = None if args.implementation == "default" else args.implementation
     block_config = None
     if args.persistent_backward:
-        plan = explain(q, k, v, bias, mask != 0, gate, implementation=implementation)
-        block_config = persistent_backward_config(
-            default_block_config(q.shape[2], q.shape[-1], dtype, bias_dtype), plan)
+        block_config = persistent_backward_block_config(
+            q, bias, mask != 0, gate, implementation=implementation)
 
     def loss(q, k, v, bias, gate):
         out = msa_row_attention(

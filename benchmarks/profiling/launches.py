@@ -151,7 +151,7 @@ def compile_op(args, mesh):
     from jax.sharding import NamedSharding, PartitionSpec
 
     import msa_pallas
-    from benchmarks.alternatives import persistent_backward_config
+    from benchmarks.alternatives import persistent_backward_block_config
     from benchmarks.profiling.forward import parse_shape
     from benchmarks.shapes import DTYPES
 
@@ -172,10 +172,8 @@ def compile_op(args, mesh):
     with jax.sharding.set_mesh(mesh):
         config = None
         if args.persistent_backward:
-            plan = msa_pallas.explain(rows_like, rows_like, rows_like, bias, mask, rows_like,
-                                      implementation=implementation)
-            config = persistent_backward_config(
-                msa_pallas.default_block_config(n_res, head_dim, dtype, bias_dtype), plan)
+            config = persistent_backward_block_config(
+                rows_like, bias, mask, rows_like, implementation=implementation)
 
         def op(q, k, v, bias, gate, mask, key):
             return msa_pallas.msa_row_attention(
