@@ -2,9 +2,8 @@
 
 `IMPLEMENTATIONS` maps a name to a builder `build(case) -> Callables`: msa_pallas (and
 its variants: the Triton or the Mosaic kernels forced, msa_pallas_skip, traced inside
-`msa_pallas.skipping_padding()`, msa_pallas_skip_persistent, the same with the persistent
-Mosaic dq and dk/dv kernels, msa_pallas_persistent, those kernels without skipping, and
-msa_pallas_dpa,
+`msa_pallas.skipping_padding()` (where the dispatch picks the persistent Mosaic dq and
+dk/dv kernels), msa_pallas_persistent, those kernels without skipping, and msa_pallas_dpa,
 `msa_pallas.dot_product_attention` in tokamax's layouts), xla (msa_pallas' plain-jnp
 path, the reference of the forward check), cudnn (`jax.nn.dot_product_attention`),
 cuequivariance (`cuequivariance_jax.triangle_attention`), tokamax_mosaic and
@@ -126,11 +125,6 @@ build_msa_pallas_triton = _msa_pallas_builder("pallas")
 # What a user gets inside `msa_pallas.skipping_padding()`: the padding the mask
 # removes skipped (`msa_pallas.kernels.key_tiles`).
 build_msa_pallas_skip = _msa_pallas_builder(None, skip_padding=True)
-# msa_pallas_skip with the persistent Mosaic dq and dk/dv kernels (one CTA per SM),
-# whose CTAs write the dead row groups' gradients without a CTA each.
-build_msa_pallas_skip_persistent = _msa_pallas_builder(
-    None, skip_padding=True, persistent_backward=True
-)
 # The persistent dq and dk/dv kernels on every shape, padding visited: whether they
 # pay where nothing is skipped.
 build_msa_pallas_persistent = _msa_pallas_builder(None, persistent_backward=True)
@@ -344,7 +338,6 @@ IMPLEMENTATIONS: dict[str, Callable[[Case], Callables]] = {
     "msa_pallas_triton": build_msa_pallas_triton,
     "msa_pallas_mosaic": build_msa_pallas_mosaic,
     "msa_pallas_skip": build_msa_pallas_skip,
-    "msa_pallas_skip_persistent": build_msa_pallas_skip_persistent,
     "msa_pallas_persistent": build_msa_pallas_persistent,
     "msa_pallas_dpa": build_msa_pallas_dpa,
     "xla": build_xla,
@@ -359,7 +352,7 @@ IMPLEMENTATIONS: dict[str, Callable[[Case], Callables]] = {
 REFERENCE_POINTS = ("jax_mha_nobias",)
 # msa_pallas' own variants: checked, timed, never a yardstick.
 OWN_VARIANTS = ("msa_pallas_triton", "msa_pallas_mosaic", "msa_pallas_skip",
-                "msa_pallas_skip_persistent", "msa_pallas_persistent", "msa_pallas_dpa")
+                "msa_pallas_persistent", "msa_pallas_dpa")
 # What the full table measures unless asked for more: msa_pallas and every
 # alternative (the variants and reference points add half again to its time).
 TABLE_IMPLEMENTATIONS = tuple(

@@ -19,6 +19,7 @@ import msa_pallas
 from msa_pallas import exporting
 from msa_pallas.block_sizes import KernelTiles
 from msa_pallas.kernels.mosaic.tiles import MosaicTiles
+from msa_pallas.kernels.mosaic.tiles import backward_tiles as mosaic_backward_tiles
 from msa_pallas.dispatch import (
     MOSAIC_FLOAT32_MIN_RESIDUES, MOSAIC_MIN_RESIDUES, CallPlan, Target, current_target,
     plan_call,
@@ -127,6 +128,37 @@ def test_dropout_takes_64_key_forward_stages(bias_dtype):
         assert plain.forward_tiles.block_k == 128
     assert dropped.backward_tiles == plain.backward_tiles
     assert dropped.ping_pong == plain.ping_pong
+
+
+def test_skipping_padding_takes_the_persistent_dq_and_dkdv():
+    """Inside `skipping_padding()` with a mask, 16-bit inputs and no dropout,
+    the Mosaic dq and dk/dv kernels run persistent (one CTA per SM), with the
+    tiles they have otherwise; dbias, the forward, and every other call keep
+    the default grids."""
+    q, k, v, bias = structs(256, 32, bias_dtype=jnp.bfloat16, rows=4)
+    mask = jax.ShapeDtypeStruct((1, 4, 256), jnp.bool_)
+    rng = jax.random.key(0)
+
+    def planned(mask=mask, dtype=jnp.bfloat16, **kwargs):
+        q_in = jax.ShapeDtypeStruct(q.shape, dtype)
+        with msa_pallas.skipping_padding():
+            return plan_call(q_in, q_in, q_in, bias, mask, target=HOPPER, **kwargs)
+
+    dense = plan_call(q, k, v, bias, mask, target=HOPPER)
+    skipping = planned()
+    assert skipping.skips_padding and not dense.skips_padding
+    for name in ("dq", "dkdv"):
+        assert skipping.tiles_of(name) == dataclasses.replace(dense.tiles_of(name), persistent=True)
+    assert not dense.tiles_of("dq").persistent and not dense.tiles_of("dkdv").persistent
+    assert skipping.tiles_of("dbias") == dense.tiles_of("dbias")
+    assert skipping.forward_tiles == dense.forward_tiles
+    for other in (planned(mask=None), planned(dropout_rate=0.1, dropout_rng=rng),
+                  planned(dtype=jnp.float32, implementation="mosaic")):
+        assert other.backward == "mosaic"
+        assert not any(tiles.persistent for _, tiles in other.backward_tiles), other
+    with pytest.raises(ValueError, match="take no dropout"):
+        mosaic_backward_tiles((1, 4, 256, 4, 32), jnp.bfloat16, jnp.bfloat16,
+                              dropout=True, persistent=True)
 
 
 def test_user_tiles_and_round_bias():

@@ -354,8 +354,8 @@ def test_op_measures_each_bias_dtype_padded(tmp_path, capsys, monkeypatch):
     assert f"- {padded} bf16 bias f32: 56% of keys kept, 1 MSA rows fully masked" in table
 
 
-def test_skip_persistent_variant_makes_the_mosaic_dq_and_dkdv_tiles_persistent():
-    """msa_pallas_skip_persistent: the plan's own Mosaic backward tiles, dq's and dk/dv's
+def test_persistent_variant_makes_the_mosaic_dq_and_dkdv_tiles_persistent():
+    """msa_pallas_persistent: the plan's own Mosaic backward tiles, dq's and dk/dv's
     persistent; a plan on the Triton backward keeps its config."""
     q = jax.ShapeDtypeStruct((1, 8, 256, 8, 32), jnp.bfloat16)
     bias = jax.ShapeDtypeStruct((1, 8, 256, 256), jnp.float32)
@@ -369,9 +369,9 @@ def test_skip_persistent_variant_makes_the_mosaic_dq_and_dkdv_tiles_persistent()
     assert tiles.dbias == planned["dbias"] and tiles.ping_pong == plan.ping_pong
     triton = msa_pallas.explain(q, q, q, bias, implementation="triton")
     assert alternatives.persistent_backward_config(config, triton) is config
-    for variant in ("msa_pallas_skip_persistent", "msa_pallas_persistent"):
-        assert variant in alternatives.OWN_VARIANTS and variant in alternatives.IMPLEMENTATIONS
-        assert variant not in alternatives.TABLE_IMPLEMENTATIONS
+    variant = "msa_pallas_persistent"
+    assert variant in alternatives.OWN_VARIANTS and variant in alternatives.IMPLEMENTATIONS
+    assert variant not in alternatives.TABLE_IMPLEMENTATIONS
 
 
 # --- the targets table -------------------------------------------------------------------

@@ -132,7 +132,8 @@ def forward_tiles(
     raise ValueError(f"no Mosaic configuration fits head dim {head_dim} in shared memory")
 
 
-def backward_tiles(q_shape, q_dtype, bias_dtype, dropout: bool = False) -> MosaicBackwardTiles:
+def backward_tiles(q_shape, q_dtype, bias_dtype, dropout: bool = False,
+                   persistent: bool = False) -> MosaicBackwardTiles:
     """The backward kernels' tiles for these inputs: per kernel the first
     candidate that fits in shared memory, two MSA rows (consumers) before one.
     The tiles of d <= 32 are the fastest of an H200 sweep (benchmarks/RESULTS.md);
@@ -150,7 +151,16 @@ def backward_tiles(q_shape, q_dtype, bias_dtype, dropout: bool = False) -> Mosai
 
     Tiles for d < 16 are chosen for the head dim the kernels see, 16 (for
     d = 8 with two heads per tile, `tile_heads`, with the shared memory
-    of both heads' bias tiles)."""
+    of both heads' bias tiles).
+
+    `persistent` makes the dq and dk/dv tiles persistent (one CTA per SM,
+    `MosaicTiles.persistent`; never with `dropout`, which they do not take).
+    Where padding is skipped their CTAs write the dead row groups' gradients
+    without a CTA each: on the H200, forward+backward 3-5% faster at the
+    padded crops and 3% at the unpadded training crop (bf16, 2026-12-05,
+    benchmarks/log/2026-12-05-03-padding-on-the-h200.md)."""
+    if persistent and dropout:
+        raise ValueError("the persistent dq and dk/dv kernels take no dropout")
     head_dim = kernel_head_dim(q_shape[-1])
     pair = tile_heads(q_shape, q_dtype)
     # q as the kernels take it: d < 16 zero-padded to 16 unless two heads
@@ -172,7 +182,8 @@ def backward_tiles(q_shape, q_dtype, bias_dtype, dropout: bool = False) -> Mosai
     for kernel, by_head_dim in preferred.items():
         blocks = by_head_dim[min(d for d in by_head_dim if d >= head_dim)]
         candidates = [
-            MosaicTiles(block_q, block_k, num_stages=2, msa_rows=rows)
+            MosaicTiles(block_q, block_k, num_stages=2, msa_rows=rows,
+                        persistent=persistent and kernel in ("dq", "dkdv"))
             for rows in (2, 1) for block_q, block_k in blocks
         ]
         fits = [
