@@ -43,8 +43,8 @@
 # of memory run again, alone (OUT_DIR/gpu_tests_alone.log): the GPU tests pass when
 # those pass alone and nothing else failed (docs/development.md).
 # TEST_TIMEOUT=SECONDS stops the tests after that long as Ctrl-C would (SIGINT;
-# exit status 124): pytest still prints the summary with every failure so far,
-# so a run cut short names what failed.
+# exit status 124): pytest still prints the summary (-rA: every test so far, passed,
+# skipped or failed), so a run cut short names what ran and what did not.
 #
 # With COMPARE_WITH set to an earlier run's results.json, `python -m benchmarks compare`
 # lists the cells of msa_pallas whose median time changed by more than 5%
@@ -92,7 +92,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv \
     || echo "python/jax check failed (exit $?)"
 echo "repo $PWD; out $OUT_DIR; XLA_PYTHON_CLIENT_MEM_FRACTION=$XLA_PYTHON_CLIENT_MEM_FRACTION"
 
-section "GPU tests: $PYTHON -m pytest -q -m gpu ${TEST_PATHS:-tests} -s --durations=15 (TEST_WORKERS=${TEST_WORKERS:-0}) ${TEST_ARGS:-}"
+section "GPU tests: $PYTHON -m pytest -q -m gpu ${TEST_PATHS:-tests} -s --durations=15 -rA (TEST_WORKERS=${TEST_WORKERS:-0}) ${TEST_ARGS:-}"
 read -r -a TEST_ARGV <<< "${TEST_ARGS:-}"
 read -r -a TEST_PATHV <<< "${TEST_PATHS:-tests}"
 # The tests' own dependencies (WHEEL_DIR/test, WHEEL_DIR/alphafold), for the tests and the
@@ -124,7 +124,7 @@ if [[ ${TESTS:-1} != 0 ]]; then
         limit=(timeout -s INT -k 60 "$TEST_TIMEOUT")
     fi
     ${limit[@]+"${limit[@]}"} env PYTHONPATH="$TEST_PYTHONPATH" ${test_env[@]+"${test_env[@]}"} \
-        "$PYTHON" -m pytest -q -m gpu "${TEST_PATHV[@]}" -s -p no:cacheprovider --durations=15 \
+        "$PYTHON" -m pytest -q -m gpu "${TEST_PATHV[@]}" -s -p no:cacheprovider --durations=15 -rA \
         ${workers[@]+"${workers[@]}"} ${TEST_ARGV[@]+"${TEST_ARGV[@]}"} 2>&1 \
         | tee "$OUT_DIR/gpu_tests.log"
     test_status=${PIPESTATUS[0]}

@@ -1,5 +1,5 @@
-"""benchmarks/run_gpu.sh: tests that run out of GPU memory among xdist workers, and the
-model benchmark.
+"""benchmarks/run_gpu.sh: the tests' summary, tests that run out of GPU memory among xdist
+workers, and the model benchmark.
 
 The script runs here with `PYTHON` set to a stand-in (a shell script) that answers as
 pytest would: with `-n` (the workers) it fails the tests it is told to fail, printing
@@ -20,12 +20,14 @@ OOM = "tests/kernels/triton/test_gpu_reliability.py::test_n4096_s128"
 OOM_PARAM = "tests/kernels/triton/test_gpu.py::test_dq_dbias_fused_and_separate[shape2-fused-f32]"
 OTHER = "tests/kernels/mosaic/test_gpu.py::test_forward[train]"
 
-# `-m pytest` with `-n`: every id in $FAIL_AMONG_WORKERS fails (OOM ids out of memory);
+# `-m pytest` with `-n`: records its arguments, and every id in $FAIL_AMONG_WORKERS fails
+# (OOM ids out of memory);
 # without `-n`: fails when $FAIL_ALONE is set, and records its arguments.
 FAKE_PYTHON = r"""#!/usr/bin/env bash
 if [[ $1 == -c ]]; then echo "python (stand-in)"; exit 0; fi
 if [[ $1 == -m && $2 == pytest ]]; then
     if [[ " $* " == *" -n "* ]]; then
+        echo "$*" > "$WORKER_ARGS"
         for id in $FAIL_AMONG_WORKERS; do
             if [[ $id == *OOM:* ]]; then
                 echo "FAILED ${id#OOM:} - jaxlib._jax.XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8.03GiB."
@@ -55,7 +57,7 @@ def run_script(tmp_path, fail_among_workers, fail_alone=False, **env_extra):
     env = dict(os.environ, PYTHON=str(fake), TEST_WORKERS="8", BENCH="0", LAYER_BENCH="0",
                CHECK_ALTERNATIVES="0", WHEEL_DIR=str(tmp_path / "no_wheels"),
                FAIL_AMONG_WORKERS=" ".join(fail_among_workers),
-               ALONE_ARGS=str(tmp_path / "alone_args"), RECORD_BENCH=str(tmp_path / "bench_args"),
+               ALONE_ARGS=str(tmp_path / "alone_args"), WORKER_ARGS=str(tmp_path / "worker_args"), RECORD_BENCH=str(tmp_path / "bench_args"),
                PATH=f"{tmp_path}:{os.environ['PATH']}", **env_extra)
     env.pop("FAIL_ALONE", None)
     if fail_alone:
@@ -64,6 +66,13 @@ def run_script(tmp_path, fail_among_workers, fail_alone=False, **env_extra):
                             env=env, capture_output=True, text=True, timeout=120)
     alone = tmp_path / "alone_args"
     return result, (alone.read_text().split() if alone.exists() else None)
+
+
+def test_the_summary_names_every_test(tmp_path):
+    """pytest runs with -rA, so that a run cut short by TEST_TIMEOUT still lists the
+    tests that passed, not only those that failed."""
+    run_script(tmp_path, [OTHER])
+    assert "-rA" in (tmp_path / "worker_args").read_text().split()
 
 
 def test_out_of_memory_failures_pass_alone(tmp_path):
