@@ -57,7 +57,8 @@ def run_script(tmp_path, fail_among_workers, fail_alone=False, **env_extra):
     env = dict(os.environ, PYTHON=str(fake), TEST_WORKERS="8", BENCH="0", LAYER_BENCH="0",
                CHECK_ALTERNATIVES="0", WHEEL_DIR=str(tmp_path / "no_wheels"),
                FAIL_AMONG_WORKERS=" ".join(fail_among_workers),
-               ALONE_ARGS=str(tmp_path / "alone_args"), WORKER_ARGS=str(tmp_path / "worker_args"), RECORD_BENCH=str(tmp_path / "bench_args"),
+               ALONE_ARGS=str(tmp_path / "alone_args"), WORKER_ARGS=str(tmp_path / "worker_args"),
+               RECORD_BENCH=str(tmp_path / "bench_args"),
                PATH=f"{tmp_path}:{os.environ['PATH']}", **env_extra)
     env.pop("FAIL_ALONE", None)
     if fail_alone:
