@@ -2,10 +2,10 @@
 without a GPU, written out so that two checkouts can be compared: the StableHLO (XLA's
 part) and each Mosaic GPU kernel's module printed without source locations.
 
-    PYTHONPATH=.cuda-plugin python lowered_kernels.py CHECKOUT OUT_PREFIX {f32,input} [skip]
+    PYTHONPATH=.cuda-plugin:CHECKOUT python lowered_kernels.py OUT_PREFIX {f32,input} [skip]
 
-CHECKOUT is the msa_pallas tree to import (put first on sys.path); the deviceless
-helpers come from this checkout's benchmarks/profiling/launches.py. Writes
+msa_pallas comes from PYTHONPATH (CHECKOUT: the tree to lower); the deviceless helpers
+are loaded by path from this repository's benchmarks/profiling/launches.py. Writes
 OUT_PREFIX.stablehlo and OUT_PREFIX_kernel_I.mlir, one per Mosaic custom call in
 program order. Then e.g. `diff A_kernel_1.mlir B_kernel_1.mlir`.
 """
@@ -15,9 +15,8 @@ import pathlib
 import re
 import sys
 
-checkout, out_prefix, bias_name = sys.argv[1:4]
-skip = sys.argv[4:5] == ["skip"]
-sys.path.insert(0, checkout)
+out_prefix, bias_name = sys.argv[1:3]
+skip = sys.argv[3:4] == ["skip"]
 here = pathlib.Path(__file__).resolve().parents[3]
 spec = importlib.util.spec_from_file_location(
     "launches_tool", here / "benchmarks" / "profiling" / "launches.py")
