@@ -354,6 +354,33 @@ def test_op_measures_each_bias_dtype_padded(tmp_path, capsys, monkeypatch):
     assert f"- {padded} bf16 bias f32: 56% of keys kept, 1 MSA rows fully masked" in table
 
 
+def test_prime_measures_the_first_case_once_more_and_drops_it(tmp_path, capsys, monkeypatch):
+    traced = []  # the cases whose cells were built, in order
+
+    def counting_xla(case):
+        traced.append(case.key)
+        return alternatives.build_xla(case)
+
+    monkeypatch.setitem(alternatives.IMPLEMENTATIONS, "xla", counting_xla)
+    argv = ["--shapes", "tiny", "--dtypes", "f32", "--bias-dtypes", "f32,input", "--impls", "xla",
+            "--iters", "1", "--reps", "1", "--warmup", "1", "--compile-threads", "1"]
+    assert op.main(argv + ["--prime", "--out", str(tmp_path / "primed")]) == 0
+    first = traced[0]
+    assert traced.count(first) == 2 and len(traced) == 2  # f32 inputs: one case
+    results = json.loads((tmp_path / "primed" / "results.json").read_text())
+    assert results["metadata"]["primed"] is True
+    assert [measure.case_key(case) for case in results["cases"]] == [first]
+    out = capsys.readouterr().out
+    assert f"# primed: {first} measured once, dropped" in out
+    # Only the measured cells are reported: one per mode.
+    assert len([line for line in out.splitlines() if line.startswith("[")]) == len(measure.MODES)
+
+    traced.clear()  # off a GPU the default is not to prime
+    assert op.main(argv + ["--out", str(tmp_path / "plain")]) == 0
+    assert traced == [first]
+    assert "# primed" not in capsys.readouterr().out
+
+
 def test_persistent_variant_makes_the_mosaic_dq_and_dkdv_tiles_persistent():
     """msa_pallas_persistent: the plan's own Mosaic backward tiles, dq's and dk/dv's
     persistent; a plan on the Triton backward keeps its config."""
