@@ -11,6 +11,12 @@ name). Each launch costs 1-2 us at the training crop on an H200 whatever it does
 launches a change adds are part of its cost; their count is exact where a timing needs
 the GPU and varies from run to run.
 
+Beside each launch, the megabytes of its operands and of its results, from the
+program's types, and for XLA's own launches (fusions, copies) their sum and the time it
+takes at the GPU's memory bandwidth: the least those passes can take, where each reads
+its operands whole (a fusion that reads a slice of an operand counts the operand whole;
+a Pallas kernel's operands are listed whole, though it may read part of them).
+
 `--deviceless h200` (or `a100`) compiles for that GPU on a host without one, through JAX's
 CUDA plugin (installed without its CUDA libraries) and a CUDA toolkit's ptxas and
 libdevice; `scripts/compile_for_gpu.sh` sets them up. XLA then compiles every Triton kernel
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import re
 import shutil
@@ -41,15 +48,63 @@ _KERNEL = re.compile(r'op_name="[^"]*?/([^/"]+)/(?:pallas_call|mpmd_map)"')
 _OP_NAME = re.compile(r'op_name="([^"]+)"')
 
 
+# An instruction's name and what follows " = ": its type, opcode and operands.
+_DEFINITION = re.compile(r"^\s*(?:ROOT )?%(?P<name>\S+) = (?P<rest>.*)$")
+_ARRAY_TYPE = re.compile(r"\b(?P<dtype>[a-z]+[0-9]*(?:e[0-9]m[0-9]\w*)?)\[(?P<dims>[0-9,]*)\]")
+_OPERAND = re.compile(r"%(?P<name>[^\s,()]+?)(?:#(?P<element>[0-9]+))?(?=[\s,)]|$)")
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+               "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+XLA_OPCODES = ("fusion", "copy", "copy-start")
+
+
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    """One launch of a compiled program: the instruction's name, its opcode, and what
-    it runs (a Pallas kernel's name, a custom call's target, or the JAX operation XLA
-    named the fusion after)."""
+    """One launch of a compiled program: the instruction's name, its opcode, what it
+    runs (a Pallas kernel's name, a custom call's target, or the JAX operation XLA
+    named the fusion after), and the bytes of its operands (`reads`, each operand once)
+    and of its results (`writes`)."""
 
     name: str
     opcode: str
     runs: str
+    reads: int = 0
+    writes: int = 0
+
+    @property
+    def by_xla(self) -> bool:
+        """A pass XLA wrote (a fusion or a copy), not a kernel of a custom call."""
+        return self.opcode in XLA_OPCODES
+
+
+def _closing(text: str, start: int) -> int:
+    """The index of the parenthesis that closes the one at `text[start]`."""
+    depth = 0
+    for index in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[index], 0)
+        if depth == 0:
+            return index
+    raise ValueError(f"unbalanced parentheses in {text!r}")
+
+
+def type_bytes(type_text: str) -> list[int]:
+    """The bytes of each array of an HLO type (`f32[8,16]{1,0}`, a tuple of them, `s32[]`):
+    one number per array, in order; dtypes not in DTYPE_BYTES count 0."""
+    return [
+        DTYPE_BYTES.get(array["dtype"], 0)
+        * math.prod(int(d) for d in array["dims"].split(",") if d)
+        for array in _ARRAY_TYPE.finditer(type_text)
+    ]
+
+
+def _split_definition(rest: str) -> tuple[str, str, str]:
+    """(type, opcode, operands) of what follows an instruction's " = "."""
+    if rest.startswith("("):
+        end = _closing(rest, 0) + 1
+    else:
+        end = rest.index(" ")
+    type_text, after = rest[:end], rest[end:].lstrip()
+    opcode_end = after.index("(")
+    return type_text, after[:opcode_end], after[opcode_end:_closing(after, opcode_end) + 1]
 
 
 def entry_launches(hlo_text: str) -> list[Launch]:
@@ -57,12 +112,29 @@ def entry_launches(hlo_text: str) -> list[Launch]:
     in the order of its schedule."""
     entry = hlo_text[hlo_text.index("\nENTRY"):]
     launches = []
+    arrays: dict[str, list[int]] = {}  # each instruction's result arrays' bytes
     for line in entry.splitlines()[1:]:
         if line.startswith("}"):
             break
+        definition = _DEFINITION.match(line)
+        operands_text = ""
+        if definition:
+            try:
+                type_text, _, operands_text = _split_definition(definition["rest"])
+            except ValueError:
+                type_text = ""
+            arrays[definition["name"]] = type_bytes(type_text)
         match = _INSTRUCTION.match(line)
         if not match:
             continue
+        read = {}
+        for operand in _OPERAND.finditer(operands_text):
+            sizes = arrays.get(operand["name"], [])
+            element = operand["element"]
+            if element is None:
+                read[operand["name"]] = sum(sizes)
+            elif int(element) < len(sizes):
+                read[operand.group(0)] = sizes[int(element)]
         kernel, target, op_name = (p.search(line) for p in (_KERNEL, _TARGET, _OP_NAME))
         if kernel:
             runs = kernel.group(1)
@@ -71,7 +143,8 @@ def entry_launches(hlo_text: str) -> list[Launch]:
         else:
             runs = op_name.group(1).rsplit("/", 2)[-2:] if op_name else ""
             runs = "/".join(runs)
-        launches.append(Launch(match["name"], match["opcode"], runs))
+        launches.append(Launch(match["name"], match["opcode"], runs,
+                               sum(read.values()), sum(arrays.get(match["name"], []))))
     return launches
 
 
@@ -230,6 +303,31 @@ def main(argv=None, prog: str | None = None) -> int:
     print(f"# {what} at {args.shape} {args.dtype}, bias {args.bias_dtype}, "
           f"{args.implementation}, {', '.join(flags)}, compiled for {device}")
     print(f"{len(launches)} launches")
+    print(f"{'':3}  {'opcode':<12} {'instruction':<36} {'MB in':>8} {'MB out':>8}  runs")
     for index, launch in enumerate(launches):
-        print(f"{index:3d}  {launch.opcode:<12} {launch.name:<36} {launch.runs}")
+        print(f"{index:3d}  {launch.opcode:<12} {launch.name:<36} {launch.reads / 1e6:8.1f} "
+              f"{launch.writes / 1e6:8.1f}  {launch.runs}")
+    print(xla_traffic_line(launches, bandwidth_of(device, args.deviceless)))
     return 0
+
+
+def bandwidth_of(device_kind: str, deviceless: str | None) -> float | None:
+    """The memory bandwidth (bytes/s) of the `--deviceless` target, or of a device
+    whose kind names one of DEVICELESS_TARGETS' GPUs; None otherwise."""
+    if deviceless:
+        return DEVICELESS_TARGETS[deviceless]["bandwidth"]
+    for target in DEVICELESS_TARGETS.values():
+        if target["name"].split()[-1] in device_kind:
+            return target["bandwidth"]
+    return None
+
+
+def xla_traffic_line(launches: list[Launch], bandwidth: float | None) -> str:
+    """The summary of XLA's own passes: their count, bytes, and at `bandwidth` the time
+    those bytes take."""
+    passes = [launch for launch in launches if launch.by_xla]
+    moved = sum(launch.reads + launch.writes for launch in passes)
+    line = f"# XLA's passes: {len(passes)}, {moved / 1e6:.1f} MB read and written"
+    if bandwidth:
+        line += f", {moved / bandwidth * 1e6:.1f} us at {bandwidth / 1e12:.1f} TB/s"
+    return line

@@ -15,13 +15,14 @@ MODULE = """HloModule jit_loss, is_scheduled=true
 }
 
 ENTRY %main.30 (a_0_.1: bf16[1,8,16,2,8], a_5_.1: pred[1,8,16]) -> (bf16[1,8,16,2,8]) {
+  %a_0_.1 = bf16[1,8,16,2,8]{4,3,2,1,0} parameter(0)
   %a_5_.1 = pred[1,8,16]{2,1,0} parameter(1)
   %input_reduce_fusion = (s32[8]{0}, s8[1,8,16]{2,1,0}) fusion(%a_5_.1), kind=kInput, calls=%fused_reduce, metadata={op_name="jit(loss)/jvp()/jit(attention_forward)/reduce_max" scheduling_name="input_reduce_fusion"}
   %get-tuple-element.1 = s32[8]{0} get-tuple-element(%input_reduce_fusion), index=0
   %mpmd_map.0 = (bf16[1,8,16,2,8]{4,3,2,1,0}, f32[1,8,2,16]{3,2,1,0}) custom-call(%a_0_.1, %get-tuple-element.1), custom_call_target="mosaic_gpu_v2", api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(loss)/jvp()/jit(attention_forward)/msa_mosaic_forward/mpmd_map" scheduling_name="mpmd_map.0"}
   %pallas_call.0 = bf16[1,8,16,16]{3,2,1,0} custom-call(%a_5_.1), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(loss)/jvp()/jit(attention_forward)/msa_fill_dead_rows/pallas_call" scheduling_name="pallas_call.0"}, backend_config={debug = false, grid_x = 8}
   %cublas-gemm.1 = f32[16,16]{1,0} custom-call(%a_0_.1), custom_call_target="__cublas$gemm"
-  %copy.3 = bf16[1,8,16,2,8]{4,3,2,1,0} copy(%mpmd_map.0)
+  %copy.3 = bf16[1,8,16,2,8]{4,3,2,1,0} copy(%mpmd_map.0#0)
   ROOT %tuple.2 = (bf16[1,8,16,2,8]{4,3,2,1,0}) tuple(%copy.3)
 }
 """
@@ -38,6 +39,34 @@ def test_entry_launches_name_each_kernel():
     ]
 
 
+def test_entry_launches_count_the_bytes_of_operands_and_results():
+    got = {x.name: (x.reads, x.writes, x.by_xla) for x in launches.entry_launches(MODULE)}
+    bf16_rows, mask = 1 * 8 * 16 * 2 * 8 * 2, 1 * 8 * 16
+    assert got == {
+        # the mask in; an int32 [8] and an int8 mask out
+        "input_reduce_fusion": (mask, 8 * 4 + mask, True),
+        # q and the reduction's first result (a get-tuple-element) in; a tuple out
+        "mpmd_map.0": (bf16_rows + 8 * 4, bf16_rows + 1 * 8 * 2 * 16 * 4, False),
+        "pallas_call.0": (mask, 1 * 8 * 16 * 16 * 2, False),
+        "cublas-gemm.1": (bf16_rows, 16 * 16 * 4, False),
+        # one element of the kernel's tuple (`%mpmd_map.0#0`), not the whole tuple
+        "copy.3": (bf16_rows, bf16_rows, True),
+    }
+    moved = mask + 8 * 4 + mask + 2 * bf16_rows
+    line = launches.xla_traffic_line(launches.entry_launches(MODULE), 4.8e12)
+    assert line == (f"# XLA's passes: 2, {moved / 1e6:.1f} MB read and written, "
+                    f"{moved / 4.8e12 * 1e6:.1f} us at 4.8 TB/s")
+
+
+def test_type_bytes_of_arrays_tuples_and_scalars():
+    assert launches.type_bytes("f32[8,16]{1,0}") == [512]
+    assert launches.type_bytes("(bf16[2,3]{1,0}, s32[], pred[4]{0})") == [12, 4, 4]
+    assert launches.type_bytes("token[]") == [0]
+    assert launches.bandwidth_of("NVIDIA H200", None) == 4_800_000_000_000
+    assert launches.bandwidth_of("cpu", "a100") == 2_039_000_000_000
+    assert launches.bandwidth_of("cpu", None) is None
+
+
 def test_target_configs_name_their_gpu():
     for kind, target in launches.DEVICELESS_TARGETS.items():
         text = launches.target_config(kind)
@@ -51,6 +80,8 @@ def test_the_tool_lists_a_compiled_program(capsys):
     assert launches.main(["--shape", "1x2x16x2x8", "--dtype", "f32", "--skip"]) == 0
     out = capsys.readouterr().out.splitlines()
     count = int(out[1].split()[0])
-    assert count >= 1 and len(out) == 2 + count
+    assert count >= 1 and len(out) == 4 + count  # the heading, the columns, the XLA line
+    assert out[2].split()[:3] == ["opcode", "instruction", "MB"]
+    assert out[-1].startswith("# XLA's passes: ") and " us at " not in out[-1]  # a CPU
     assert "forward+backward at 1x2x16x2x8 f32" in out[0] and "skip=True" in out[0]
     assert not any("msa_mosaic" in line or "msa_fill" in line for line in out[2:])
