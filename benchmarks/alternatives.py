@@ -3,7 +3,8 @@
 `IMPLEMENTATIONS` maps a name to a builder `build(case) -> Callables`: msa_pallas (and
 its variants: the Triton or the Mosaic kernels forced, msa_pallas_skip, traced inside
 `msa_pallas.skipping_padding()` (where the dispatch picks the persistent Mosaic dq and
-dk/dv kernels), msa_pallas_persistent, those kernels without skipping, and msa_pallas_dpa,
+dk/dv kernels), msa_pallas_persistent, those kernels without skipping,
+msa_pallas_skip_k64, skipping with 64-key forward and dk/dv tiles, and msa_pallas_dpa,
 `msa_pallas.dot_product_attention` in tokamax's layouts), xla (msa_pallas' plain-jnp
 path, the reference of the forward check), cudnn (`jax.nn.dot_product_attention`),
 cuequivariance (`cuequivariance_jax.triangle_attention`), tokamax_mosaic and
@@ -88,19 +89,48 @@ def persistent_backward_block_config(q, bias, mask=None, gate=None, implementati
     return persistent_backward_config(config, plan)
 
 
+# Keys per tile of `narrow_key_tiles_config`.
+NARROW_KEYS = 64
+
+
+def narrow_key_tiles_config(config, plan):
+    """`config` with the plan's Mosaic forward and dk/dv tiles cut to `NARROW_KEYS` keys
+    (dq's and dbias's as planned); as it is where the plan's kernels are not Mosaic's.
+    With 25% of N = 256 residues padding, a 128-key tile holds live and padded keys
+    alike, and skipping saves nothing of it; 64-key tiles skip one in four."""
+    if plan.forward != "mosaic" or plan.backward != "mosaic":
+        return config
+    tiles = dict(plan.backward_tiles)
+    return dataclasses.replace(
+        config,
+        mosaic_forward=dataclasses.replace(plan.forward_tiles, block_k=NARROW_KEYS),
+        mosaic_backward=msa_pallas.MosaicBackwardTiles(
+            dkdv=dataclasses.replace(tiles["dkdv"], block_k=NARROW_KEYS),
+            dq=tiles["dq"], dbias=tiles["dbias"], ping_pong=plan.ping_pong,
+        ),
+    )
+
+
 def _msa_pallas_builder(implementation: str | None, skip_padding: bool = False,
-                        persistent_backward: bool = False) -> Callable[[Case], Callables]:
+                        persistent_backward: bool = False,
+                        narrow_key_tiles: bool = False) -> Callable[[Case], Callables]:
     def build(case: Case) -> Callables:
         _, rows, n, heads, d = case.dims
         # Without a GPU the kernels run in their interpreters.
         chosen = implementation or ("pallas" if not on_gpu() else None)
         q_like = jax.ShapeDtypeStruct((1, rows, n, heads, d), case.dtype)
         bias_like = jax.ShapeDtypeStruct((1, heads, n, n), case.bias_dtype)
-        plan = msa_pallas.explain(q_like, q_like, q_like, bias_like, implementation=chosen)
+        mask_like = jax.ShapeDtypeStruct((1, rows, n), jnp.bool_)
+        with msa_pallas.skipping_padding(skip_padding):
+            # The plan the op makes: skipping changes the backward's tiles.
+            plan = msa_pallas.explain(q_like, q_like, q_like, bias_like, mask_like,
+                                      implementation=chosen)
         config = msa_pallas.default_block_config(n, d, case.dtype, case.bias_dtype)
         if persistent_backward:
             config = persistent_backward_config(config, plan)
-        block_config = config if persistent_backward else None
+        if narrow_key_tiles:
+            config = narrow_key_tiles_config(config, plan)
+        block_config = config if persistent_backward or narrow_key_tiles else None
 
         def op(q, k, v, bias, mask):
             # Read when the call is traced, inside the jitted function.
@@ -128,6 +158,9 @@ build_msa_pallas_skip = _msa_pallas_builder(None, skip_padding=True)
 # The persistent dq and dk/dv kernels on every shape, padding visited: whether they
 # pay where nothing is skipped.
 build_msa_pallas_persistent = _msa_pallas_builder(None, persistent_backward=True)
+# Skipping with 64-key forward and dk/dv tiles (`narrow_key_tiles_config`): whether
+# the finer tiles pay at a short padded crop, and what they cost elsewhere.
+build_msa_pallas_skip_k64 = _msa_pallas_builder(None, skip_padding=True, narrow_key_tiles=True)
 
 
 def build_msa_pallas_mosaic(case: Case) -> Callables:
@@ -339,6 +372,7 @@ IMPLEMENTATIONS: dict[str, Callable[[Case], Callables]] = {
     "msa_pallas_mosaic": build_msa_pallas_mosaic,
     "msa_pallas_skip": build_msa_pallas_skip,
     "msa_pallas_persistent": build_msa_pallas_persistent,
+    "msa_pallas_skip_k64": build_msa_pallas_skip_k64,
     "msa_pallas_dpa": build_msa_pallas_dpa,
     "xla": build_xla,
     "cudnn": build_cudnn,
@@ -352,7 +386,7 @@ IMPLEMENTATIONS: dict[str, Callable[[Case], Callables]] = {
 REFERENCE_POINTS = ("jax_mha_nobias",)
 # msa_pallas' own variants: checked, timed, never a yardstick.
 OWN_VARIANTS = ("msa_pallas_triton", "msa_pallas_mosaic", "msa_pallas_skip",
-                "msa_pallas_persistent", "msa_pallas_dpa")
+                "msa_pallas_persistent", "msa_pallas_skip_k64", "msa_pallas_dpa")
 # What the full table measures unless asked for more: msa_pallas and every
 # alternative (the variants and reference points add half again to its time).
 TABLE_IMPLEMENTATIONS = tuple(

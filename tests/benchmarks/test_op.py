@@ -401,6 +401,31 @@ def test_persistent_variant_makes_the_mosaic_dq_and_dkdv_tiles_persistent():
     assert variant not in alternatives.TABLE_IMPLEMENTATIONS
 
 
+def test_skip_k64_variant_cuts_the_forward_and_dkdv_key_tiles_of_the_skipping_plan():
+    """msa_pallas_skip_k64: the skipping plan's tiles (dq and dk/dv persistent), the
+    forward's and dk/dv's cut to 64 keys; a plan on the Triton kernels keeps its config."""
+    q = jax.ShapeDtypeStruct((1, 8, 256, 8, 32), jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((1, 8, 256, 256), jnp.bfloat16)
+    mask = jax.ShapeDtypeStruct((1, 8, 256), jnp.bool_)
+    config = msa_pallas.default_block_config(256, 32, jnp.bfloat16, jnp.bfloat16)
+    with msa_pallas.skipping_padding():
+        plan = msa_pallas.dispatch.plan_call(q, q, q, bias, mask, implementation="mosaic",
+                                             target=msa_pallas.dispatch.Target("gpu", 90))
+    planned = dict(plan.backward_tiles)
+    assert plan.forward_tiles.block_k == 128 and planned["dkdv"].block_k == 128
+    narrowed = alternatives.narrow_key_tiles_config(config, plan)
+    assert narrowed.mosaic_forward == dataclasses.replace(plan.forward_tiles, block_k=64)
+    tiles = narrowed.mosaic_backward
+    assert tiles.dkdv == dataclasses.replace(planned["dkdv"], block_k=64)
+    assert tiles.dkdv.persistent and tiles.dq == planned["dq"] and tiles.dbias == planned["dbias"]
+    assert tiles.ping_pong == plan.ping_pong
+    triton = msa_pallas.explain(q, q, q, bias, mask, implementation="triton")
+    assert alternatives.narrow_key_tiles_config(config, triton) is config
+    variant = "msa_pallas_skip_k64"
+    assert variant in alternatives.OWN_VARIANTS and variant in alternatives.IMPLEMENTATIONS
+    assert variant not in alternatives.TABLE_IMPLEMENTATIONS
+
+
 # --- the targets table -------------------------------------------------------------------
 
 
