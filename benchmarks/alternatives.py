@@ -67,17 +67,25 @@ def jitted_pair(op: Callable, info: dict | None = None) -> Callables:
 # --- msa_pallas and JAX's own ------------------------------------------------
 
 
+def planned_backward_tiles(plan, **changes):
+    """The Mosaic backward tiles `plan` (a `CallPlan` on the Mosaic backward) chose,
+    with `changes` by kernel (`dq={"persistent": True}`: fields of its `MosaicTiles`)."""
+    tiles = dict(plan.backward_tiles)
+    return msa_pallas.MosaicBackwardTiles(
+        **{kernel: dataclasses.replace(tiles[kernel], **changes.get(kernel, {}))
+           for kernel in ("dkdv", "dq", "dbias")},
+        ping_pong=plan.ping_pong,
+    )
+
+
 def persistent_backward_config(config, plan):
     """`config` with the plan's Mosaic dq and dk/dv tiles made persistent
     (`MosaicTiles.persistent`); as it is where the plan's backward is not Mosaic's."""
     if plan.backward != "mosaic":
         return config
-    tiles = dict(plan.backward_tiles)
-    return dataclasses.replace(config, mosaic_backward=msa_pallas.MosaicBackwardTiles(
-        dkdv=dataclasses.replace(tiles["dkdv"], persistent=True),
-        dq=dataclasses.replace(tiles["dq"], persistent=True),
-        dbias=tiles["dbias"], ping_pong=plan.ping_pong,
-    ))
+    persistent = {"persistent": True}
+    return dataclasses.replace(config, mosaic_backward=planned_backward_tiles(
+        plan, dkdv=persistent, dq=persistent))
 
 
 def persistent_backward_block_config(q, bias, mask=None, gate=None, implementation=None):
@@ -100,14 +108,10 @@ def narrow_key_tiles_config(config, plan):
     alike, and skipping saves nothing of it; 64-key tiles skip one in four."""
     if plan.forward != "mosaic" or plan.backward != "mosaic":
         return config
-    tiles = dict(plan.backward_tiles)
     return dataclasses.replace(
         config,
         mosaic_forward=dataclasses.replace(plan.forward_tiles, block_k=NARROW_KEYS),
-        mosaic_backward=msa_pallas.MosaicBackwardTiles(
-            dkdv=dataclasses.replace(tiles["dkdv"], block_k=NARROW_KEYS),
-            dq=tiles["dq"], dbias=tiles["dbias"], ping_pong=plan.ping_pong,
-        ),
+        mosaic_backward=planned_backward_tiles(plan, dkdv={"block_k": NARROW_KEYS}),
     )
 
 
