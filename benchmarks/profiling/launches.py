@@ -39,9 +39,6 @@ LAUNCHING_OPCODES = (
     "fusion", "custom-call", "copy", "copy-start", "sort", "scatter", "while", "conditional",
     "all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all",
 )
-_INSTRUCTION = re.compile(
-    r"^\s*(?:ROOT )?%(?P<name>\S+) = .*? (?P<opcode>" + "|".join(LAUNCHING_OPCODES) + r")\("
-)
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 # A Pallas kernel's name: the scope its pallas_call (Triton) or mpmd_map (Mosaic GPU) runs in.
 _KERNEL = re.compile(r'op_name="[^"]*?/([^/"]+)/(?:pallas_call|mpmd_map)"')
@@ -117,15 +114,15 @@ def entry_launches(hlo_text: str) -> list[Launch]:
         if line.startswith("}"):
             break
         definition = _DEFINITION.match(line)
-        operands_text = ""
-        if definition:
-            try:
-                type_text, _, operands_text = _split_definition(definition["rest"])
-            except ValueError:
-                type_text = ""
-            arrays[definition["name"]] = type_bytes(type_text)
-        match = _INSTRUCTION.match(line)
-        if not match:
+        if not definition:
+            continue
+        try:
+            type_text, opcode, operands_text = _split_definition(definition["rest"])
+        except ValueError:
+            continue
+        name = definition["name"]
+        arrays[name] = type_bytes(type_text)
+        if opcode not in LAUNCHING_OPCODES:
             continue
         read = {}
         for operand in _OPERAND.finditer(operands_text):
@@ -143,8 +140,7 @@ def entry_launches(hlo_text: str) -> list[Launch]:
         else:
             runs = op_name.group(1).rsplit("/", 2)[-2:] if op_name else ""
             runs = "/".join(runs)
-        launches.append(Launch(match["name"], match["opcode"], runs,
-                               sum(read.values()), sum(arrays.get(match["name"], []))))
+        launches.append(Launch(name, opcode, runs, sum(read.values()), sum(arrays[name])))
     return launches
 
 
