@@ -68,7 +68,7 @@ from msa_pallas.kernels.mosaic.heads import (
     combine_head_columns, heads_per_tile, store_own_head_tiles,
 )
 from msa_pallas.kernels.mosaic.logits import (
-    bias_tile, keys_before, masked_accumulator_logit, online_softmax, sigmoid,
+    keys_before, load_bias_tile, masked_accumulator_logit, online_softmax, sigmoid,
 )
 from msa_pallas.kernels.mosaic.matmul import (
     WGMMA, WGMMA_COL, WGMMA_ROW, accumulate_products, smem_products,
@@ -233,7 +233,11 @@ def _kernel(
                 keys_t = smem["k"].at[slot, wg].T
                 logits = smem_products(
                     tuple((queries, keys_t) for queries in queries_of_head), turns.hand_over,
-                    inits=tuple(bias_tile(smem["bias"][slot, h], scale) for h in range(pair)),
+                    inits=tuple(
+                        load_bias_tile(smem["bias"].at[slot, h], scale,
+                                       staggered=tiles.staggered_bias)
+                        for h in range(pair)
+                    ),
                     interpret=interpret,
                 )
                 prefetch_next_queries(key_tile == ub - 1)

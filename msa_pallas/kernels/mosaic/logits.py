@@ -39,6 +39,24 @@ def bias_tile(tile, scale: float):
     return tile.astype(jnp.float32) * (1.0 / scale)
 
 
+def load_bias_tile(ref, scale: float, *, staggered: bool = True):
+    """`bias_tile` of the shared-memory tile `ref`, in the wgmma accumulator
+    layout.
+
+    Two lanes of a warp that read 8-byte pieces of a 32-bit tile's rows r
+    and r ^ 1 hit the same banks whatever the swizzle. With `staggered`,
+    Mosaic GPU's conflict-free plan has half the lanes read another column
+    of the tile, and a select per element puts each value back in place:
+    compiled for an H200, one select per logit, a tenth of each kernel's
+    loop instructions. Without it, each lane reads its own elements: two-way
+    bank conflicts on the bias's loads, and no select. 16-bit tiles are read
+    with ldmatrix either way.
+    """
+    if not staggered and jnp.dtype(ref.dtype).itemsize == 4:
+        return plgpu.load(ref, layout=WGMMA, optimized=False)
+    return bias_tile(ref[...], scale)
+
+
 def masked_accumulator_logit(scale: float) -> float:
     """The logit a masked key gets, in the units of `q . k`: -2^k with the
     smallest k for which it is at least 1e9 in magnitude once scaled.

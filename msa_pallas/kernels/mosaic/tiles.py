@@ -40,6 +40,16 @@ class MosaicTiles:
         padding, the dead row groups at the end of the alignment get their
         results without a CTA each); not chosen by default, not yet timed.
         The bias-gradient kernel ignores it.
+      staggered_bias: a 32-bit bias tile is read from shared memory with
+        Mosaic GPU's bank-conflict-free plan, a select per logit; False:
+        each lane reads its own elements, with two-way bank conflicts and no
+        select (`logits.load_bias_tile`). 16-bit tiles are read alike either
+        way. Every kernel takes it.
+      mask_without_select: the backward kernels make a masked key's ds 0
+        without a select after the product: dq and dbias set its exponent
+        to -inf, dk/dv multiplies ds by the key's 0 or 1
+        (`backward.operands.recompute`); the same results. The forward
+        ignores it.
     """
 
     block_q: int = 64
@@ -48,6 +58,8 @@ class MosaicTiles:
     msa_rows: int = 2
     ping_pong: bool = True
     persistent: bool = False
+    staggered_bias: bool = True
+    mask_without_select: bool = False
 
     def __post_init__(self):
         if self.block_q not in (64, 128):

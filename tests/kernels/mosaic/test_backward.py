@@ -286,6 +286,45 @@ def test_ping_pong_changes_nothing(seed):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+# Every backward kernel with plain bias loads and masked keys' ds made 0 without a
+# select (`MosaicTiles.staggered_bias`, `mask_without_select`).
+LEAN = dataclasses.replace(SMALL, staggered_bias=False, mask_without_select=True)
+
+
+@pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16])
+def test_plain_bias_loads_and_masking_without_select_change_nothing(bias_dtype, seed):
+    """The kernels' two leaner ways give the gradients of the default ones
+    (a zero's sign aside), with masked keys, a fully masked row and keys
+    past N (N = 72), and stay within tolerance of float64."""
+    inputs = helpers.random_inputs(
+        seed, 1, 2, 72, 1, 32, jnp.bfloat16, bias_dtype=bias_dtype, gate=False,
+        fully_masked_row=(0, 1),
+    )
+    operands, scale = helpers.mosaic_backward_operands(inputs)
+    default = run_backward(operands, scale, SMALL_TILES)
+    lean = run_backward(operands, scale, MosaicBackwardTiles(dkdv=LEAN, dq=LEAN, dbias=LEAN))
+    for name, a, b in zip(("dq", "dk", "dv", "dbias"), default, lean):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+    check_gradients(lean, inputs, scale, "lean kernels")
+
+
+def test_masking_without_select_zeroes_masked_keys_ds(seed):
+    """Where a masked key's logit gradient would not be 0 but for the mask
+    (its logit, without the mask, the row's largest), no kernel passes
+    gradient through it with `mask_without_select` either: the bias gradient
+    of a key masked in every row is exactly 0, and so is that key's dk."""
+    inputs = helpers.random_inputs(seed, 1, 2, 128, 1, 32, jnp.bfloat16, gate=False)
+    masked_key = 7
+    mask = inputs.mask.at[..., masked_key].set(False)
+    inputs = inputs._replace(mask=mask, bias=inputs.bias.at[..., masked_key].add(30.0))
+    operands, scale = helpers.mosaic_backward_operands(inputs)
+    lean = MosaicBackwardTiles(dkdv=LEAN, dq=LEAN, dbias=LEAN)
+    dq, dk, dv, dbias = run_backward(operands, scale, lean)
+    assert not np.asarray(dbias[..., masked_key]).any()
+    assert not np.asarray(dk[:, :, masked_key]).any()
+    check_gradients((dq, dk, dv, dbias), inputs, scale, "mask without select")
+
+
 def test_keys_past_n_pass_no_gradient(seed):
     """N = 72, no mask: the keys past N in the last key tile read zeros, and
     a query row whose logits are all near -430 (base 2) gives those keys a

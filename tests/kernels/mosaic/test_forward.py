@@ -250,6 +250,20 @@ def test_without_residuals_equals_with(seed):
     np.testing.assert_array_equal(np.asarray(alone), np.asarray(with_stats))
 
 
+@pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16])
+def test_plain_bias_loads_change_nothing(bias_dtype, seed):
+    """`MosaicTiles.staggered_bias` off reads each lane's own bias elements:
+    the same values, so the same outputs and residuals, bitwise (the
+    compiled kernels: tests/kernels/mosaic/test_gpu.py)."""
+    inputs = helpers.random_inputs(
+        seed, 1, 2, 128, 2, 32, jnp.bfloat16, bias_dtype=bias_dtype, fully_masked_row=(0, 1)
+    )
+    staggered = run_forward(inputs)
+    plain = run_forward(inputs, tiles=dataclasses.replace(SMALL_TILES, staggered_bias=False))
+    for name, a, b in zip(("out", "attention", "row_max", "row_log2_sum"), staggered, plain):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
 def test_no_mask_no_gate(seed):
     inputs = helpers.random_inputs(seed, 1, 2, 128, 1, 16, jnp.bfloat16, mask_rate=None, gate=False)
     out = run_forward(inputs, save_stats=False)

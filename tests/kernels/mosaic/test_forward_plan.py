@@ -79,6 +79,14 @@ def test_lowers_for_the_gpu_on_a_cpu(n_res, bias_dtype, persistent, head_dim):
     assert "mosaic_gpu" in lowered_for_cuda(n_res, head_dim, bias_dtype, persistent=persistent)
 
 
+@pytest.mark.parametrize("n_res, head_dim", [(256, 32), (200, 8)])
+def test_plain_bias_loads_lower_for_the_gpu_on_a_cpu(n_res, head_dim):
+    """A float32 bias read lane by lane (`MosaicTiles.staggered_bias` off)
+    lowers for CUDA, one head per tile and two."""
+    lowered = lowered_for_cuda(n_res, head_dim, jnp.float32, staggered_bias=False)
+    assert "mosaic_gpu" in lowered
+
+
 @pytest.mark.parametrize("persistent", [False, True])
 @pytest.mark.parametrize(
     "n_res, head_dim, bias_dtype",

@@ -367,6 +367,54 @@ def test_paired_backward_equals_the_padded_head_dim(shape, bias_dtype, seed):
 
 
 @pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("shape", [SHAPES["train"], (1, 4, 384, 8, 8), (2, 3, 200, 4, 32)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_lean_options_change_nothing(shape, bias_dtype, seed):
+    """Compiled, the kernels' leaner ways (`MosaicTiles.staggered_bias` off in
+    every kernel, `mask_without_select` in the backward ones) give the default
+    kernels' outputs, residuals and gradients bitwise (a zero's sign aside),
+    with masked keys and a fully masked row: at the training crop, the
+    extra MSA's d = 8 (two heads per tile), and N past the last whole tile."""
+    inputs = device_inputs(seed, shape, jnp.bfloat16, bias_dtype=bias_dtype)
+    q, k, v, bias, mask, gate, dout = inputs.args
+    mask, scale = mask.astype(jnp.int8), shape[-1] ** -0.5
+    forward_tiles = mosaic_forward.default_tiles(q.shape, q.dtype, bias.dtype, save_stats=True)
+    backward_tiles = mosaic_backward.default_tiles(q.shape, q.dtype, bias.dtype)
+    lean = dict(staggered_bias=False, mask_without_select=True)
+
+    def forward(tiles):
+        return mosaic_forward.attention_forward(
+            q, k, v, bias, mask, gate, scale=scale, tiles=tiles, interpret=False,
+            save_stats=True,
+        )
+
+    default_forward = forward(forward_tiles)
+    lean_forward = forward(dataclasses.replace(forward_tiles, **lean))
+    for name, x, y in zip(("out", "attention", "row_max", "row_log2_sum"), default_forward,
+                          lean_forward):
+        np.testing.assert_array_equal(
+            np.asarray(x.astype(jnp.float32)), np.asarray(y.astype(jnp.float32)), err_msg=name
+        )
+    _, attention, row_max, row_log2_sum = default_forward
+    delta = jnp.swapaxes(jnp.sum(dout.astype(jnp.float32) * attention, -1), 2, 3)
+    operands = (q, k, v, bias, mask, dout, jnp.stack([row_max, row_log2_sum, delta], axis=3))
+
+    def backward(changes):
+        tiles = {name: dataclasses.replace(getattr(backward_tiles, name), **changes)
+                 for name in ("dkdv", "dq", "dbias")}
+        bound = dict(scale=scale, interpret=False)
+        turns = dict(ping_pong=backward_tiles.ping_pong)
+        dk, dv = mosaic_backward.backward_dkdv(*operands, tiles=tiles["dkdv"], **turns, **bound)
+        dq = mosaic_backward.backward_dq(*operands, tiles=tiles["dq"], **turns, **bound)
+        return dq, dk, dv, mosaic_backward.backward_dbias(*operands, tiles=tiles["dbias"], **bound)
+
+    for name, x, y in zip(("dq", "dk", "dv", "dbias"), backward({}), backward(lean)):
+        np.testing.assert_array_equal(
+            np.asarray(x.astype(jnp.float32)), np.asarray(y.astype(jnp.float32)), err_msg=name
+        )
+
+
+@pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16])
 def test_forward_key_loop_between_runtime_bounds(bias_dtype, seed):
     """The forward's key loop between bounds known only at run time
     (`pipeline_bounds.strict_key_bounds`, 64 x 64 tiles): the persistent

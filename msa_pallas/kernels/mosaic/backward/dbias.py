@@ -21,7 +21,7 @@ from msa_pallas.kernels.mosaic.dropout_words import (
     check_dropout, copy_words_to_ring, kept, load_ring_words, word_length, word_operands,
 )
 from msa_pallas.kernels.mosaic.heads import own_head_columns, tile_heads, tiles_of_head_pairs
-from msa_pallas.kernels.mosaic.logits import accumulator_bias, bias_tile
+from msa_pallas.kernels.mosaic.logits import accumulator_bias, load_bias_tile
 from msa_pallas.kernels.mosaic.matmul import (
     WGMMA, WGMMA_COL, WGMMA_ROW, accumulate_products, smem_products, zeros,
 )
@@ -99,7 +99,7 @@ def _dbias_kernel(
             # The bias tile is read from shared memory at every step (held in
             # registers across the loop, a float32 tile would crowd out s and
             # dp) into the logits' accumulator.
-            bias = bias_tile(smem["bias"][wg], scale)
+            bias = load_bias_tile(smem["bias"].at[wg], scale, staggered=tiles.staggered_bias)
             if pair == 1:
                 return smem_products(
                     ((q_smem, transposed(k_smem)), (do_smem, transposed(v_smem))),
@@ -148,7 +148,7 @@ def _dbias_kernel(
                 plgpu.barrier_arrive(consumed["step"].at[slot])
                 _, ds = recompute(
                     s, dp, keep, stats, scale=scale, query_axis=0, with_p=False,
-                    dropout_keep=dropout_keep,
+                    dropout_keep=dropout_keep, mask_without_select=tiles.mask_without_select,
                 )
                 return dbias + ds
 

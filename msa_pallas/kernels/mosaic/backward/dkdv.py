@@ -30,7 +30,7 @@ from msa_pallas.kernels.mosaic.dropout_words import (
 from msa_pallas.kernels.mosaic.heads import (
     combine_head_columns, held_tiles_per_head, tile_heads, tiles_of_head_pairs,
 )
-from msa_pallas.kernels.mosaic.logits import accumulator_bias, bias_tile
+from msa_pallas.kernels.mosaic.logits import accumulator_bias, load_bias_tile
 from msa_pallas.kernels.mosaic.matmul import (
     WGMMA_COL, WGMMA_ROW, accumulate_products, matrix_operand, smem_products, zeros,
 )
@@ -164,7 +164,9 @@ def _dkdv_kernel(
                 s_t, dp_t = smem_products(
                     ((keys_of_head[h], transposed(q_smem)),
                      (values_of_head[h], transposed(do_smem))),
-                    turns.hand_over, inits=(bias_tile(smem["bias"][slot, h], scale), None),
+                    turns.hand_over,
+                    inits=(load_bias_tile(smem["bias"].at[slot, h], scale,
+                                          staggered=tiles.staggered_bias), None),
                     interpret=interpret,
                 )
                 stats = load_stats(smem["stats"].at[slot, wg, h], WGMMA_COL)
@@ -178,7 +180,7 @@ def _dkdv_kernel(
                 # With dropout p_t is p keep, the weights dv takes.
                 p_t, ds_t = recompute(
                     s_t, dp_t, keep, stats, scale=scale, query_axis=1, with_p=True,
-                    dropout_keep=dropout_keep,
+                    dropout_keep=dropout_keep, mask_without_select=tiles.mask_without_select,
                 )
                 # Finish the elementwise work before handing the turn over.
                 p_t, ds_t = lax.optimization_barrier(

@@ -25,7 +25,7 @@ from msa_pallas.kernels.mosaic.dropout_words import (
 from msa_pallas.kernels.mosaic.heads import (
     combine_head_columns, held_tiles_per_head, tile_heads, tiles_of_head_pairs,
 )
-from msa_pallas.kernels.mosaic.logits import accumulator_bias, bias_tile, keys_before
+from msa_pallas.kernels.mosaic.logits import accumulator_bias, keys_before, load_bias_tile
 from msa_pallas.kernels.mosaic.matmul import (
     WGMMA_COL, WGMMA_ROW, accumulate_products, matrix_operand, smem_products, zeros,
 )
@@ -66,17 +66,19 @@ def _copy_key_tiles(gmem, smem_tma, smem, rows, batch, keys, head, pair, slot, b
 def _query_major_ds(
     q_smem, do_smem, k_smem, v_smem, bias, mask_ref, stats, key_tile, turns, *, scale: float,
     n_res: int, block_k: int, interpret: bool, dropout_keep=None,
+    mask_without_select: bool = False,
 ):
     """One `[block_q, block_k]` float32 `ds` tile of the dq kernel's loop
     (`_dq_kernel`): `s = q k^T + bias` and `dp = do v^T`
-    from shared memory, then `ds` from the row statistics. `mask_ref` is the
-    consumer's `[1, >= block_k]` int8 key-mask slot, or None;
-    `dropout_keep` None, or a function giving the tile's dropout keep mask
-    (`operands.recompute`), called after the products: the mask does not
-    take registers across them."""
+    from shared memory, then `ds` from the row statistics. `bias` is the
+    step's bias tile (`logits.load_bias_tile`); `mask_ref` the consumer's
+    `[1, >= block_k]` int8 key-mask slot, or None; `dropout_keep` None, or a
+    function giving the tile's dropout keep mask (`operands.recompute`, as
+    `mask_without_select`), called after the products: the mask does not take
+    registers across them."""
     s, dp = smem_products(
         ((q_smem, transposed(k_smem)), (do_smem, transposed(v_smem))),
-        turns.hand_over, inits=(bias_tile(bias, scale), None), interpret=interpret,
+        turns.hand_over, inits=(bias, None), interpret=interpret,
     )
     keep = None
     if mask_ref is not None:
@@ -84,6 +86,7 @@ def _query_major_ds(
     _, ds = recompute(
         s, dp, keep, stats, scale=scale, query_axis=0, with_p=False,
         dropout_keep=None if dropout_keep is None else dropout_keep(),
+        mask_without_select=mask_without_select,
     )
     if keep is None and n_res % block_k:
         # Keys past N read zeros, whose probability is not 0: their ds must
@@ -177,9 +180,12 @@ def _dq_kernel(
                         return kept(query_words[h], key_words, (block_q, block_k), 0, dropout)
                 ds = _query_major_ds(
                     queries_of_head[h], douts_of_head[h], k_smem, v_smem,
-                    smem["bias"][slot, h], smem["mask"].at[slot, wg] if has_mask else None,
+                    load_bias_tile(smem["bias"].at[slot, h], scale,
+                                   staggered=tiles.staggered_bias),
+                    smem["mask"].at[slot, wg] if has_mask else None,
                     stats[h], key_tile, turns, scale=scale, n_res=n_res, block_k=block_k,
                     interpret=interpret, dropout_keep=dropout_keep,
+                    mask_without_select=tiles.mask_without_select,
                 )
                 ds = lax.optimization_barrier(matrix_operand(ds, dtype))
                 turns.release()

@@ -15,7 +15,8 @@ from msa_pallas.kernels.mosaic.support import pad_bias_rows, pad_residues
 
 
 def recompute(
-    s, dp, keep, stats, *, scale: float, query_axis: int, with_p: bool, dropout_keep=None
+    s, dp, keep, stats, *, scale: float, query_axis: int, with_p: bool, dropout_keep=None,
+    mask_without_select: bool = False,
 ):
     """The probabilities `p` (if `with_p`, else None) and the logit gradient
     `ds` of one tile, float32, as the forward computed them.
@@ -32,6 +33,15 @@ def recompute(
         orientation, queries along `query_axis`.
       keep: `[keys]` bool (nonzero keeps) or None.
       stats: row max, log2 row sum and delta, `[queries]` float32 each.
+      mask_without_select: a masked key's ds is made 0 without a select
+        after the product: without `with_p`, its exponent is set to -inf
+        (so its p, and with it its ds, is exactly 0); with `with_p`, whose
+        masked keys keep their own weight (a row whose keys are all masked
+        weighs them 1 / N), ds is multiplied by the key's 0 or 1. Else ds is
+        selected to 0 after the product: compiled for an H200, LLVM moves
+        that select past the bf16 rounding of ds, where it takes two byte
+        permutes and two selects per pair of elements. The same ds either
+        way, a zero's sign aside.
     """
     row_max, row_log2_sum, delta = stats
     per_query = lambda x: lax.broadcast_in_dim(x, s.shape, [query_axis])  # noqa: E731
@@ -39,11 +49,19 @@ def recompute(
     # subtraction of m + log2(l) is exact enough; masked keys take their own
     # value below (m is -1.44e9 for a fully masked row). One FMA per logit.
     x = s * (scale * LOG2E) - per_query(row_max + row_log2_sum)
+    keep_factor = None
     if keep is not None:
+        if with_p and mask_without_select:
+            # Made per key, then broadcast: one multiply per logit.
+            keep_factor = lax.broadcast_in_dim(
+                jnp.where(keep, jnp.float32(1), jnp.float32(0)), s.shape, [1 - query_axis]
+            )
         keep = lax.broadcast_in_dim(keep, s.shape, [1 - query_axis])
         if with_p:
             masked = per_query((MASKED_LOGIT_LOG2 - row_max) - row_log2_sum)
             x = jnp.where(keep, x, masked)
+        elif mask_without_select:
+            x = jnp.where(keep, x, -jnp.inf)
     p = jnp.exp2(x)
     if dropout_keep is None:
         ds = p * (dp - per_query(delta))
@@ -54,8 +72,10 @@ def recompute(
         p = kept_p
     else:
         ds = p * (jnp.where(dropout_keep, dp, 0.0) - per_query(delta))
-    if keep is not None:
-        # A masked key's logit is a constant: no gradient flows through it.
+    # A masked key's logit is a constant: no gradient flows through it.
+    if keep_factor is not None:
+        ds = ds * keep_factor
+    elif keep is not None and not mask_without_select:
         ds = jnp.where(keep, ds, 0.0)
     return (p if with_p else None), ds
 
