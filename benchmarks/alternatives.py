@@ -4,7 +4,9 @@
 its variants: the Triton or the Mosaic kernels forced, msa_pallas_skip, traced inside
 `msa_pallas.skipping_padding()` (where the dispatch picks the persistent Mosaic dq and
 dk/dv kernels), msa_pallas_persistent, those kernels without skipping,
-msa_pallas_skip_k64, skipping with 64-key forward and dk/dv tiles, and msa_pallas_dpa,
+msa_pallas_skip_k64, skipping with 64-key forward and dk/dv tiles, msa_pallas_lean, every
+Mosaic kernel with `LEAN_OPTIONS` (a select per logit fewer), msa_pallas_skip_lean, both,
+and msa_pallas_dpa,
 `msa_pallas.dot_product_attention` in tokamax's layouts), xla (msa_pallas' plain-jnp
 path, the reference of the forward check), cudnn (`jax.nn.dot_product_attention`),
 cuequivariance (`cuequivariance_jax.triangle_attention`), tokamax_mosaic and
@@ -115,9 +117,27 @@ def narrow_key_tiles_config(config, plan):
     )
 
 
+# The Mosaic kernels' leaner ways, fields of `MosaicTiles` off by default until timed on
+# an H200: a float32 bias read lane by lane, and masked keys' ds made 0 without a select.
+LEAN_OPTIONS = {"staggered_bias": False, "mask_without_select": True}
+
+
+def kernel_options_config(config, plan, options: dict):
+    """`config` with `options` (fields of `MosaicTiles`) set in the plan's Mosaic forward
+    and backward tiles, each kernel's tiles otherwise as planned; as it is where neither
+    kernel is Mosaic's."""
+    changes = {}
+    if plan.forward == "mosaic":
+        changes["mosaic_forward"] = dataclasses.replace(plan.forward_tiles, **options)
+    if plan.backward == "mosaic":
+        changes["mosaic_backward"] = planned_backward_tiles(
+            plan, **{kernel: options for kernel in ("dkdv", "dq", "dbias")})
+    return dataclasses.replace(config, **changes) if changes else config
+
+
 def _msa_pallas_builder(implementation: str | None, skip_padding: bool = False,
-                        persistent_backward: bool = False,
-                        narrow_key_tiles: bool = False) -> Callable[[Case], Callables]:
+                        persistent_backward: bool = False, narrow_key_tiles: bool = False,
+                        kernel_options: dict | None = None) -> Callable[[Case], Callables]:
     def build(case: Case) -> Callables:
         _, rows, n, heads, d = case.dims
         # Without a GPU the kernels run in their interpreters.
@@ -134,7 +154,10 @@ def _msa_pallas_builder(implementation: str | None, skip_padding: bool = False,
             config = persistent_backward_config(config, plan)
         if narrow_key_tiles:
             config = narrow_key_tiles_config(config, plan)
-        block_config = config if persistent_backward or narrow_key_tiles else None
+        if kernel_options:
+            config = kernel_options_config(config, plan, kernel_options)
+        changed = persistent_backward or narrow_key_tiles or kernel_options
+        block_config = config if changed else None
 
         def op(q, k, v, bias, mask):
             # Read when the call is traced, inside the jitted function.
@@ -165,6 +188,11 @@ build_msa_pallas_persistent = _msa_pallas_builder(None, persistent_backward=True
 # Skipping with 64-key forward and dk/dv tiles (`narrow_key_tiles_config`): whether
 # the finer tiles pay at a short padded crop, and what they cost elsewhere.
 build_msa_pallas_skip_k64 = _msa_pallas_builder(None, skip_padding=True, narrow_key_tiles=True)
+# Every Mosaic kernel with `LEAN_OPTIONS`: whether a select per logit fewer pays.
+build_msa_pallas_lean = _msa_pallas_builder(None, kernel_options=LEAN_OPTIONS)
+# ... and skipping padding: the padded shapes' cells of issue 36 with them.
+build_msa_pallas_skip_lean = _msa_pallas_builder(None, skip_padding=True,
+                                                 kernel_options=LEAN_OPTIONS)
 
 
 def build_msa_pallas_mosaic(case: Case) -> Callables:
@@ -377,6 +405,8 @@ IMPLEMENTATIONS: dict[str, Callable[[Case], Callables]] = {
     "msa_pallas_skip": build_msa_pallas_skip,
     "msa_pallas_persistent": build_msa_pallas_persistent,
     "msa_pallas_skip_k64": build_msa_pallas_skip_k64,
+    "msa_pallas_lean": build_msa_pallas_lean,
+    "msa_pallas_skip_lean": build_msa_pallas_skip_lean,
     "msa_pallas_dpa": build_msa_pallas_dpa,
     "xla": build_xla,
     "cudnn": build_cudnn,
@@ -390,7 +420,8 @@ IMPLEMENTATIONS: dict[str, Callable[[Case], Callables]] = {
 REFERENCE_POINTS = ("jax_mha_nobias",)
 # msa_pallas' own variants: checked, timed, never a yardstick.
 OWN_VARIANTS = ("msa_pallas_triton", "msa_pallas_mosaic", "msa_pallas_skip",
-                "msa_pallas_persistent", "msa_pallas_skip_k64", "msa_pallas_dpa")
+                "msa_pallas_persistent", "msa_pallas_skip_k64", "msa_pallas_lean",
+                "msa_pallas_skip_lean", "msa_pallas_dpa")
 # What the full table measures unless asked for more: msa_pallas and every
 # alternative (the variants and reference points add half again to its time).
 TABLE_IMPLEMENTATIONS = tuple(

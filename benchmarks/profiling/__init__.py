@@ -12,7 +12,9 @@
 - stall_sources.py: where a kernel's warps wait, from profile_ncu.sh's source CSVs;
 - memory_breakdown.py: the largest buffers of the compiled forward+backward;
 - launches.py: what the compiled forward+backward launches, on a GPU or compiled for one
-  from a host without it (`scripts/compile_for_gpu.sh`).
+  from a host without it (`scripts/compile_for_gpu.sh`);
+- sass.py: the Mosaic kernels' innermost wgmma loops in their machine code, instruction
+  kinds counted, on a GPU or compiled for one (`scripts/compile_for_gpu.sh sass`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ COMMANDS = {
     "stalls": (_HERE + "stall_sources", "where the warps wait (profile_ncu.sh's CSVs)"),
     "memory": (_HERE + "memory_breakdown", "the largest buffers of the compiled f+b"),
     "launches": (_HERE + "launches", "the compiled f+b's launches (a GPU's, or for one)"),
+    "sass": (_HERE + "sass", "the Mosaic kernels' loop instructions (a GPU's, or for one)"),
 }
 
 

@@ -75,8 +75,9 @@ KERNELS = {
 
 
 def parse_mosaic(text: str) -> list[MosaicTiles]:
-    """`BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT]]` candidates,
-    comma-separated (the flags 1 or 0; `MosaicTiles`' fields of those names)."""
+    """`BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT[xSTAGGERED_BIAS[xMASK_WITHOUT_SELECT]]]]`
+    candidates, comma-separated (the flags 1 or 0; `MosaicTiles`' fields of those
+    names, in their order)."""
     tiles = []
     for item in filter(None, text.split(",")):
         block_q, block_k, stages, rows, *flags = (int(x) for x in item.split("x"))
@@ -86,9 +87,9 @@ def parse_mosaic(text: str) -> list[MosaicTiles]:
 
 def mosaic_text(tiles: MosaicTiles) -> str:
     """One candidate as `parse_mosaic` reads it, every field given:
-    `BQxBKxSTAGESxROWSxPING_PONGxPERSISTENT`."""
-    return "x".join(str(int(x)) for x in (tiles.block_q, tiles.block_k, tiles.num_stages,
-                                          tiles.msa_rows, tiles.ping_pong, tiles.persistent))
+    `BQxBKxSTAGESxROWSxPING_PONGxPERSISTENTxSTAGGERED_BIASxMASK_WITHOUT_SELECT`."""
+    return "x".join(str(int(getattr(tiles, field.name)))
+                    for field in dataclasses.fields(MosaicTiles))
 
 
 def parse_tiles(text: str) -> dict[str, list[tuple[KernelTiles, bool]]]:

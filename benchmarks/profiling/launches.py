@@ -19,9 +19,12 @@ a Pallas kernel's operands are listed whole, though it may read part of them).
 
 `--deviceless h200` (or `a100`) compiles for that GPU on a host without one, through JAX's
 CUDA plugin (installed without its CUDA libraries) and a CUDA toolkit's ptxas and
-libdevice; `scripts/compile_for_gpu.sh` sets them up. XLA then compiles every Triton kernel
-for that GPU, as it would there: a check that they compile. The Mosaic GPU kernels are
-compiled when they first run, so only their lowering is checked (as the CPU tests do).
+libdevice; `scripts/compile_for_gpu.sh` sets them up. XLA then compiles every kernel for
+that GPU, Triton's and Mosaic GPU's, as it would there: a check that they compile
+(`profile sass` reads the Mosaic kernels' machine code so compiled).
+
+`--kernel-options staggered_bias=0,mask_without_select=1` sets fields of `MosaicTiles` in
+every Mosaic kernel the op's plan runs, its tiles otherwise as planned.
 """
 
 from __future__ import annotations
@@ -220,7 +223,7 @@ def compile_op(args, mesh):
     from jax.sharding import NamedSharding, PartitionSpec
 
     import msa_pallas
-    from benchmarks.alternatives import persistent_backward_block_config
+    from benchmarks.alternatives import kernel_options_config, persistent_backward_block_config
     from benchmarks.profiling.forward import parse_shape
     from benchmarks.shapes import DTYPES
 
@@ -244,6 +247,15 @@ def compile_op(args, mesh):
             config = persistent_backward_block_config(
                 rows_like, bias, mask, rows_like, implementation=implementation)
 
+        if args.kernel_options:
+            with msa_pallas.skipping_padding(args.skip):  # the plan skipping makes
+                plan = msa_pallas.explain(rows_like, rows_like, rows_like, bias, mask,
+                                          rows_like, implementation=implementation)
+            config = kernel_options_config(
+                config or msa_pallas.default_block_config(n_res, head_dim, dtype, bias_dtype),
+                plan, parse_kernel_options(args.kernel_options),
+            )
+
         def op(q, k, v, bias, gate, mask, key):
             return msa_pallas.msa_row_attention(
                 q, k, v, bias, mask, None if args.no_gate else gate,
@@ -261,6 +273,22 @@ def compile_op(args, mesh):
             return traced.lower().compile()
 
 
+def parse_kernel_options(text: str) -> dict[str, bool]:
+    """`"staggered_bias=0,mask_without_select=1"` -> {field of `MosaicTiles`: bool}."""
+    from msa_pallas.kernels.mosaic.tiles import MosaicTiles
+
+    flags = {field.name for field in dataclasses.fields(MosaicTiles)
+             if field.type in ("bool", bool)}
+    options = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if name not in flags or value not in ("0", "1"):
+            raise SystemExit(f"--kernel-options: {item!r}; expected NAME=0 or NAME=1, NAME "
+                             f"one of {sorted(flags)}")
+        options[name] = value == "1"
+    return options
+
+
 def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="train", help="a name of shapes.py or BxSxNxHxd")
@@ -273,6 +301,8 @@ def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--dropout-rate", type=float, default=0.0)
     parser.add_argument("--persistent-backward", action="store_true",
                         help="the Mosaic dq and dk/dv kernels persistent (one CTA per SM)")
+    parser.add_argument("--kernel-options", default="",
+                        help="NAME=0|1,...: MosaicTiles flags set in every Mosaic kernel")
     parser.add_argument("--no-gate", action="store_true")
     parser.add_argument("--forward-only", action="store_true")
     parser.add_argument("--deviceless", choices=sorted(DEVICELESS_TARGETS), default=None,
@@ -296,6 +326,8 @@ def main(argv=None, prog: str | None = None) -> int:
     device = mesh.devices.flat[0].device_kind
     what = "forward" if args.forward_only else "forward+backward"
     flags = [f"skip={args.skip}", f"dropout={args.dropout_rate}", f"gate={not args.no_gate}"]
+    if args.kernel_options:
+        flags.append(f"kernel options {args.kernel_options}")
     print(f"# {what} at {args.shape} {args.dtype}, bias {args.bias_dtype}, "
           f"{args.implementation}, {', '.join(flags)}, compiled for {device}")
     print(f"{len(launches)} launches")

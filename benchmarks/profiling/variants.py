@@ -22,8 +22,11 @@ on the same operands in each variant, with the tiles the op plans in that varian
   by the forward and dk/dv, whose dropped uniform weights have no shortcut).
 
 `--tiles "forward=128x64x2x2x1x1;dkdv=64x64x2x2"` also times each named kernel with
-these candidates (`BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT]]`, comma-separated), in
-every variant, as `KERNEL BQxBKxSTAGESxROWS...` rows: which tiles suit a variant.
+these candidates (`BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT[xSTAGGERED_BIAS[xMASK_WITHOUT_SELECT]]]]`,
+comma-separated), in every variant, as `KERNEL BQxBKxSTAGESxROWS...` rows: which tiles
+suit a variant. `--kernel-options staggered_bias=0,mask_without_select=1` also times every
+kernel with its planned tiles and those flags of `MosaicTiles` set, as `KERNEL with
+OPTIONS` rows.
 
 Then the op itself, forward and forward+backward (`jax.grad` of q, k, v, bias and
 gate), in each variant. A time is the median of `--samples` batches of `--reps`
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +47,7 @@ import jax.numpy as jnp
 from benchmarks import timing
 from benchmarks.measure import kept_fraction
 from benchmarks.profiling.kernels import backward_delta, make_inputs, mosaic_text, parse_mosaic
+from benchmarks.profiling.launches import parse_kernel_options
 from benchmarks.shapes import DTYPES, HALF_DTYPES, SHAPES, bias_dtype_names, make_mask
 from msa_pallas import dispatch, dropout, msa_row_attention, skipping_padding
 from msa_pallas.kernels.mosaic import backward as mosaic_backward
@@ -82,12 +87,15 @@ def parse_candidates(text: str) -> dict[str, list]:
     return candidates
 
 
-def kernel_calls(ops: dict, plan, variant: str, rate: float, candidates=None) -> dict:
+def kernel_calls(ops: dict, plan, variant: str, rate: float, candidates=None,
+                 options: dict | None = None) -> dict:
     """{kernel name: a call of it alone}, each kernel with the plan's tiles and the
     variant's keywords, on operands as the op hands them over (mask int8, d padded as
     the plan pads it, the backward's statistics from the plain forward); then each of
     `candidates` ({kernel: [MosaicTiles]}) as "KERNEL TILES". A backward candidate's
-    ping_pong field sets the dk/dv and dq kernels' turns."""
+    ping_pong field sets the dk/dv and dq kernels' turns. With `options` (fields of
+    `MosaicTiles`), each kernel again with its planned tiles and those fields set, as
+    "KERNEL with NAME=VALUE,..."."""
     scale = ops["q"].shape[-1] ** -0.5
     q, k, v, do, gate = (ops[name] for name in ("q", "k", "v", "do", "gate"))
     if plan.forward_head_dim > q.shape[-1]:
@@ -124,6 +132,13 @@ def kernel_calls(ops: dict, plan, variant: str, rate: float, candidates=None) ->
             calls[f"{name} {mosaic_text(tiles)}"] = (
                 forward_call(tiles) if name == "forward"
                 else backward_call(name, tiles, tiles.ping_pong))
+    if options:
+        label = ",".join(f"{key}={int(value)}" for key, value in options.items())
+        calls[f"forward with {label}"] = forward_call(
+            dataclasses.replace(plan.forward_tiles, **options))
+        for name, tiles in plan.backward_tiles:
+            calls[f"{name} with {label}"] = backward_call(
+                name, dataclasses.replace(tiles, **options), plan.ping_pong)
     return calls
 
 
@@ -174,7 +189,8 @@ def profile_case(shape_name, dtype_name, bias_name, args, emit) -> None:
     times: dict[str, dict[str, float | str]] = {}
     for variant in args.variants:
         try:
-            calls = kernel_calls(ops, plan_of(variant), variant, args.dropout_rate, args.tiles)
+            calls = kernel_calls(ops, plan_of(variant), variant, args.dropout_rate, args.tiles,
+                                 args.kernel_options)
             if not args.no_op:
                 calls |= op_calls(ops, variant, args.dropout_rate)
         except Exception as exc:  # noqa: BLE001 - one failed variant must not end the run
@@ -214,6 +230,9 @@ def main(argv=None, prog: str | None = None) -> int:
     parser.add_argument("--no-op", action="store_true", help="the kernels alone, not the op")
     parser.add_argument("--tiles", default="", type=parse_candidates,
                         help='more candidates per kernel: "forward=128x64x2x2x1x1;dkdv=64x64x2x2"')
+    parser.add_argument("--kernel-options", default="", type=parse_kernel_options,
+                        help="each kernel again with these MosaicTiles flags: "
+                             '"staggered_bias=0,mask_without_select=1"')
     parser.add_argument("--reps", type=int, default=1 if INTERPRET else 20)
     parser.add_argument("--samples", type=int, default=1 if INTERPRET else 5)
     args = parser.parse_args(argv)

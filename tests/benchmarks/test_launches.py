@@ -85,3 +85,18 @@ def test_the_tool_lists_a_compiled_program(capsys):
     assert out[-1].startswith("# XLA's passes: ") and " us at " not in out[-1]  # a CPU
     assert "forward+backward at 1x2x16x2x8 f32" in out[0] and "skip=True" in out[0]
     assert not any("msa_mosaic" in line or "msa_fill" in line for line in out[2:])
+
+
+def test_kernel_options_name_flags_of_mosaic_tiles():
+    """`--kernel-options`: boolean fields of `MosaicTiles` set to 0 or 1; another
+    name, a value other than 0 or 1, or a tile size, is refused."""
+    assert launches.parse_kernel_options("staggered_bias=0,mask_without_select=1") == {
+        "staggered_bias": False, "mask_without_select": True}
+    assert launches.parse_kernel_options("") == {}
+    for wrong in ("staggered=0", "mask_without_select=2", "block_k=64", "persistent"):
+        try:
+            launches.parse_kernel_options(wrong)
+        except SystemExit as refusal:
+            assert wrong in str(refusal)
+        else:
+            raise AssertionError(f"{wrong!r} was taken")

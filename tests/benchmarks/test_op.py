@@ -282,14 +282,19 @@ def test_profile_variants_times_each_mosaic_kernel_in_each_variant(capsys):
 
 @CPU_ONLY
 def test_profile_variants_times_more_tiles_of_a_kernel(capsys):
-    """`--tiles`: a named kernel also runs with each candidate, on rows of its own."""
+    """`--tiles`: a named kernel also runs with each candidate, on rows of its own;
+    `--kernel-options`: every kernel again with its planned tiles and the flags set."""
     status = profile_variants.main(["--shapes", "tiny", "--bias-dtypes", "f32", "--no-op",
-                                    "--variants", "plain", "--tiles", "dkdv=64x64x2x1x0"])
+                                    "--variants", "plain", "--tiles", "dkdv=64x64x2x1x0",
+                                    "--kernel-options", "staggered_bias=0,mask_without_select=1"])
     assert status == 0
     lines = capsys.readouterr().out.splitlines()[2:]
     kernels = [line.strip("|").split("|")[3].strip() for line in lines]
-    assert kernels == ["forward", "dkdv", "dq", "dbias", "dkdv 64x64x2x1x0x0"], lines
-    assert float(lines[-1].strip("|").split("|")[4]) > 0
+    lean = "with staggered_bias=0,mask_without_select=1"
+    assert kernels == ["forward", "dkdv", "dq", "dbias", "dkdv 64x64x2x1x0x0x1x0",
+                       f"forward {lean}", f"dkdv {lean}", f"dq {lean}", f"dbias {lean}"], lines
+    for line in lines[4:]:
+        assert float(line.strip("|").split("|")[4]) > 0, line
     with pytest.raises(SystemExit):
         profile_variants.main(["--tiles", "dx=64x64x2x1"])
 
@@ -424,6 +429,30 @@ def test_skip_k64_variant_cuts_the_forward_and_dkdv_key_tiles_of_the_skipping_pl
     variant = "msa_pallas_skip_k64"
     assert variant in alternatives.OWN_VARIANTS and variant in alternatives.IMPLEMENTATIONS
     assert variant not in alternatives.TABLE_IMPLEMENTATIONS
+
+
+def test_lean_variant_sets_the_options_in_every_planned_mosaic_kernel():
+    """msa_pallas_lean: the plan's own tiles, each Mosaic kernel's with
+    `LEAN_OPTIONS` set; a plan on the Triton kernels keeps its config."""
+    q = jax.ShapeDtypeStruct((1, 8, 256, 8, 32), jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((1, 8, 256, 256), jnp.float32)
+    config = msa_pallas.default_block_config(256, 32, jnp.bfloat16, jnp.float32)
+    plan = msa_pallas.dispatch.plan_call(q, q, q, bias, implementation="mosaic",
+                                         target=msa_pallas.dispatch.Target("gpu", 90))
+    options = alternatives.LEAN_OPTIONS
+    lean = alternatives.kernel_options_config(config, plan, options)
+    assert lean.mosaic_forward == dataclasses.replace(plan.forward_tiles, **options)
+    planned = dict(plan.backward_tiles)
+    for kernel in ("dkdv", "dq", "dbias"):
+        tiles = getattr(lean.mosaic_backward, kernel)
+        assert tiles == dataclasses.replace(planned[kernel], **options), kernel
+        assert not tiles.staggered_bias and tiles.mask_without_select
+    assert lean.mosaic_backward.ping_pong == plan.ping_pong
+    triton = msa_pallas.explain(q, q, q, bias, implementation="triton")
+    assert alternatives.kernel_options_config(config, triton, options) is config
+    for variant in ("msa_pallas_lean", "msa_pallas_skip_lean"):
+        assert variant in alternatives.OWN_VARIANTS and variant in alternatives.IMPLEMENTATIONS
+        assert variant not in alternatives.TABLE_IMPLEMENTATIONS
 
 
 # --- the targets table -------------------------------------------------------------------
@@ -756,15 +785,22 @@ def test_layer_keeps_the_rows_of_a_run_cut_short(tmp_path, monkeypatch):
 
 
 def test_parse_mosaic_candidates():
-    """`BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT]]`: the flags in that order,
-    left out meaning the defaults (ping-pong on, one CTA per item)."""
-    plain, turns_off, persistent = profile_kernels.parse_mosaic(
-        "128x64x2x2,128x128x2x2x0,64x64x3x1x1x1"
+    """`BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT[xSTAGGERED_BIAS[xMASK_WITHOUT_SELECT]]]]`:
+    the flags in that order, left out meaning the defaults (ping-pong on, one CTA per
+    item, staggered bias loads, ds selected after the product); `mosaic_text` writes
+    every field, and reads back as the same tiles."""
+    plain, turns_off, persistent, lean = profile_kernels.parse_mosaic(
+        "128x64x2x2,128x128x2x2x0,64x64x3x1x1x1,64x128x2x2x1x0x0x1"
     )
     assert (plain.block_q, plain.block_k, plain.num_stages, plain.msa_rows) == (128, 64, 2, 2)
     assert plain.ping_pong and not plain.persistent
+    assert plain.staggered_bias and not plain.mask_without_select
     assert not turns_off.ping_pong and not turns_off.persistent
     assert persistent.ping_pong and persistent.persistent and persistent.num_stages == 3
+    assert not lean.staggered_bias and lean.mask_without_select and not lean.persistent
+    assert profile_kernels.mosaic_text(lean) == "64x128x2x2x1x0x0x1"
+    for tiles in (plain, turns_off, persistent, lean):
+        assert profile_kernels.parse_mosaic(profile_kernels.mosaic_text(tiles)) == [tiles]
 
 
 def test_launch_durations_reads_the_last_call_from_ncu_csv():
