@@ -6,16 +6,22 @@ innermost loops that hold wgmma instructions, instruction by instruction kind.
     python -m benchmarks profile sass --shape train --out DIR      # on a GPU
 
 Compiles the op's forward+backward (or `--forward-only` its forward) as `profile
-launches` does, with its arguments, while Mosaic GPU writes each kernel's PTX to a
-directory (`MOSAIC_GPU_DUMP_TO`); assembles each with ptxas for the PTX's own target and
-disassembles it with nvdisasm (a CUDA toolkit's, or `pip install nvidia-cuda-nvdisasm`).
-Then, per kernel, for each innermost loop that runs wgmma (`HGMMA`), in code order: its
-instructions in one pass of the loop body, and the counts of the opcodes that matter
-there. In this library's kernels the first is the consumers' loop over key (or query)
-tiles, whose pass serves one tile: a count divided by the tile's logits per thread is a
-count per logit; the later ones serve the epilogues and the other turn's path, and a
-compiler's rotated loops may overlap. Counts compare two variants of a kernel exactly,
-where a time needs the GPU. Branches inside a loop body are counted once each.
+launches` does, with its arguments, while Mosaic GPU writes what it makes of each kernel
+to a directory (`MOSAIC_GPU_DUMP_TO`): its passes' IR, which ends with the cubin it
+compiled, and ptxas's report. Disassembles that cubin with nvdisasm (a CUDA toolkit's, or
+`pip install nvidia-cuda-nvdisasm`); where the dump holds no cubin, assembles the
+kernel's PTX with the toolkit's ptxas instead (whose version may not be Mosaic GPU's, so
+the code may differ a little). Mosaic GPU's dump also runs nvdisasm itself, from the CUDA
+toolkit, and says so on stderr where it finds none: harmless.
+
+Then, per kernel, the registers a thread uses and the bytes it spills (ptxas's report),
+and for each innermost loop that runs wgmma (`HGMMA`), in code order, the instructions
+of one pass of its body and the counts of the opcodes that matter there (`LDL`: spilled
+registers reloaded). In this library's kernels the first loop is the consumers' loop over
+key (or query) tiles, one pass per tile: a count divided by the tile's logits per thread
+is a count per logit. The later ones serve the epilogues and the other turn's path, and
+a compiler's rotated loops may overlap. Counts compare two variants of a kernel exactly,
+where a time needs the GPU; branches inside a loop body are counted once each.
 """
 
 from __future__ import annotations
@@ -40,10 +46,17 @@ _INSTRUCTION = re.compile(
 _LABEL = re.compile(r"^(?P<label>\.L_x_\d+):")
 _BRANCH = re.compile(r"\bBRA\s+`\((?P<label>\.L_x_\d+)\)")
 _TARGET = re.compile(r"^\s*\.target\s+(\w+)", re.MULTILINE)
+# The cubin in Mosaic GPU's pass dump: `gpu.binary @NAME [#gpu.object<..., bin = "...">]`,
+# the string's bytes printed as they are or as \XX escapes.
+_BINARY = re.compile(r'gpu\.binary @\w+\s+\[#gpu\.object<.*?bin = "((?:[^"\\]|\\.)*)"')
 # The opcodes shown for every loop: the matrix units, the exponentials, the float
-# arithmetic, the selects and byte permutes, shared-memory loads, conversions.
+# arithmetic, the selects and byte permutes, shared-memory loads, conversions, shuffles,
+# and local-memory loads (registers spilled).
 SHOWN = ("HGMMA", "MUFU", "FFMA", "FADD", "FMUL", "FMNMX", "FSEL", "SEL", "PRMT", "F2FP",
-         "LDS", "SHFL")
+         "LDS", "SHFL", "LDL")
+# ptxas -v: the registers a thread uses and the bytes it spills.
+_REGISTERS = re.compile(r"Used (\d+) registers")
+_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,16 +121,57 @@ def find_tool(name: str) -> str:
                      + (", or `pip install nvidia-cuda-nvdisasm`" if name == "nvdisasm" else ""))
 
 
-def disassemble(ptx: Path) -> str:
-    """The SASS of one PTX file, assembled for the target it names."""
-    target = _TARGET.search(ptx.read_text())
-    if not target:
-        raise SystemExit(f"{ptx}: no .target line")
+def resources_line(ptxas_output: str) -> str:
+    """`N registers, spills S B stored / L B loaded` from `ptxas -v`'s report."""
+    registers = _REGISTERS.search(ptxas_output)
+    spills = _SPILLS.search(ptxas_output)
+    stored, loaded = spills.groups() if spills else ("?", "?")
+    return (f"{registers.group(1) if registers else '?'} registers, spills {stored} B stored / "
+            f"{loaded} B loaded")
+
+
+def embedded_cubin(pass_dump: str) -> bytes | None:
+    """The last cubin in a Mosaic GPU pass dump (`*.mlir-passes.log`), or None."""
+    found = None
+    for found in _BINARY.finditer(pass_dump):
+        pass
+    if found is None:
+        return None
+    text, data, index = found.group(1), bytearray(), 0
+    while index < len(text):
+        if text[index] != "\\":
+            data += text[index].encode("latin-1")
+            index += 1
+        elif text[index + 1] in '\\"':
+            data += text[index + 1].encode()
+            index += 2
+        else:
+            data.append(int(text[index + 1:index + 3], 16))
+            index += 3
+    return bytes(data)
+
+
+def disassemble(ptx: Path) -> tuple[str, str]:
+    """The SASS of one kernel whose dump files start as `ptx` does, and ptxas's report
+    of its registers and spills (`resources_line`): Mosaic GPU's own cubin and report
+    where its dump holds them, else the PTX assembled here."""
     cubin = ptx.with_suffix(".cubin")
-    subprocess.run([find_tool("ptxas"), f"-arch={target.group(1)}", str(ptx), "-o", str(cubin)],
-                   check=True)
-    return subprocess.run([find_tool("nvdisasm"), "-c", str(cubin)], check=True,
+    passes, report = ptx.with_suffix(".mlir-passes.log"), ptx.with_suffix(".ptxas")
+    binary = embedded_cubin(passes.read_text(errors="replace")) if passes.exists() else None
+    if binary is not None and report.exists():
+        cubin.write_bytes(binary)
+        ptxas_output = report.read_text()
+    else:
+        target = _TARGET.search(ptx.read_text())
+        if not target:
+            raise SystemExit(f"{ptx}: no .target line")
+        assembled = subprocess.run(
+            [find_tool("ptxas"), "-v", f"-arch={target.group(1)}", str(ptx), "-o", str(cubin)],
+            check=True, capture_output=True, text=True)
+        ptxas_output = assembled.stdout + assembled.stderr
+    sass = subprocess.run([find_tool("nvdisasm"), "-c", str(cubin)], check=True,
                           capture_output=True, text=True).stdout
+    return sass, resources_line(ptxas_output)
 
 
 def make_parser(prog: str | None = None):
@@ -135,12 +189,11 @@ def main(argv=None, prog: str | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.ptx"):
         stale.unlink()
-    # Read by Mosaic GPU when it compiles a kernel (the directory must exist); its dump
-    # also runs nvdisasm, and reports on stderr where none is on PATH.
+    find_tool("nvdisasm")  # before the compile: a missing tool ends the run at once
+    # Read by Mosaic GPU when it compiles a kernel (the directory must exist).
     os.environ["MOSAIC_GPU_DUMP_PTX"] = "1"
+    os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
     os.environ["MOSAIC_GPU_DUMP_TO"] = str(out)
-    nvdisasm_directory = str(Path(find_tool("nvdisasm")).parent)
-    os.environ["PATH"] = os.pathsep.join((nvdisasm_directory, os.environ.get("PATH", "")))
     if args.deviceless:
         launches.prepare_deviceless_environment()
     import jax
@@ -162,9 +215,10 @@ def main(argv=None, prog: str | None = None) -> int:
     print(f"{'kernel':<10} {'SASS lines':>11} {'instr':>6}  opcodes (loops in code order; "
           "rotated loops may overlap)")
     for ptx in ptx_files:
-        sass = disassemble(ptx)
+        sass, resources = disassemble(ptx)
         ptx.with_suffix(".sass").write_text(sass)
         kernel = re.sub(r"_\d+$", "", ptx.stem.removeprefix("msa_mosaic_"))
+        print(f"{kernel:<10} {resources}")
         for loop in wgmma_loops(sass):
             print(loop_line(kernel, loop))
     if args.out:

@@ -48,3 +48,30 @@ def test_a_loop_around_a_wgmma_loop_counts_alone_where_it_is_the_only_one():
     (loop,) = sass.wgmma_loops(outer_only)
     assert (loop.first, loop.last) == (2, 13) and loop.opcodes["FADD"] == 1
     assert sass.wgmma_loops(SASS.replace("HGMMA", "IMAD")) == []
+
+
+def test_resources_line_reads_registers_and_spills_from_ptxas():
+    report = """ptxas info    : Compiling entry function 'k' for 'sm_90a'
+ptxas info    : Function properties for k
+    48 bytes stack frame, 52 bytes spill stores, 160 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers, 48 bytes cumulative stack size"""
+    assert sass.resources_line(report) == "168 registers, spills 52 B stored / 160 B loaded"
+    assert sass.resources_line("") == "? registers, spills ? B stored / ? B loaded"
+
+
+def test_embedded_cubin_is_the_last_binary_of_the_pass_dump():
+    """The cubin Mosaic GPU prints in its pass dump: printable bytes as they are,
+    the others as \\XX escapes; the last `gpu.binary` is the compiled one."""
+    raw = bytes([0x7F]) + b"ELF" + bytes([0, 2, 0x22, 0x5C, 0xBE]) + b"ab"
+    escaped = "".join(chr(b) if 32 <= b < 127 and b not in (0x22, 0x5C) else f"\\{b:02X}"
+                      for b in raw)
+    dump = (
+        '// -----// IR Dump Before GpuAssemblyToBinaryPass //----- //\n'
+        '  gpu.binary @k_kernel  [#gpu.object<#nvvm.target<O = 3, chip = "sm_90a">, '
+        'properties = {O = 3 : i32}, bin = "\\7Fold">]\n'
+        '// -----// IR Dump Before GpuLaunchLoweringPass //----- //\n'
+        '  gpu.binary @k_kernel  [#gpu.object<#nvvm.target<O = 3, chip = "sm_90a">, '
+        f'properties = {{O = 3 : i32}}, bin = "{escaped}">]\n'
+    )
+    assert sass.embedded_cubin(dump) == raw
+    assert sass.embedded_cubin("no binary here") is None
