@@ -123,15 +123,21 @@ LEAN_OPTIONS = {"staggered_bias": False, "mask_without_select": True}
 
 
 def kernel_options_config(config, plan, options: dict):
-    """`config` with `options` (fields of `MosaicTiles`) set in the plan's Mosaic forward
-    and backward tiles, each kernel's tiles otherwise as planned; as it is where neither
-    kernel is Mosaic's."""
+    """`config` with `options` (fields of `MosaicTiles`) set in every Mosaic kernel's
+    tiles: those `config` sets (`persistent_backward_config`'s, say), else the plan's; as
+    it is where neither of the plan's backends is Mosaic's."""
     changes = {}
     if plan.forward == "mosaic":
-        changes["mosaic_forward"] = dataclasses.replace(plan.forward_tiles, **options)
+        changes["mosaic_forward"] = dataclasses.replace(
+            config.mosaic_forward or plan.forward_tiles, **options)
     if plan.backward == "mosaic":
-        changes["mosaic_backward"] = planned_backward_tiles(
-            plan, **{kernel: options for kernel in ("dkdv", "dq", "dbias")})
+        per_kernel = {kernel: options for kernel in ("dkdv", "dq", "dbias")}
+        if config.mosaic_backward is None:
+            changes["mosaic_backward"] = planned_backward_tiles(plan, **per_kernel)
+        else:
+            changes["mosaic_backward"] = dataclasses.replace(config.mosaic_backward, **{
+                kernel: dataclasses.replace(getattr(config.mosaic_backward, kernel), **options)
+                for kernel in per_kernel})
     return dataclasses.replace(config, **changes) if changes else config
 
 

@@ -448,6 +448,11 @@ def test_lean_variant_sets_the_options_in_every_planned_mosaic_kernel():
         assert tiles == dataclasses.replace(planned[kernel], **options), kernel
         assert not tiles.staggered_bias and tiles.mask_without_select
     assert lean.mosaic_backward.ping_pong == plan.ping_pong
+    # On tiles a config already sets (here the persistent dq and dk/dv), those are kept.
+    persistent = alternatives.persistent_backward_config(config, plan)
+    both = alternatives.kernel_options_config(persistent, plan, options).mosaic_backward
+    assert both.dq == dataclasses.replace(persistent.mosaic_backward.dq, **options)
+    assert both.dq.persistent and both.dkdv.persistent and not both.dkdv.staggered_bias
     triton = msa_pallas.explain(q, q, q, bias, implementation="triton")
     assert alternatives.kernel_options_config(config, triton, options) is config
     for variant in ("msa_pallas_lean", "msa_pallas_skip_lean"):
