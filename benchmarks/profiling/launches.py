@@ -310,26 +310,38 @@ def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None, prog: str | None = None) -> int:
-    args = make_parser(prog).parse_args(argv)
+def compile_mesh(args):
+    """The one-device mesh `compile_op` compiles for: the `--deviceless` GPU (its
+    environment prepared before JAX starts its backends), else this machine's first
+    device."""
     if args.deviceless:
         prepare_deviceless_environment()
     import jax
     from jax.sharding import Mesh
 
     if args.deviceless:
-        mesh = deviceless_mesh(args.deviceless)
-    else:
-        mesh = Mesh(jax.devices()[:1], ("devices",))
-    compiled = compile_op(args, mesh)
-    launches = entry_launches(compiled.as_text())
-    device = mesh.devices.flat[0].device_kind
+        return deviceless_mesh(args.deviceless)
+    return Mesh(jax.devices()[:1], ("devices",))
+
+
+def compiled_what(args, mesh) -> str:
+    """What `compile_op` compiled for `args`, and for which device: a heading's words."""
     what = "forward" if args.forward_only else "forward+backward"
     flags = [f"skip={args.skip}", f"dropout={args.dropout_rate}", f"gate={not args.no_gate}"]
     if args.kernel_options:
         flags.append(f"kernel options {args.kernel_options}")
-    print(f"# {what} at {args.shape} {args.dtype}, bias {args.bias_dtype}, "
-          f"{args.implementation}, {', '.join(flags)}, compiled for {device}")
+    return (f"{what} at {args.shape} {args.dtype}, bias {args.bias_dtype}, "
+            f"{args.implementation}, {', '.join(flags)}, compiled for "
+            f"{mesh.devices.flat[0].device_kind}")
+
+
+def main(argv=None, prog: str | None = None) -> int:
+    args = make_parser(prog).parse_args(argv)
+    mesh = compile_mesh(args)
+    compiled = compile_op(args, mesh)
+    launches = entry_launches(compiled.as_text())
+    device = mesh.devices.flat[0].device_kind
+    print(f"# {compiled_what(args, mesh)}")
     print(f"{len(launches)} launches")
     print(f"{'':3}  {'opcode':<12} {'instruction':<36} {'MB in':>8} {'MB out':>8}  runs")
     for index, launch in enumerate(launches):

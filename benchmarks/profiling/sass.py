@@ -194,21 +194,11 @@ def main(argv=None, prog: str | None = None) -> int:
     os.environ["MOSAIC_GPU_DUMP_PTX"] = "1"
     os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
     os.environ["MOSAIC_GPU_DUMP_TO"] = str(out)
-    if args.deviceless:
-        launches.prepare_deviceless_environment()
-    import jax
-    from jax.sharding import Mesh
-
-    mesh = (launches.deviceless_mesh(args.deviceless) if args.deviceless
-            else Mesh(jax.devices()[:1], ("devices",)))
+    mesh = launches.compile_mesh(args)
     launches.compile_op(args, mesh)
     ptx_files = sorted(out.glob("*.ptx"))
-    what = "forward" if args.forward_only else "forward+backward"
-    options = f", kernel options {args.kernel_options}" if args.kernel_options else ""
-    print(f"# {what} at {args.shape} {args.dtype}, bias {args.bias_dtype}, "
-          f"skip={args.skip}, dropout={args.dropout_rate}{options}, compiled for "
-          f"{mesh.devices.flat[0].device_kind}: the Mosaic kernels' innermost wgmma loops, "
-          "one pass of each body")
+    print(f"# {launches.compiled_what(args, mesh)}: the Mosaic kernels' innermost wgmma "
+          "loops, one pass of each body")
     if not ptx_files:
         print("no Mosaic GPU kernel was compiled")
         return 1
