@@ -131,13 +131,10 @@ def kernel_options_config(config, plan, options: dict):
         changes["mosaic_forward"] = dataclasses.replace(
             config.mosaic_forward or plan.forward_tiles, **options)
     if plan.backward == "mosaic":
-        per_kernel = {kernel: options for kernel in ("dkdv", "dq", "dbias")}
-        if config.mosaic_backward is None:
-            changes["mosaic_backward"] = planned_backward_tiles(plan, **per_kernel)
-        else:
-            changes["mosaic_backward"] = dataclasses.replace(config.mosaic_backward, **{
-                kernel: dataclasses.replace(getattr(config.mosaic_backward, kernel), **options)
-                for kernel in per_kernel})
+        tiles = config.mosaic_backward or planned_backward_tiles(plan)
+        changes["mosaic_backward"] = dataclasses.replace(tiles, **{
+            kernel: dataclasses.replace(getattr(tiles, kernel), **options)
+            for kernel in ("dkdv", "dq", "dbias")})
     return dataclasses.replace(config, **changes) if changes else config
 
 
