@@ -6,7 +6,8 @@ its variants: the Triton or the Mosaic kernels forced, msa_pallas_skip, traced i
 dk/dv kernels), msa_pallas_persistent, those kernels without skipping,
 msa_pallas_skip_k64, skipping with 64-key forward and dk/dv tiles, msa_pallas_lean, every
 Mosaic kernel with `LEAN_OPTIONS` (a select per logit fewer), msa_pallas_skip_lean, both,
-and msa_pallas_dpa,
+msa_pallas_skip_prologue, skipping with the backward's prologue kernel
+(`MosaicBackwardTiles.prologue_kernel`), and msa_pallas_dpa,
 `msa_pallas.dot_product_attention` in tokamax's layouts), xla (msa_pallas' plain-jnp
 path, the reference of the forward check), cudnn (`jax.nn.dot_product_attention`),
 cuequivariance (`cuequivariance_jax.triangle_attention`), tokamax_mosaic and
@@ -33,6 +34,7 @@ import jax.numpy as jnp
 
 import msa_pallas
 from msa_pallas.kernels.mosaic.support import supports as mosaic_supports
+from msa_pallas.kernels.mosaic.tiles import MosaicBackwardTiles, MosaicTiles
 # Unavailable, on_gpu and the importers are used by the scripts through this module too.
 from benchmarks.packages import (ALTERNATIVE_PACKAGES, Unavailable, import_cuequivariance,  # noqa: F401
                       import_tokamax, on_gpu, package_version, tokamax_with)
@@ -122,18 +124,29 @@ def narrow_key_tiles_config(config, plan):
 LEAN_OPTIONS = {"staggered_bias": False, "mask_without_select": True}
 
 
+def backward_options() -> frozenset[str]:
+    """The fields of `MosaicBackwardTiles` that are options of the three kernels
+    together, not of each kernel's tiles (`prologue_kernel`)."""
+    tile_fields = {field.name for field in dataclasses.fields(MosaicTiles)}
+    return frozenset(field.name for field in dataclasses.fields(MosaicBackwardTiles)
+                     if field.type in ("bool", bool) and field.name not in tile_fields)
+
+
 def kernel_options_config(config, plan, options: dict):
-    """`config` with `options` (fields of `MosaicTiles`) set in every Mosaic kernel's
-    tiles: those `config` sets (`persistent_backward_config`'s, say), else the plan's; as
-    it is where neither of the plan's backends is Mosaic's."""
+    """`config` with `options` set: fields of `MosaicTiles` in every Mosaic kernel's
+    tiles, those of `backward_options` in the backward's; the tiles `config` sets
+    (`persistent_backward_config`'s, say), else the plan's; as it is where neither of
+    the plan's backends is Mosaic's."""
+    together = {name: value for name, value in options.items() if name in backward_options()}
+    each = {name: value for name, value in options.items() if name not in together}
     changes = {}
-    if plan.forward == "mosaic":
+    if plan.forward == "mosaic" and each:
         changes["mosaic_forward"] = dataclasses.replace(
-            config.mosaic_forward or plan.forward_tiles, **options)
+            config.mosaic_forward or plan.forward_tiles, **each)
     if plan.backward == "mosaic":
         tiles = config.mosaic_backward or planned_backward_tiles(plan)
-        changes["mosaic_backward"] = dataclasses.replace(tiles, **{
-            kernel: dataclasses.replace(getattr(tiles, kernel), **options)
+        changes["mosaic_backward"] = dataclasses.replace(tiles, **together, **{
+            kernel: dataclasses.replace(getattr(tiles, kernel), **each)
             for kernel in ("dkdv", "dq", "dbias")})
     return dataclasses.replace(config, **changes) if changes else config
 
@@ -196,6 +209,10 @@ build_msa_pallas_lean = _msa_pallas_builder(None, kernel_options=LEAN_OPTIONS)
 # ... and skipping padding: the padded shapes' cells of issue 36 with them.
 build_msa_pallas_skip_lean = _msa_pallas_builder(None, skip_padding=True,
                                                  kernel_options=LEAN_OPTIONS)
+# Skipping, with the backward's prologue in one Pallas kernel in place of XLA's passes
+# (`MosaicBackwardTiles.prologue_kernel`): whether reading each row once pays.
+build_msa_pallas_skip_prologue = _msa_pallas_builder(
+    None, skip_padding=True, kernel_options={"prologue_kernel": True})
 
 
 def build_msa_pallas_mosaic(case: Case) -> Callables:
@@ -410,6 +427,7 @@ IMPLEMENTATIONS: dict[str, Callable[[Case], Callables]] = {
     "msa_pallas_skip_k64": build_msa_pallas_skip_k64,
     "msa_pallas_lean": build_msa_pallas_lean,
     "msa_pallas_skip_lean": build_msa_pallas_skip_lean,
+    "msa_pallas_skip_prologue": build_msa_pallas_skip_prologue,
     "msa_pallas_dpa": build_msa_pallas_dpa,
     "xla": build_xla,
     "cudnn": build_cudnn,
@@ -424,7 +442,7 @@ REFERENCE_POINTS = ("jax_mha_nobias",)
 # msa_pallas' own variants: checked, timed, never a yardstick.
 OWN_VARIANTS = ("msa_pallas_triton", "msa_pallas_mosaic", "msa_pallas_skip",
                 "msa_pallas_persistent", "msa_pallas_skip_k64", "msa_pallas_lean",
-                "msa_pallas_skip_lean", "msa_pallas_dpa")
+                "msa_pallas_skip_lean", "msa_pallas_skip_prologue", "msa_pallas_dpa")
 # What the full table measures unless asked for more: msa_pallas and every
 # alternative (the variants and reference points add half again to its time).
 TABLE_IMPLEMENTATIONS = tuple(

@@ -169,6 +169,11 @@ class CallPlan:
         removes (`kernels.key_tiles.skipping_padding`; a mask given). With
         dropout the forward and dk/dv visit the rows that keep no key.
       dropout_rate: attention dropout's rate (`msa_pallas.dropout`); 0 for none.
+      prologue_kernel: the backward kernels' `do`, statistics and dead
+        rows' dv (and the gate's gradient) come from one Pallas kernel
+        (`kernels.triton.backward_prologue`), not XLA's passes: asked by
+        `MosaicBackwardTiles.prologue_kernel`, taken where padding is
+        skipped on the Mosaic forward and backward without dropout.
       target: the device traced for.
       reason: why these kernels, in one line.
     """
@@ -190,6 +195,7 @@ class CallPlan:
     interpret: bool = False
     skips_padding: bool = False
     dropout_rate: float = 0.0
+    prologue_kernel: bool = False
 
     def tiles_of(self, kernel: str):
         """The tiles of backward kernel `kernel`, or None where it does not run."""
@@ -210,6 +216,9 @@ class CallPlan:
                              " by dq and dbias alone (dropout drops their uniform weights)")
             elif self.skips_padding:
                 lines.append("  padding: key tiles and MSA rows the mask removes are skipped")
+            if self.prologue_kernel:
+                lines.append("  backward prologue: do, the gate's gradient, the statistics and"
+                             " dead rows' dv in one Pallas kernel")
             if self.dropout_rate:
                 lines.append(f"  attention dropout: rate {self.dropout_rate} in the kernels")
             for name, width in (("forward", self.forward_head_dim),
@@ -362,8 +371,14 @@ def plan_call(
         )
         backward_tiles = (("dkdv", tiles.dkdv), ("dq", tiles.dq), ("dbias", tiles.dbias))
         ping_pong = tiles.ping_pong
+        # It reads the Mosaic forward's dead-row means, which exist only
+        # where it skips dead rows: without dropout.
+        prologue_kernel = (
+            tiles.prologue_kernel and skipping and forward == "mosaic" and not dropout_rate
+        )
     else:
         backward, backward_head_dim, ping_pong = "triton", head_dim, False
+        prologue_kernel = False
         backward_tiles = (("dkdv", config.backward_dkdv),)
         if config.fuses_dq_dbias(n_res):
             backward_tiles += (("dq_dbias", config.backward_dq_dbias),)
@@ -375,4 +390,5 @@ def plan_call(
         backward_head_dim, forward_tiles, backward_tiles, ping_pong, bias_dtype, interpret,
         skips_padding=skipping,
         dropout_rate=float(dropout_rate),
+        prologue_kernel=prologue_kernel,
     )

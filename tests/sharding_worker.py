@@ -260,6 +260,63 @@ def run_case(implementation, axis_type, spec_axes, options) -> dict:
     )
 
 
+# The backward's prologue kernel alone (`vjp.partitioned_prologue`: the
+# Mosaic kernels around it run only on a GPU), gated or not, B and S or B
+# and H sharded: id -> (specs kwargs, gated).
+PROLOGUE_CASES = {
+    "prologue-batch-rows": (dict(batch_axis="data", row_axis="rows"), True),
+    "prologue-batch-heads-no-gate": (dict(batch_axis="data", head_axis="rows"), False),
+}
+
+
+def run_prologue_case(spec_axes, gated: bool) -> dict:
+    """The prologue on sharded operands against one device: a dead row in
+    each batch element, NaN in what it must not read (dead rows'
+    residuals, live rows' means)."""
+    from msa_pallas.kernels import vjp
+
+    B, S, N, H, d = SHAPE
+    mesh = jax.make_mesh((2, 4), ("data", "rows"), axis_types=(AxisType.Auto,) * 2)
+    rng = np.random.default_rng(5)
+    keep = rng.random((B, S, N)) >= 0.2
+    keep[:, 1] = False
+    dead = ~keep.any(axis=-1)
+    rows = lambda dtype: jnp.asarray(rng.standard_normal((B, S, N, H, d)), dtype)  # noqa: E731
+    dout, gate = rows(jnp.bfloat16), rows(jnp.bfloat16) if gated else None
+    attention = np.asarray(rng.standard_normal((B, S, N, H, d)), np.float32)
+    attention[dead] = np.nan
+    means = rng.standard_normal((B, S, H, d)).astype(np.float32)
+    means[~dead] = np.nan
+    planes = [rng.standard_normal((B, S, H, N)).astype(np.float32) for _ in range(2)]
+    for plane in planes:
+        plane[dead] = np.nan
+    args = [dout, gate, jnp.asarray(attention), jnp.asarray(means), *map(jnp.asarray, planes),
+            jnp.asarray(keep, jnp.int8)]
+    specs = msa_partition_specs(**spec_axes)
+    vectors = P(*specs.rows[:2], specs.rows[3], None)
+    placement = [specs.rows, specs.rows, specs.rows, vectors,
+                 P(*specs.rows[:2], specs.rows[3], None), P(*specs.rows[:2], specs.rows[3], None),
+                 specs.mask]
+
+    def prologue(*args):
+        return vjp.partitioned_prologue(*args, do_dtype=jnp.bfloat16, interpret=True)
+
+    place = lambda x, spec: x if x is None else jax.device_put(x, NamedSharding(mesh, spec))
+    compiled = jax.jit(prologue).lower(*[place(x, s) for x, s in zip(args, placement)]).compile()
+    hlo = compiled.as_text()
+    got = compiled(*[place(x, s) for x, s in zip(args, placement)])
+    single = [None if x is None else jax.device_put(x, jax.devices()[0]) for x in args]
+    expected = jax.jit(prologue)(*single)
+    errors = {
+        name: _rel_err(a, b) if np.all(np.isfinite(helpers.to_f64(a))) else float("inf")
+        for name, a, b in zip(("do", "dgate", "stats", "dead_dv"), got, expected)
+        if b is not None
+    }
+    return dict(errors=errors, moved=result_shapes(hlo, MOVES_DATA),
+                reduced=result_shapes(hlo, ("all-reduce", "reduce-scatter")),
+                do_spec=_spec_entries(got[0].sharding.spec), error=None)
+
+
 def run_export_case() -> dict:
     """`jax.export` of a sharded step for 8 CPU devices, serialised,
     deserialised and called. With `sharded_msa_row_attention` (shard_map) the
@@ -306,11 +363,13 @@ def main(path: str, names=None) -> None:
 
     assert len(jax.devices()) == 8, jax.devices()
     results = {}
-    for name in names or [*CASES, "export"]:
+    for name in names or [*CASES, *PROLOGUE_CASES, "export"]:
         start = time.perf_counter()
         try:
             if name == "export":
                 results[name] = run_export_case()
+            elif name in PROLOGUE_CASES:
+                results[name] = run_prologue_case(*PROLOGUE_CASES[name])
             elif name in sharding_bf16_worker.BF16_CASES:
                 results[name] = sharding_bf16_worker.run_bf16_bias_case(
                     *sharding_bf16_worker.BF16_CASES[name])

@@ -11,6 +11,8 @@ padding, masks that change between rows.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -157,3 +159,84 @@ def test_gpu_padded_crop_with_dropout(bias_dtype, seed):
     inputs = inputs._replace(mask=jnp.asarray(keep))
     _check_skipping_with_dropout(inputs, None, 0.1, jax.random.key(seed % 1000),
                                  "gpu padded crop dropout", bitwise=False)
+
+
+def _prologue_config(inputs, prologue_kernel: bool):
+    """The default block config with the Mosaic backward tiles of the
+    skipping plan, `prologue_kernel` set."""
+    q, _, _, bias, mask, gate, _ = inputs.args
+    with msa_pallas.skipping_padding():
+        plan = msa_pallas.explain(q, q, q, bias, mask, gate, implementation="mosaic")
+    tiles = msa_pallas.MosaicBackwardTiles(
+        **dict(plan.backward_tiles), ping_pong=plan.ping_pong, prologue_kernel=prologue_kernel)
+    config = msa_pallas.default_block_config(q.shape[2], q.shape[-1], q.dtype, bias.dtype)
+    return dataclasses.replace(config, mosaic_backward=tiles)
+
+
+def check_prologue_kernel(inputs, name: str):
+    """Skipping on the Mosaic kernels with the backward's prologue kernel
+    (`kernels.triton.backward_prologue`) in place of XLA's passes: the plan
+    takes it, the forward is bit for bit the same, the gradients the same up
+    to float32 sums grouped otherwise, and both against float64."""
+    q, _, _, bias, mask, gate, _ = inputs.args
+    configs = {on: _prologue_config(inputs, on) for on in (True, False)}
+    with msa_pallas.skipping_padding():
+        plans = {on: msa_pallas.explain(q, q, q, bias, mask, gate, implementation="mosaic",
+                                        block_config=configs[on]) for on in (True, False)}
+    assert plans[True].prologue_kernel and not plans[False].prologue_kernel
+    assert "backward prologue" in str(plans[True])
+    results = {on: helpers.fwd_bwd("mosaic", block_config=configs[on], skip_padding=True)(
+        *inputs.args) for on in (True, False)}
+    (out, grads), (out_xla, grads_xla) = results[True], results[False]
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out_xla, np.float32))
+    for grad, grad_xla, grad_name in zip(grads, grads_xla, ("dq", "dk", "dv", "dbias", "dgate")):
+        if grad_xla is None:
+            assert grad is None, grad_name
+            continue
+        helpers.assert_finite(grad, grad_name)
+        assert helpers.rel_err(grad, grad_xla) < 2e-3, (name, grad_name)
+    helpers.compare(results[True], helpers.numpy_results(inputs), TOLERANCE[jnp.dtype(q.dtype)],
+                    f"{name} prologue kernel", floor=1e-3)
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gate", "no-gate"])
+def test_backward_prologue_kernel(gated, seed):
+    (batch, rows, n_res, heads, head_dim), dtype, _ = CASES["middle-all-padding-d8"]
+    inputs = helpers.random_inputs(seed, batch, rows, 64, 2, 16, dtype)
+    keep = helpers.padded_mask(batch, rows, 64, seed, dead=(1, 3), dead_batch=(1,))
+    inputs = inputs._replace(mask=jnp.asarray(keep))
+    if not gated:
+        inputs = inputs._replace(gate=None)
+    check_prologue_kernel(inputs, "prologue " + ("gate" if gated else "no gate"))
+
+
+def test_backward_prologue_kernel_is_not_taken_with_dropout(seed):
+    """With dropout the forward has no dead-row means to hand it (it visits
+    dead rows whole): the plan keeps XLA's passes."""
+    inputs = _inputs("end-dead-rows", seed)
+    q, _, _, bias, mask, gate, _ = inputs.args
+    config = _prologue_config(inputs, True)
+    with msa_pallas.skipping_padding():
+        plan = msa_pallas.explain(q, q, q, bias, mask, gate, implementation="mosaic",
+                                  block_config=config, dropout_rate=0.1,
+                                  dropout_rng=jax.random.key(0))
+        assert not plan.prologue_kernel and "backward prologue" not in str(plan)
+    plan = msa_pallas.explain(q, q, q, bias, mask, gate, implementation="mosaic",
+                              block_config=config)
+    assert not plan.prologue_kernel, "taken without skipping"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16], ids=["bias-f32", "bias-bf16"])
+def test_gpu_backward_prologue_kernel(bias_dtype, seed):
+    """At a train-like size with the padded crop's mask (a quarter of the
+    residues and rows padding), gated, and d = 8 pairs with a dead batch element."""
+    from benchmarks import shapes
+
+    for dims in ((1, 16, 256, 8, 32), (2, 8, 200, 8, 8)):
+        keep = np.asarray(shapes.make_mask(shapes.Shape("padded", dims, mask="padded"),
+                                           jax.random.key(seed % 1000)))
+        if dims[0] > 1:
+            keep[-1] = False  # a batch element all padding
+        inputs = helpers.random_inputs(seed, *dims, jnp.bfloat16, bias_dtype=bias_dtype)
+        check_prologue_kernel(inputs._replace(mask=jnp.asarray(keep)), f"gpu {dims}")

@@ -135,6 +135,22 @@ def test_results_stay_sharded(case, records):
     assert _normalise(record["dbias_spec"]) == _normalise(bias), (case, record["dbias_spec"], bias)
 
 
+@pytest.mark.parametrize("case", list(sharding_worker.PROLOGUE_CASES))
+def test_prologue_sharded_matches_unsharded(case, records):
+    """The backward's prologue kernel (`kernels.triton.backward_prologue`) on
+    each device's shard: the unsharded results, no data moved, no sum, `do`
+    sharded like the cotangent."""
+    spec_axes, gated = sharding_worker.PROLOGUE_CASES[case]
+    record = records[case]
+    assert record["error"] is None, record["error"]
+    assert set(record["errors"]) == {"do", "stats", "dead_dv"} | ({"dgate"} if gated else set())
+    bad = {n: e for n, e in record["errors"].items() if not e <= 1e-6}
+    assert not bad, f"{case}: relative errors against the unsharded run above 1e-6: {bad}"
+    assert record["moved"] == [] and record["reduced"] == [], record
+    rows, _ = _expected_specs(spec_axes, {})
+    assert _normalise(record["do_spec"]) == _normalise(rows), (case, record["do_spec"], rows)
+
+
 def test_residue_sharding_is_gathered_not_wrong(records):
     """N cannot be split (each query needs every key): the partitioner gathers
     it. The results above stay equal to the unsharded run."""

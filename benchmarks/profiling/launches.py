@@ -264,21 +264,31 @@ def compile_op(args, mesh):
             )
 
         def loss(*operands):
-            return jnp.sum(op(*operands).astype(jnp.float32) ** 2)
+            # The cotangent an input, as in the op benchmark (`alternatives.jitted_pair`):
+            # no XLA computation of it to fuse into the backward's first pass.
+            *operands, cotangent = operands
+            out = op(*operands).astype(jnp.float32)
+            return jnp.sum(out * cotangent.astype(jnp.float32))
 
-        program = op if args.forward_only else jax.grad(loss, argnums=(0, 1, 2, 3, 4))
+        if args.forward_only:
+            program, operands = op, (rows_like, rows_like, rows_like, bias, rows_like, mask, key)
+        else:
+            # Without a gate its operand is unused: no zero gradient for it.
+            program = jax.grad(loss, argnums=(0, 1, 2, 3) if args.no_gate else (0, 1, 2, 3, 4))
+            operands = (rows_like, rows_like, rows_like, bias, rows_like, mask, key, rows_like)
         with msa_pallas.skipping_padding(args.skip):
-            traced = jax.jit(program).trace(rows_like, rows_like, rows_like, bias, rows_like,
-                                            mask, key)
+            traced = jax.jit(program).trace(*operands)
             return traced.lower().compile()
 
 
 def parse_kernel_options(text: str) -> dict[str, bool]:
-    """`"staggered_bias=0,mask_without_select=1"` -> {field of `MosaicTiles`: bool}."""
+    """`"staggered_bias=0,mask_without_select=1"` -> {field of `MosaicTiles`, or of
+    `alternatives.backward_options` (`prologue_kernel`): bool}."""
+    from benchmarks.alternatives import backward_options
     from msa_pallas.kernels.mosaic.tiles import MosaicTiles
 
     flags = {field.name for field in dataclasses.fields(MosaicTiles)
-             if field.type in ("bool", bool)}
+             if field.type in ("bool", bool)} | backward_options()
     options = {}
     for item in filter(None, text.split(",")):
         name, _, value = item.partition("=")

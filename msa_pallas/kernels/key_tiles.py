@@ -41,7 +41,8 @@ Arrays are int32 whatever `jax_enable_x64` says (the kernels' index type).
 
 The Mosaic forward leaves the dead rows' output, and the Mosaic dk/dv
 kernel their dv's means, to small kernels that read and write those rows
-alone (`triton.dead_rows`); the Triton kernels compute them themselves.
+alone (`triton.dead_rows`, or, for the means, `triton.backward_prologue`);
+the Triton kernels compute them themselves.
 
 With attention dropout a dead row's uniform weights are dropped too, so
 its output and dv have no shortcut: the forward and dk/dv kernels then

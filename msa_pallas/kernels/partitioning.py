@@ -48,6 +48,8 @@ MASK = "b s j"  # [B, S, N]
 STATS = "b s h i"  # row max, log2 row sum, delta: [B, S, H, N]
 STACKED_STATS = "b s h t i"  # the three stacked: [B, S, H, 3, N]
 SEEDS = "b s h"  # attention dropout's row seeds: [B, S, H]
+ROWS = "b s"  # a value per MSA row: [B, S]
+ROW_VECTORS = "b s h d"  # a vector per MSA row and head (dead rows' means): [B, S, H, d]
 
 SHARDABLE = ("b", "s", "h")
 WHOLE = ("i", "j", "d", "t")  # must not be split across devices

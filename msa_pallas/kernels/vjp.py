@@ -26,7 +26,15 @@ from `p @ v`: `ds = p * (do.v - delta)` is a difference of nearly equal
 numbers when a softmax row is close to one-hot, and a bf16-rounded o there
 costs a gradient error of several percent.
 
-Each kernel call (forward, dk/dv, dq, dbias) goes through
+Where the plan asks for it (`plan.prologue_kernel`: skipping padding on the
+Mosaic kernels, no dropout), `do`, the gate's gradient, the stacked
+statistics and the dead rows' dv come from one Pallas kernel
+(`triton.backward_prologue`) in place of these XLA passes: the forward then
+saves its residuals as its kernel left them, with the dead rows' means of v,
+and the prologue reads a dead row's mean where XLA's select read its
+float32 row.
+
+Each kernel call (forward, dk/dv, dq, dbias, the prologue) goes through
 `partitioning.partitioned_call`: under `jax.jit` with inputs sharded over the
 batch, MSA-row or head axes, every device runs the kernel on its own shard
 (the bias gradient's partial sums over S are psum-ed), and on one device the
@@ -41,16 +49,19 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from msa_pallas.kernels.key_tiles import key_spans
 from msa_pallas.kernels.mosaic import backward as mosaic_backward
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
 from msa_pallas.kernels.mosaic.support import pad_head_dim
 from msa_pallas.kernels.triton import forward as triton_forward
+from msa_pallas.kernels.triton.backward_prologue import backward_prologue
 from msa_pallas.kernels.triton.backward import (
     backward_dbias, backward_dkdv, backward_dq, backward_dq_dbias,
 )
 from msa_pallas.validation import check_mosaic_interpreter
 from msa_pallas.kernels.partitioning import (
-    BIAS, KEY_ROWS, MASK, QUERY_ROWS, SEEDS, STACKED_STATS, STATS, partitioned_call,
+    BIAS, KEY_ROWS, MASK, QUERY_ROWS, ROW_VECTORS, ROWS, SEEDS, STACKED_STATS, STATS,
+    partitioned_call,
 )
 
 # Operand layouts of the kernels (partitioning.py): B, S and H may be sharded.
@@ -94,6 +105,10 @@ def _forward(q, k, v, bias, mask, gate, seeds, *, scale, plan, save_stats):
     mosaic = plan.forward == "mosaic"
     forward = mosaic_forward.attention_forward if mosaic else triton_forward.attention_forward
     skip = {"skip_masked" if mosaic else "skip_padding": plan.skips_padding}
+    if save_stats and plan.prologue_kernel:
+        # The residuals of dead rows unselected, and their means of v, for
+        # `backward_prologue`.
+        skip["dead_row_means"] = True
     args, in_layouts, dropout = _with_dropout(
         (q, k, v, bias, mask, gate), _FORWARD_IN, plan, seeds
     )
@@ -102,6 +117,8 @@ def _forward(q, k, v, bias, mask, gate, seeds, *, scale, plan, save_stats):
         save_stats=save_stats, **skip, **dropout,
     )
     outs = (QUERY_ROWS, QUERY_ROWS, STATS, STATS) if save_stats else (QUERY_ROWS,)
+    if save_stats and plan.prologue_kernel:
+        outs += (ROW_VECTORS,)
     if mosaic:
         return _mosaic_call(kernel, args, in_layouts, outs, interpret=plan.interpret)
     return partitioned_call(kernel, args, in_layouts, outs)
@@ -116,9 +133,10 @@ def _backward(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, seeds, *, s
     rounded once by the caller.
     """
     if plan.backward == "mosaic":
-        return _mosaic_backward(
-            q, k, v, bias, mask, do, row_max, row_log2_sum, delta, seeds, scale=scale, plan=plan
-        )
+        # The three row statistics stacked into one `[B, S, H, 3, N]` array:
+        # one TMA copy per tile instead of three.
+        stats = jnp.stack([row_max, row_log2_sum, delta], axis=3)
+        return _mosaic_backward(q, k, v, bias, mask, do, stats, seeds, scale=scale, plan=plan)
     operands, in_layouts, dropout = _with_dropout(
         (q, k, v, bias, mask, do, row_max, row_log2_sum, delta), _BACKWARD_IN, plan, seeds
     )
@@ -135,20 +153,19 @@ def _backward(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, seeds, *, s
     return grads["dq"], grads["dk"], grads["dv"], grads["dbias"]
 
 
-def _mosaic_backward(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, seeds, *,
-                     scale, plan):
-    """`_backward` on the Mosaic GPU kernels (`kernels/mosaic/backward/`):
-    q, k, v and `do` zero-padded to the plan's `backward_head_dim` where it
-    is wider than d (for the Mosaic forward the op has padded them already;
-    the Triton forward that a float32 Mosaic backward follows takes d = 8 as
-    it is), and the three row statistics stacked into one `[B, S, H, 3, N]`
-    array, one TMA copy per tile instead of three."""
+def _mosaic_backward(q, k, v, bias, mask, do, stats, seeds, *, scale, plan, dead_dv=None):
+    """`_backward` on the Mosaic GPU kernels (`kernels/mosaic/backward/`),
+    the row statistics stacked (`[B, S, H, 3, N]`): q, k, v and `do`
+    zero-padded to the plan's `backward_head_dim` where it is wider than d
+    (for the Mosaic forward the op has padded them already; the Triton
+    forward that a float32 Mosaic backward follows takes d = 8 as it is).
+    `dead_dv`: the dead rows' dv for the dk/dv kernel where the caller has
+    it (`backward_prologue`), else None."""
     head_dim = q.shape[-1]  # wider than the call's where the op padded it
     if plan.backward_head_dim > head_dim:
         q, k, v, do = (pad_head_dim(x) for x in (q, k, v, do))
     operands, in_layouts, dropout = _with_dropout(
-        (q, k, v, bias, mask, do, jnp.stack([row_max, row_log2_sum, delta], axis=3)),
-        _MOSAIC_BACKWARD_IN, plan, seeds,
+        (q, k, v, bias, mask, do, stats), _MOSAIC_BACKWARD_IN, plan, seeds,
     )
     turns = {"ping_pong": plan.ping_pong}
     kernels = {
@@ -159,14 +176,26 @@ def _mosaic_backward(q, k, v, bias, mask, do, row_max, row_log2_sum, delta, seed
     grads = {}
     for name, tiles in plan.backward_tiles:
         kernel, out_layouts, extra = kernels[name]
+        args, layouts = operands, in_layouts
+        if name == "dkdv" and dead_dv is not None:
+            kernel = _dead_dv_last(kernel)
+            args, layouts = (*operands, dead_dv), (*in_layouts, ROW_VECTORS)
         bound = functools.partial(
             kernel, scale=scale, tiles=tiles, interpret=plan.interpret,
             skip_masked=plan.skips_padding, **extra, **dropout,
         )
-        outs = _mosaic_call(bound, operands, in_layouts, out_layouts, interpret=plan.interpret)
+        outs = _mosaic_call(bound, args, layouts, out_layouts, interpret=plan.interpret)
         grads.update(zip(_OUTPUTS[name], outs))
     return (grads["dq"][..., :head_dim], grads["dk"][..., :head_dim],
             grads["dv"][..., :head_dim], grads["dbias"])
+
+
+def _dead_dv_last(backward_dkdv):
+    """The dk/dv kernel taking the dead rows' dv as its last operand, not a
+    keyword: so `partitioned_call` shards it with the others."""
+    return lambda *operands, **options: backward_dkdv(
+        *operands[:-1], dead_dv=operands[-1], **options
+    )
 
 
 def kernel_bias(bias, dtype):
@@ -203,13 +232,13 @@ def fused_attention(q, k, v, bias, mask, gate, seeds, scale: float, plan):
 
 def _fused_attention_fwd(q, k, v, bias, mask, gate, seeds, scale, plan):
     rounded_bias = kernel_bias(bias, plan.bias_dtype)
-    out, attention, row_max, row_log2_sum = _forward(
+    # With the prologue kernel, a fifth result: the dead rows' means of v.
+    out, *row_residuals = _forward(
         q, k, v, rounded_bias, mask, gate, seeds, scale=scale, plan=plan, save_stats=True,
     )
     # The bias's own dtype travels as a zero-size array: residuals are arrays.
     bias_dtype_token = jnp.zeros((0,), bias.dtype)
-    residuals = (q, k, v, rounded_bias, bias_dtype_token, mask, gate, seeds, attention,
-                 row_max, row_log2_sum)
+    residuals = (q, k, v, rounded_bias, bias_dtype_token, mask, gate, seeds, *row_residuals)
     return out, residuals
 
 
@@ -226,7 +255,51 @@ def _round_to(x32, dtype):
     return jax.lax.reduce_precision(x32, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
+def partitioned_prologue(dout, gate, attention, means, row_max, row_log2_sum, mask, *,
+                         do_dtype, interpret: bool):
+    """`backward_prologue` as one SPMD-partitioned op (B, S and H may be
+    sharded, as for the kernels): `(do, dgate, stats, dead_dv)`; without a
+    gate `do` is dout itself and dgate None. `mask`: `[B, S, N]` int8, the
+    kernels' (its rows' ends tell the dead rows)."""
+    _, key_end = key_spans(mask, dout.shape[2])
+    gated = gate is not None
+
+    def prologue(*args):
+        results = backward_prologue(*args, do_dtype=do_dtype, interpret=interpret)
+        # Without a gate `do` is dout itself and there is no dgate.
+        return results if gated else results[2:]
+
+    results = partitioned_call(
+        prologue, (dout, gate, attention, means, row_max, row_log2_sum, key_end),
+        (QUERY_ROWS, QUERY_ROWS, QUERY_ROWS, ROW_VECTORS, STATS, STATS, ROWS),
+        (QUERY_ROWS, QUERY_ROWS, STACKED_STATS, ROW_VECTORS)[0 if gated else 2:],
+    )
+    return results if gated else (dout, None, *results)
+
+
+def _prologue_backward(scale, plan, residuals, dout):
+    """`_fused_attention_bwd` where `plan.prologue_kernel`: `do`, the gate's
+    gradient, the stacked statistics and the dead rows' dv from one Pallas
+    kernel (`backward_prologue`) that reads each row once, a dead row's
+    mean of v in place of its float32 output."""
+    (q, k, v, bias, bias_dtype_token, mask, gate, seeds, attention, row_max, row_log2_sum,
+     means) = residuals
+    do, dgate, stats, dead_dv = partitioned_prologue(
+        dout, gate, attention, means, row_max, row_log2_sum, mask, do_dtype=q.dtype,
+        interpret=plan.interpret,
+    )
+    # As in `_fused_attention_bwd`: what the kernels make of the bias is
+    # made after this, when the float32 o is no longer live.
+    stats, bias, dgate = lax.optimization_barrier((stats, bias, dgate))
+    dq, dk, dv, dbias = _mosaic_backward(
+        q, k, v, bias, mask, do, stats, seeds, scale=scale, plan=plan, dead_dv=dead_dv
+    )
+    return dq, dk, dv, dbias.astype(bias_dtype_token.dtype), None, dgate, None
+
+
 def _fused_attention_bwd(scale, plan, residuals, dout):
+    if plan.prologue_kernel:
+        return _prologue_backward(scale, plan, residuals, dout)
     (q, k, v, bias, bias_dtype_token, mask, gate, seeds, attention, row_max,
      row_log2_sum) = residuals
     dout32 = dout.astype(jnp.float32)

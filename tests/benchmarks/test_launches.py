@@ -93,6 +93,8 @@ def test_kernel_options_name_flags_of_mosaic_tiles():
     assert launches.parse_kernel_options("staggered_bias=0,mask_without_select=1") == {
         "staggered_bias": False, "mask_without_select": True}
     assert launches.parse_kernel_options("") == {}
+    # ... and `MosaicBackwardTiles.prologue_kernel`, the three backward kernels' together.
+    assert launches.parse_kernel_options("prologue_kernel=1") == {"prologue_kernel": True}
     for wrong in ("staggered=0", "mask_without_select=2", "block_k=64", "persistent"):
         try:
             launches.parse_kernel_options(wrong)

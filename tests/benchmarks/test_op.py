@@ -460,6 +460,32 @@ def test_lean_variant_sets_the_options_in_every_planned_mosaic_kernel():
         assert variant not in alternatives.TABLE_IMPLEMENTATIONS
 
 
+def test_prologue_variant_asks_for_the_prologue_kernel_and_keeps_the_tiles():
+    """msa_pallas_skip_prologue: the skipping plan's tiles as they are, every
+    kernel's, and `prologue_kernel` set on the backward's; the op's plan then
+    takes it (a mask, skipping, no dropout)."""
+    q = jax.ShapeDtypeStruct((1, 8, 256, 8, 32), jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((1, 8, 256, 256), jnp.float32)
+    mask = jax.ShapeDtypeStruct((1, 8, 256), jnp.bool_)
+    config = msa_pallas.default_block_config(256, 32, jnp.bfloat16, jnp.float32)
+    target = msa_pallas.dispatch.Target("gpu", 90)
+    with msa_pallas.skipping_padding():
+        plan = msa_pallas.dispatch.plan_call(q, q, q, bias, mask, implementation="mosaic",
+                                             target=target)
+        asked = alternatives.kernel_options_config(config, plan, {"prologue_kernel": True})
+        assert asked.mosaic_forward is None, "the forward's tiles are not the option's"
+        tiles = asked.mosaic_backward
+        assert tiles.prologue_kernel and tiles.ping_pong == plan.ping_pong
+        assert dict(plan.backward_tiles) == {k: getattr(tiles, k) for k in ("dkdv", "dq", "dbias")}
+        taken = msa_pallas.dispatch.plan_call(q, q, q, bias, mask, implementation="mosaic",
+                                              block_config=asked, target=target)
+        assert taken.prologue_kernel and not plan.prologue_kernel
+    assert alternatives.backward_options() == {"prologue_kernel"}
+    variant = "msa_pallas_skip_prologue"
+    assert variant in alternatives.OWN_VARIANTS and variant in alternatives.IMPLEMENTATIONS
+    assert variant not in alternatives.TABLE_IMPLEMENTATIONS
+
+
 # --- the targets table -------------------------------------------------------------------
 
 

@@ -445,12 +445,13 @@ def _kernel(
     jax.jit,
     static_argnames=(
         "scale", "tiles", "interpret", "save_stats", "key_bounds", "skip_masked", "dropout_rate",
+        "dead_row_means",
     ),
 )
 def attention_forward(
     q, k, v, bias, mask, gate, dropout_seeds=None, *, scale: float, tiles: MosaicTiles,
     interpret: bool, save_stats: bool, key_bounds=None, skip_masked: bool = False,
-    dropout_rate: float = 0.0,
+    dropout_rate: float = 0.0, dead_row_means: bool = False,
 ):
     """Runs the Mosaic GPU forward kernel; the contract of the Triton forward.
 
@@ -479,12 +480,18 @@ def attention_forward(
       dropout_rate: attention dropout on the probabilities (`dropout`'s
         mask, kept ones scaled by 1 / (1 - rate)); the row statistics are
         the undropped ones'. 0: none.
+      dead_row_means: with `save_stats`, skipping (a mask, no dropout): the
+        residuals of dead rows as the kernel left them (unwritten where it
+        had no item for them), and the dead rows' mean of v as a fifth
+        result, for `triton.backward_prologue`, which reads those in their
+        place.
 
     Returns:
       out `[B, S, N, H, d]` in q's dtype, and, if `save_stats`, the ungated
       attention output `[B, S, N, H, d]` in float32 (with dropout: dropped and
       scaled) and the float32 row max and log2 row sum, each `[B, S, H, N]`,
-      in base-2 units (the undropped weights').
+      in base-2 units (the undropped weights'); with `dead_row_means`, then
+      `[B, S, H, d]` float32, a dead row's mean of v (0 elsewhere).
     """
     check_kernel_inputs(q, bias, paired_heads=True)
     shape = batch, rows, n_res, heads, head_dim = q.shape
@@ -511,15 +518,23 @@ def attention_forward(
     )
     outs = launch(body, kernel_plan, inputs=inputs, out_types=out_types, interpret=interpret)
     outs = tuple(x.reshape(shapes.get(name, x.shape)) for name, x in zip(out_types, outs))
+    means = ()
     if skips_masked and dropout is None:
-        outs = _with_dead_rows(outs, v, gate, mask, n_res, interpret)
+        outs = _with_dead_rows(outs, v, gate, mask, n_res, interpret,
+                               selected=not (save_stats and dead_row_means))
+        if save_stats and dead_row_means:
+            *outs, means = outs
+            means = (means.reshape(*shape[:2], heads, head_dim),)
+    elif dead_row_means and save_stats:
+        raise ValueError("dead_row_means: only where dead rows are skipped (a mask, "
+                         "skip_masked, no dropout)")
     if save_stats:
         out, attention, row_max, row_log2_sum = outs
-        outs = (out, attention, row_max[..., :n_res], row_log2_sum[..., :n_res])
+        outs = (out, attention, row_max[..., :n_res], row_log2_sum[..., :n_res], *means)
     return outs if save_stats else outs[0]
 
 
-def _with_dead_rows(results, v, gate, mask, n_res: int, interpret: bool):
+def _with_dead_rows(results, v, gate, mask, n_res: int, interpret: bool, selected: bool = True):
     """The kernel's `results` (out, and with the residuals the float32
     attention output and the row statistics on their padded planes) with
     the rows whose keys are all masked given their exact values (SPEC §1:
@@ -528,11 +543,14 @@ def _with_dead_rows(results, v, gate, mask, n_res: int, interpret: bool):
     by `fill_dead_rows`; the attention output that mean, the row max the
     masked logit (base 2) and the log2 sum log2(N), as selects that XLA
     fuses into what reads them (the backward's passes), so that no float32
-    row is written for a dead row."""
+    row is written for a dead row. Not `selected`: the residuals as they
+    are, and the dead rows' means of v appended."""
     out, *residuals = results
     out, means = fill_dead_rows(out, v, gate, mask, n_res=n_res, interpret=interpret)
     if not residuals:
         return (out,)
+    if not selected:
+        return (out, *residuals, means)
     attention, row_max, row_log2_sum = residuals
     dead = dead_rows(mask, n_res)
     rows, planes = dead[:, :, None, None, None], dead[:, :, None, None]

@@ -79,7 +79,7 @@ the ring's slots counted from the loop's first step (`pipeline.produce`,
 hold its row group's kept keys; dk/dv runs its query loop only where a row
 of the group keeps a key of its key tile, and a dead row there takes the
 mean of its `do` as dv (`triton.dead_rows.dead_row_means`, which reads
-dead rows alone; with dropout, which drops a dead row's uniform weights
+dead rows alone, or the caller's, `triton.backward_prologue`; with dropout, which drops a dead row's uniform weights
 too, a dead row's query loops run as for a row keeping every key); dbias
 sums the rows between the first and the last that keep a key of its key
 tile, shared out among its row chunks. What is left out adds exactly 0,

@@ -298,7 +298,7 @@ def _dkdv_kernel(
 def backward_dkdv(
     q, k, v, bias, mask, do, stats, dropout_seeds=None, *, scale: float, tiles: MosaicTiles,
     interpret: bool, ping_pong: bool = True, tile_bounds=None, skip_masked: bool = False,
-    dropout_rate: float = 0.0,
+    dropout_rate: float = 0.0, dead_dv=None,
 ):
     """dk, dv `[B, S, N, H, d]` in q's dtype (arguments as in
     `kernels.mosaic.backward`'s docstring; float32 q, k, v and do as in
@@ -336,6 +336,10 @@ def backward_dkdv(
         rate 0: none), `do` and the statistics' delta scaled as
         `operands.recompute` says: `dv = (p keep)^T do`, `ds = p (keep dp -
         delta)`.
+      dead_dv: skipping without dropout, `[B, S, H·d]` float32, each dead
+        row's mean of `do` over the residues and 0 for the other rows, where
+        the caller has it (`triton.backward_prologue`); None: computed here
+        (`triton.dead_rows.dead_row_means`).
     """
     check_kernel_inputs(q, bias, float32=True, paired_heads=q.dtype != jnp.float32)
     batch, rows, n_res, heads = q.shape[:4]
@@ -348,10 +352,12 @@ def backward_dkdv(
     # With dropout a dead row's dv has no shortcut (its uniform weights are
     # dropped too): its query loops run, as a row keeping every key's would.
     skips_dead_rows = skips and dropout is None
-    dead_dv = None
-    if skips_dead_rows:
+    if not skips_dead_rows:
+        dead_dv = None
+    elif dead_dv is None:
         # `do` as the kernels multiply it, in q's dtype, read in dead rows alone.
         dead_dv = dead_row_means(do, mask, n_res=n_res, interpret=interpret)
+    if dead_dv is not None:
         # Heads 2h and 2h + 1 side by side, as their tile holds them.
         dead_dv = dead_dv.reshape(batch, rows, heads // pair, -1)
     pieces, (q_in, k, v, do) = split_operands(*tiles_of_head_pairs(pair, q, k, v, do))

@@ -1,0 +1,247 @@
+"""What the Mosaic backward kernels read besides q, k, v and the bias, made
+in one Pallas (Triton) kernel where padding is skipped: the cotangent of
+the ungated output `do`, the gate's gradient, the stacked row statistics
+and the dv of rows whose keys are all masked.
+
+Skipping padding (`key_tiles.skipping_padding`), the Mosaic forward leaves
+the residuals of dead rows (MSA rows that keep no key) as its kernel left
+them and gives their mean of v instead (`dead_rows.fill_dead_rows`; SPEC
+§1: a dead row's weights are uniform over its N keys). Written in XLA
+(`vjp`), what the backward kernels need from them takes three passes over
+every row:
+
+- the gate's backward and delta, reading every row's float32 attention
+  output through a select on the dead rows' means;
+- the statistics stacked into one `[B, S, H, 3, N]` array (one TMA copy
+  per tile in the kernels), dead rows' selected to those of uniform
+  weights;
+- the dead rows' `do` read again for their dv (`dead_rows.dead_row_means`).
+
+This kernel is one launch that reads each row once, and a dead row's
+float32 attention output not at all. A program serves one MSA row and a
+slice of its heads (whole heads: delta is a sum over each head's d
+columns) and loops over the row's residues:
+
+- a live row: `do = round(dout * sigmoid(g))` (rounded to q's dtype, as the
+  kernels multiply it), `dgate = dout * o * sigmoid(g) * (1 - sigmoid(g))`,
+  `delta = sum_d do * o`, and the forward's row max and log2 sum copied
+  beside delta;
+- a dead row: the same with o its mean of v (one vector), the row max the
+  masked logit and the log2 sum log2(N) (uniform weights, base 2), and its
+  dv, the mean over residues of `do`, summed on the way.
+
+Without a gate `do` is the cotangent itself (in q's dtype), not written
+again; only the statistics and the dead rows' dv are.
+
+The results are the XLA passes' up to the order of float32 sums (delta over
+d, the dead rows' mean over N) and the last bit of the sigmoid.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from msa_pallas.block_sizes import next_power_of_2
+from msa_pallas.kernels.constants import MASKED_LOGIT_LOG2
+from msa_pallas.kernels.triton import common
+
+# Elements of a `[residues, columns]` tile a program loads at once; the
+# widest slice of a row's columns a program serves (256 bytes of a bf16
+# row); the launch.
+_TILE_ELEMENTS = 4096
+_MAX_COLUMNS = 128
+_LAUNCH = collections.namedtuple("Launch", "num_warps num_stages")(num_warps=4, num_stages=2)
+
+
+def heads_per_program(heads: int, head_dim: int) -> int:
+    """Heads of a program's column slice: the largest power of two that
+    divides H with at most `_MAX_COLUMNS` columns (at least one head)."""
+    per_program = heads & -heads
+    while per_program > 1 and per_program * head_dim > _MAX_COLUMNS:
+        per_program //= 2
+    return per_program
+
+
+def _check(dout, gate, attention, means, row_max, row_log2_sum, key_end, n_res):
+    batch, rows, n_tokens, heads, head_dim = dout.shape
+    if n_tokens != n_res or head_dim != next_power_of_2(head_dim):
+        raise ValueError(
+            f"dout {dout.shape}: expected [B, S, N={n_res}, H, d] with d a power of two"
+        )
+    if gate is not None and gate.shape != dout.shape:
+        raise ValueError(f"gate {gate.shape}: expected {dout.shape}")
+    if attention.shape != dout.shape or attention.dtype != jnp.float32:
+        raise ValueError(f"attention {attention.shape} {attention.dtype}: expected "
+                         f"{dout.shape} float32")
+    if means.shape != (batch, rows, heads, head_dim) or means.dtype != jnp.float32:
+        raise ValueError(f"means {means.shape} {means.dtype}: expected "
+                         f"{(batch, rows, heads, head_dim)} float32")
+    for name, plane in (("row_max", row_max), ("row_log2_sum", row_log2_sum)):
+        if plane.shape[:3] != (batch, rows, heads) or plane.shape[3] < n_res:
+            raise ValueError(f"{name} {plane.shape}: expected [B, S, H, N' >= {n_res}]")
+    if key_end.shape != (batch, rows):
+        raise ValueError(f"key_end {key_end.shape}: expected {(batch, rows)}")
+
+
+def _prologue_kernel(
+    end_ref, dout_ref, gate_ref, attention_ref, means_ref, row_max_ref, row_log2_sum_ref,
+    do_ref, dgate_ref, stats_ref, dead_dv_ref, *, n_res: int, heads: int, head_dim: int,
+    block: int, do_dtype,
+):
+    """One MSA row's column slice (`heads` heads of `head_dim` columns):
+    refs `[N, width]` (dout, gate, attention, do, dgate), `[width]` (means,
+    dead_dv), `[heads, N']` (the row statistics), `[heads, 3, N]` (stats),
+    the scalar `end_ref` (the row's `key_tiles.key_spans` end: 0 for a dead
+    row). `gate_ref` and `do_ref` are None without a gate."""
+    width = heads * head_dim
+    dead = end_ref[...] == 0
+    residue_ids = lambda start: common.residue_ids(start, block)  # noqa: E731
+    every_head = pl.ds(common.index(0), heads)
+
+    def gate_backward(start, ungated):
+        """`(do, delta)` of the tile at `start` (do float32, rounded to the
+        kernels' dtype; delta `[heads, block]`), its gate's gradient stored;
+        `ungated`: the tile's o, `[block, width]` or `[width]`."""
+        dout = common.load_residues(dout_ref, (), start, block, n_res, width).astype(jnp.float32)
+        if gate_ref is None:
+            do = dout
+        else:
+            gate = jax.nn.sigmoid(
+                common.load_residues(gate_ref, (), start, block, n_res, width).astype(jnp.float32)
+            )
+            # The order of the products of the XLA pass (`vjp`).
+            dgate = dout * ungated * gate * (1.0 - gate)
+            common.store_residues(dgate_ref, (), start, dgate, n_res, width)
+            do = dout * gate
+            do = do.astype(do_dtype)
+            common.store_residues(do_ref, (), start, do, n_res, width)
+            do = do.astype(jnp.float32)
+        delta = jnp.sum((do * ungated).reshape(block, heads, head_dim), axis=-1)
+        return do, delta.T
+
+    def store_stats(start, plane: int, value):
+        view = stats_ref.at[every_head, common.index(plane), pl.ds(start, block)]
+        in_range = residue_ids(start) < n_res
+        plgpu.store(view, value, mask=jnp.broadcast_to(in_range[None, :], value.shape))
+
+    def load_stats(ref, start):
+        view = ref.at[every_head, pl.ds(start, block)]
+        in_range = residue_ids(start) < n_res
+        return plgpu.load(view, mask=jnp.broadcast_to(in_range[None, :], (heads, block)),
+                          other=0.0)
+
+    tiles = pl.cdiv(n_res, block)
+
+    @pl.when(jnp.logical_not(dead))
+    def _live():
+        def visit(tile, carry):
+            start = tile * block
+            attention = common.load_residues(attention_ref, (), start, block, n_res, width)
+            _, delta = gate_backward(start, attention)
+            store_stats(start, 0, load_stats(row_max_ref, start))
+            store_stats(start, 1, load_stats(row_log2_sum_ref, start))
+            store_stats(start, 2, delta)
+            return carry
+
+        common.tile_loop(0, tiles, visit, jnp.int32(0))
+        dead_dv_ref[...] = jnp.zeros((width,), jnp.float32)
+
+    @pl.when(dead)
+    def _dead():
+        means = means_ref[...]
+        uniform = (jnp.full((heads, block), MASKED_LOGIT_LOG2, jnp.float32),
+                   jnp.full((heads, block), math.log2(n_res), jnp.float32))
+
+        def visit(tile, total):
+            start = tile * block
+            do, delta = gate_backward(start, means[None, :])
+            store_stats(start, 0, uniform[0])
+            store_stats(start, 1, uniform[1])
+            store_stats(start, 2, delta)
+            # Rows past N load as 0 and add nothing.
+            return total + jnp.sum(do, axis=0)
+
+        total = common.tile_loop(0, tiles, visit, jnp.zeros((width,), jnp.float32))
+        dead_dv_ref[...] = total / jnp.float32(n_res)
+
+
+def backward_prologue(dout, gate, attention, means, row_max, row_log2_sum, key_end, *,
+                      do_dtype, interpret: bool):
+    """`(do, dgate, stats, dead_dv)`: what the Mosaic backward kernels read
+    of the output's cotangent where padding is skipped (module docstring).
+
+    Args:
+      dout: `[B, S, N, H, d]`, the cotangent of the op's output (d a power
+        of two: the kernels' head dim).
+      gate: like dout (any float dtype), the gate logits, or None.
+      attention: `[B, S, N, H, d]` float32, the forward kernel's ungated
+        output; dead rows' are not read.
+      means: `[B, S, H, d]` float32, the dead rows' mean of v
+        (`dead_rows.fill_dead_rows`); live rows' are not read.
+      row_max, row_log2_sum: `[B, S, H, N']` float32 (N' >= N), the
+        forward's row statistics (base 2); dead rows' are not read.
+      key_end: `[B, S]` int32, `key_tiles.key_spans`' end (0: a dead row).
+      do_dtype: the dtype the kernels multiply `do` in (q's); without a
+        gate, dout's.
+      interpret: run in Pallas interpret mode (CPU).
+
+    Returns:
+      do `[B, S, N, H, d]` in `do_dtype` (dout itself without a gate);
+      dgate like gate (None without one); stats `[B, S, H, 3, N]` float32:
+      row max, log2 row sum and delta; dead_dv `[B, S, H, d]` float32, a
+      dead row's mean of `do` over the residues (its dv), 0 elsewhere.
+    """
+    _check(dout, gate, attention, means, row_max, row_log2_sum, key_end, dout.shape[2])
+    if gate is None and jnp.dtype(do_dtype) != dout.dtype:
+        raise ValueError(f"without a gate do is dout ({dout.dtype}); do_dtype {do_dtype}")
+    batch, rows, n_res, heads, head_dim = dout.shape
+    program_heads = heads_per_program(heads, head_dim)
+    width = program_heads * head_dim
+    block = max(1, min(next_power_of_2(n_res), _TILE_ELEMENTS // width))
+    as_rows = lambda x: x.reshape(batch, rows, n_res, heads * head_dim)  # noqa: E731
+    row_spec = pl.BlockSpec((None, None, n_res, width), lambda s, b, c: (b, s, 0, c))
+    vector_spec = pl.BlockSpec((None, None, width), lambda s, b, c: (b, s, c))
+
+    def plane_spec(plane):
+        return pl.BlockSpec((None, None, program_heads, plane.shape[-1]),
+                            lambda s, b, c: (b, s, c, 0))
+
+    rows_type = jax.ShapeDtypeStruct((batch, rows, n_res, heads * head_dim), do_dtype)
+    out_shape = [
+        None if gate is None else rows_type,
+        None if gate is None else jax.ShapeDtypeStruct(rows_type.shape, gate.dtype),
+        jax.ShapeDtypeStruct((batch, rows, heads, 3, n_res), jnp.float32),
+        jax.ShapeDtypeStruct((batch, rows, heads * head_dim), jnp.float32),
+    ]
+    means = means.reshape(batch, rows, heads * head_dim)
+    out_specs = [
+        None if gate is None else row_spec, None if gate is None else row_spec,
+        pl.BlockSpec((None, None, program_heads, 3, n_res), lambda s, b, c: (b, s, c, 0, 0)),
+        vector_spec,
+    ]
+    kernel = functools.partial(
+        _prologue_kernel, n_res=n_res, heads=program_heads, head_dim=head_dim, block=block,
+        do_dtype=jnp.dtype(do_dtype),
+    )
+    do, dgate, stats, dead_dv = common.pallas_call(
+        kernel, _LAUNCH, grid=(rows, batch, heads // program_heads),
+        in_specs=[
+            pl.BlockSpec((None, None), lambda s, b, c: (b, s)), row_spec,
+            None if gate is None else row_spec, row_spec, vector_spec,
+            plane_spec(row_max), plane_spec(row_log2_sum),
+        ],
+        out_specs=out_specs, out_shape=out_shape, interpret=interpret,
+        name="msa_backward_prologue",
+    )(key_end, as_rows(dout), None if gate is None else as_rows(gate), as_rows(attention),
+      means, row_max, row_log2_sum)
+    dead_dv = dead_dv.reshape(batch, rows, heads, head_dim)
+    if gate is None:
+        return dout, None, stats, dead_dv
+    return do.reshape(dout.shape), dgate.reshape(dout.shape), stats, dead_dv

@@ -1,0 +1,207 @@
+"""The backward's prologue kernel (`msa_pallas.kernels.triton.backward_prologue`):
+`do`, the gate's gradient, the stacked row statistics and the dead rows' dv,
+against float64 NumPy, in interpret mode on the CPU and compiled on the GPU.
+
+Dead rows' residuals hold NaN, as a kernel that never wrote them may leave
+them: the prologue must not read them (nor live rows' means, also NaN). The
+outputs start from fresh buffers, and every element is checked: an
+element left unwritten fails the comparison. Cases: N no whole number of
+tiles, one head per program, dead rows in the middle and at the end, a batch
+element all padding, no dead row, and the row planes wider than N.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import helpers
+import mosaic_lowering
+from msa_pallas import exporting
+from msa_pallas.kernels import key_tiles
+from msa_pallas.kernels.constants import MASKED_LOGIT_LOG2
+from msa_pallas.kernels.triton import backward_prologue
+
+# (B, S, N, H, d, the rows made dead, the batch elements made all padding)
+CASES = {
+    "N37-H3-d8-middle-and-end": ((2, 5, 37, 3, 8), (1, 4), ()),
+    "N64-H8-d8-dead-batch": ((2, 3, 64, 8, 8), (2,), (1,)),
+    "N100-H8-d32": ((1, 4, 100, 8, 32), (0, 3), ()),
+    "N40-H2-d128-no-dead-row": ((1, 3, 40, 2, 128), (), ()),
+}
+
+
+def random_case(case, seed, *, gate_dtype=jnp.bfloat16, plane_padding=0):
+    """The prologue's arguments `(dout, gate, attention, means, row_max,
+    row_log2_sum, key_end)` and the dead rows `[B, S]`. Dead rows' residuals
+    and live rows' means are NaN; the row planes are `plane_padding` wider
+    than N (NaN there)."""
+    shape, dead_rows, dead_batch = CASES[case]
+    batch, rows, n_res, heads, head_dim = shape
+    rng = np.random.default_rng(seed)
+    dout = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+    gate = jnp.asarray(rng.standard_normal(shape), gate_dtype)
+    keep = helpers.padded_mask(batch, rows, n_res, seed, dead=dead_rows, dead_batch=dead_batch)
+    dead = ~keep.any(axis=-1)
+    attention = rng.standard_normal(shape).astype(np.float32)
+    attention[dead] = np.nan
+    means = rng.standard_normal((batch, rows, heads, head_dim)).astype(np.float32)
+    means[~dead] = np.nan
+    planes = []
+    for low, high in ((-5.0, 5.0), (0.0, math.log2(n_res))):
+        plane = rng.uniform(low, high, (batch, rows, heads, n_res + plane_padding))
+        plane = plane.astype(np.float32)
+        plane[dead] = np.nan
+        plane[..., n_res:] = np.nan
+        planes.append(jnp.asarray(plane))
+    _, key_end = key_tiles.key_spans(jnp.asarray(keep, jnp.int8), n_res)
+    args = (dout, gate, jnp.asarray(attention), jnp.asarray(means), *planes, key_end)
+    return args, dead
+
+
+def expected(args, dead, do_rounded):
+    """float64 NumPy: `(do, dgate, stats, dead_dv)`, `do` and dgate before
+    rounding; delta and the dead rows' dv from `do_rounded`, the kernel's own
+    `do` (checked against `do` here): a product rounded to 16 bits on the
+    other side of a tie would move delta by a 16-bit ulp of one term."""
+    dout, gate, attention, means, row_max, row_log2_sum, _ = args
+    n_res = dout.shape[2]
+    dout = helpers.to_f64(dout)
+    ungated = np.where(dead[:, :, None, None, None],
+                       np.asarray(means, np.float64)[:, :, None], helpers.to_f64(attention))
+    if gate is None:
+        do = dout
+        dgate = None
+    else:
+        sigmoid = 1 / (1 + np.exp(-helpers.to_f64(gate)))
+        do = dout * sigmoid
+        dgate = dout * ungated * sigmoid * (1 - sigmoid)
+    do_rounded = helpers.to_f64(do_rounded)
+    delta = np.swapaxes((do_rounded * ungated).sum(axis=-1), 2, 3)
+    dead_planes = dead[:, :, None, None]
+    stats = np.stack([
+        np.where(dead_planes, MASKED_LOGIT_LOG2, np.asarray(row_max)[..., :n_res]),
+        np.where(dead_planes, math.log2(n_res), np.asarray(row_log2_sum)[..., :n_res]),
+        delta,
+    ], axis=3)
+    dead_dv = np.where(dead[:, :, None, None], do_rounded.mean(axis=2), 0.0)
+    return do, dgate, stats, dead_dv
+
+
+def check(args, dead, *, interpret: bool, do_dtype=jnp.bfloat16):
+    do, dgate, stats, dead_dv = backward_prologue.backward_prologue(
+        *args, do_dtype=do_dtype, interpret=interpret
+    )
+    want_do, want_dgate, want_stats, want_dv = expected(args, dead, do)
+    dout, gate = args[:2]
+    batch, rows, n_res, heads, head_dim = dout.shape
+    assert do.shape == dout.shape and do.dtype == jnp.dtype(do_dtype)
+    assert stats.shape == (batch, rows, heads, 3, n_res) and stats.dtype == jnp.float32
+    assert dead_dv.shape == (batch, rows, heads, head_dim) and dead_dv.dtype == jnp.float32
+    # 16-bit results: within their rounding of float64.
+    tolerance = 2 ** -7
+    np.testing.assert_allclose(helpers.to_f64(do), want_do, rtol=tolerance, atol=1e-6)
+    if gate is None:
+        assert dgate is None and do is dout
+    else:
+        assert dgate.shape == gate.shape and dgate.dtype == gate.dtype
+        np.testing.assert_allclose(helpers.to_f64(dgate), want_dgate, rtol=tolerance,
+                                   atol=1e-6)
+    stats, dead_dv = np.asarray(stats), np.asarray(dead_dv)
+    assert np.isfinite(stats).all() and np.isfinite(dead_dv).all()
+    # The copied statistics exactly; delta and the means as float32 sums.
+    np.testing.assert_array_equal(stats[:, :, :, :2], want_stats[:, :, :, :2].astype(np.float32))
+    np.testing.assert_allclose(stats[:, :, :, 2], want_stats[:, :, :, 2], rtol=1e-5,
+                               atol=1e-5)
+    np.testing.assert_allclose(dead_dv, want_dv, rtol=1e-5, atol=1e-6)
+    assert not dead_dv[~dead].any()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_prologue_against_float64(case, seed):
+    args, dead = random_case(case, seed)
+    check(args, dead, interpret=True)
+
+
+def test_float32_gate_float16_do_and_wide_planes(seed):
+    args, dead = random_case("N37-H3-d8-middle-and-end", seed, gate_dtype=jnp.float32,
+                             plane_padding=11)
+    check(args, dead, interpret=True, do_dtype=jnp.float16)
+
+
+def test_without_a_gate_do_is_the_cotangent(seed):
+    args, dead = random_case("N64-H8-d8-dead-batch", seed)
+    check((args[0], None, *args[2:]), dead, interpret=True)
+
+
+def test_equals_the_xla_passes(seed):
+    """Against the passes it replaces (`vjp`'s gate backward and delta, the
+    selects and stack of the statistics, `dead_rows.dead_row_means`), in
+    float32 on the CPU: do bit for bit, the rest to float32 rounding."""
+    from msa_pallas.kernels.triton import dead_rows
+
+    args, dead = random_case("N100-H8-d32", seed)
+    dout, gate, attention, means, row_max, row_log2_sum, _ = args
+    do, dgate, stats, dead_dv = backward_prologue.backward_prologue(
+        *args, do_dtype=jnp.bfloat16, interpret=True
+    )
+    rows = dead[:, :, None, None, None]
+    ungated = jnp.where(rows, means[:, :, None], attention)
+    sigmoid = jax.nn.sigmoid(gate.astype(jnp.float32))
+    want_do = (dout.astype(jnp.float32) * sigmoid).astype(jnp.bfloat16)
+    want_dgate = (dout.astype(jnp.float32) * ungated * sigmoid * (1 - sigmoid)).astype(gate.dtype)
+    np.testing.assert_array_equal(np.asarray(do, np.float32), np.asarray(want_do, np.float32))
+    np.testing.assert_allclose(np.asarray(dgate, np.float32), np.asarray(want_dgate, np.float32),
+                               rtol=2 ** -8, atol=0)
+    want_delta = jnp.swapaxes(jnp.sum(want_do.astype(jnp.float32) * ungated, axis=-1), 2, 3)
+    np.testing.assert_allclose(stats[:, :, :, 2], want_delta, rtol=1e-6, atol=1e-6)
+    mask = jnp.asarray(~dead[:, :, None] & np.ones(dout.shape[2], bool), jnp.int8)
+    want_dv = dead_rows.dead_row_means(do, mask, n_res=dout.shape[2], interpret=True)
+    np.testing.assert_allclose(dead_dv.reshape(want_dv.shape), want_dv, rtol=1e-6, atol=1e-7)
+
+
+def test_rejects_what_it_does_not_take(seed):
+    args, _ = random_case("N37-H3-d8-middle-and-end", seed)
+    with pytest.raises(ValueError, match="without a gate"):
+        backward_prologue.backward_prologue(args[0], None, *args[2:], do_dtype=jnp.float16,
+                                            interpret=True)
+    with pytest.raises(ValueError, match="means"):
+        backward_prologue.backward_prologue(*args[:3], args[3][..., :-1, :], *args[4:],
+                                            do_dtype=jnp.bfloat16, interpret=True)
+
+
+@pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])
+def test_lowers_for_the_gpu(x64):
+    """The kernel lowers to Triton for an H200 on this machine, with and
+    without `jax_enable_x64`, gated or not."""
+    shape = (1, 4, 200, 8, 8)
+    rows = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    attention = jax.ShapeDtypeStruct(shape, jnp.float32)
+    means = jax.ShapeDtypeStruct((1, 4, 8, 8), jnp.float32)
+    plane = jax.ShapeDtypeStruct((1, 4, 8, 256), jnp.float32)
+    key_end = jax.ShapeDtypeStruct((1, 4), jnp.int32)
+
+    def kernels(dout, gate, attention, means, row_max, row_log2_sum, key_end):
+        gated = backward_prologue.backward_prologue(
+            dout, gate, attention, means, row_max, row_log2_sum, key_end,
+            do_dtype=jnp.bfloat16, interpret=False)
+        ungated = backward_prologue.backward_prologue(
+            dout, None, attention, means, row_max, row_log2_sum, key_end,
+            do_dtype=jnp.bfloat16, interpret=False)
+        return gated, ungated[2:]
+
+    with jax.enable_x64(x64):
+        text = mosaic_lowering.lowered_for_cuda(
+            kernels, rows, rows, attention, means, plane, plane, key_end)
+    assert text.count(exporting.TRITON_CUSTOM_CALL) == 2, text[:2000]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(CASES))
+def test_gpu_prologue_against_float64(case, seed):
+    args, dead = random_case(case, seed, plane_padding=3)
+    check(args, dead, interpret=False)
