@@ -6,8 +6,8 @@ its variants: the Triton or the Mosaic kernels forced, msa_pallas_skip, traced i
 dk/dv kernels), msa_pallas_persistent, those kernels without skipping,
 msa_pallas_skip_k64, skipping with 64-key forward and dk/dv tiles, msa_pallas_lean, every
 Mosaic kernel with `LEAN_OPTIONS` (a select per logit fewer), msa_pallas_skip_lean, both,
-msa_pallas_skip_prologue, skipping with the backward's prologue kernel
-(`MosaicBackwardTiles.prologue_kernel`), and msa_pallas_dpa,
+msa_pallas_prologue and msa_pallas_skip_prologue, the backward's prologue kernel
+(`MosaicBackwardTiles.prologue_kernel`) without and with skipping, and msa_pallas_dpa,
 `msa_pallas.dot_product_attention` in tokamax's layouts), xla (msa_pallas' plain-jnp
 path, the reference of the forward check), cudnn (`jax.nn.dot_product_attention`),
 cuequivariance (`cuequivariance_jax.triangle_attention`), tokamax_mosaic and
@@ -209,10 +209,13 @@ build_msa_pallas_lean = _msa_pallas_builder(None, kernel_options=LEAN_OPTIONS)
 # ... and skipping padding: the padded shapes' cells of issue 36 with them.
 build_msa_pallas_skip_lean = _msa_pallas_builder(None, skip_padding=True,
                                                  kernel_options=LEAN_OPTIONS)
-# Skipping, with the backward's prologue in one Pallas kernel in place of XLA's passes
-# (`MosaicBackwardTiles.prologue_kernel`): whether reading each row once pays.
-build_msa_pallas_skip_prologue = _msa_pallas_builder(
-    None, skip_padding=True, kernel_options={"prologue_kernel": True})
+# The backward's prologue in one Pallas kernel in place of XLA's passes
+# (`MosaicBackwardTiles.prologue_kernel`), skipping padding or not: whether reading each
+# row once pays.
+PROLOGUE_OPTIONS = {"prologue_kernel": True}
+build_msa_pallas_prologue = _msa_pallas_builder(None, kernel_options=PROLOGUE_OPTIONS)
+build_msa_pallas_skip_prologue = _msa_pallas_builder(None, skip_padding=True,
+                                                     kernel_options=PROLOGUE_OPTIONS)
 
 
 def build_msa_pallas_mosaic(case: Case) -> Callables:
@@ -427,6 +430,7 @@ IMPLEMENTATIONS: dict[str, Callable[[Case], Callables]] = {
     "msa_pallas_skip_k64": build_msa_pallas_skip_k64,
     "msa_pallas_lean": build_msa_pallas_lean,
     "msa_pallas_skip_lean": build_msa_pallas_skip_lean,
+    "msa_pallas_prologue": build_msa_pallas_prologue,
     "msa_pallas_skip_prologue": build_msa_pallas_skip_prologue,
     "msa_pallas_dpa": build_msa_pallas_dpa,
     "xla": build_xla,
@@ -442,7 +446,8 @@ REFERENCE_POINTS = ("jax_mha_nobias",)
 # msa_pallas' own variants: checked, timed, never a yardstick.
 OWN_VARIANTS = ("msa_pallas_triton", "msa_pallas_mosaic", "msa_pallas_skip",
                 "msa_pallas_persistent", "msa_pallas_skip_k64", "msa_pallas_lean",
-                "msa_pallas_skip_lean", "msa_pallas_skip_prologue", "msa_pallas_dpa")
+                "msa_pallas_skip_lean", "msa_pallas_prologue", "msa_pallas_skip_prologue",
+                "msa_pallas_dpa")
 # What the full table measures unless asked for more: msa_pallas and every
 # alternative (the variants and reference points add half again to its time).
 TABLE_IMPLEMENTATIONS = tuple(

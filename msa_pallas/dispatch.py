@@ -169,11 +169,11 @@ class CallPlan:
         removes (`kernels.key_tiles.skipping_padding`; a mask given). With
         dropout the forward and dk/dv visit the rows that keep no key.
       dropout_rate: attention dropout's rate (`msa_pallas.dropout`); 0 for none.
-      prologue_kernel: the backward kernels' `do`, statistics and dead
-        rows' dv (and the gate's gradient) come from one Pallas kernel
-        (`kernels.triton.backward_prologue`), not XLA's passes: asked by
-        `MosaicBackwardTiles.prologue_kernel`, taken where padding is
-        skipped on the Mosaic forward and backward without dropout.
+      prologue_kernel: the backward kernels' `do` and stacked statistics
+        (and the gate's gradient, and skipping, the dead rows' dv) come from
+        one Pallas kernel (`kernels.triton.backward_prologue`), not XLA's
+        passes: asked by `MosaicBackwardTiles.prologue_kernel`, taken on the
+        Mosaic forward and backward without dropout.
       target: the device traced for.
       reason: why these kernels, in one line.
     """
@@ -217,8 +217,8 @@ class CallPlan:
             elif self.skips_padding:
                 lines.append("  padding: key tiles and MSA rows the mask removes are skipped")
             if self.prologue_kernel:
-                lines.append("  backward prologue: do, the gate's gradient, the statistics and"
-                             " dead rows' dv in one Pallas kernel")
+                lines.append("  backward prologue: do, the gate's gradient and the statistics"
+                             " (skipping, dead rows' dv) in one Pallas kernel")
             if self.dropout_rate:
                 lines.append(f"  attention dropout: rate {self.dropout_rate} in the kernels")
             for name, width in (("forward", self.forward_head_dim),
@@ -371,11 +371,9 @@ def plan_call(
         )
         backward_tiles = (("dkdv", tiles.dkdv), ("dq", tiles.dq), ("dbias", tiles.dbias))
         ping_pong = tiles.ping_pong
-        # It reads the Mosaic forward's dead-row means, which exist only
-        # where it skips dead rows: without dropout.
-        prologue_kernel = (
-            tiles.prologue_kernel and skipping and forward == "mosaic" and not dropout_rate
-        )
+        # Skipping, it reads the Mosaic forward's dead-row means (which the
+        # forward gives without dropout alone); it scales nothing for dropout.
+        prologue_kernel = tiles.prologue_kernel and forward == "mosaic" and not dropout_rate
     else:
         backward, backward_head_dim, ping_pong = "triton", head_dim, False
         prologue_kernel = False

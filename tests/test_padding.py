@@ -161,11 +161,11 @@ def test_gpu_padded_crop_with_dropout(bias_dtype, seed):
                                  "gpu padded crop dropout", bitwise=False)
 
 
-def _prologue_config(inputs, prologue_kernel: bool):
-    """The default block config with the Mosaic backward tiles of the
-    skipping plan, `prologue_kernel` set."""
+def _prologue_config(inputs, prologue_kernel: bool, skip: bool = True):
+    """The default block config with the Mosaic backward tiles of the plan
+    (skipping or not), `prologue_kernel` set."""
     q, _, _, bias, mask, gate, _ = inputs.args
-    with msa_pallas.skipping_padding():
+    with msa_pallas.skipping_padding(skip):
         plan = msa_pallas.explain(q, q, q, bias, mask, gate, implementation="mosaic")
     tiles = msa_pallas.MosaicBackwardTiles(
         **dict(plan.backward_tiles), ping_pong=plan.ping_pong, prologue_kernel=prologue_kernel)
@@ -173,19 +173,20 @@ def _prologue_config(inputs, prologue_kernel: bool):
     return dataclasses.replace(config, mosaic_backward=tiles)
 
 
-def check_prologue_kernel(inputs, name: str):
-    """Skipping on the Mosaic kernels with the backward's prologue kernel
-    (`kernels.triton.backward_prologue`) in place of XLA's passes: the plan
-    takes it, the forward is bit for bit the same, the gradients the same up
-    to float32 sums grouped otherwise, and both against float64."""
+def check_prologue_kernel(inputs, name: str, skip: bool = True):
+    """The Mosaic kernels, skipping padding or not, with the backward's
+    prologue kernel (`kernels.triton.backward_prologue`) in place of XLA's
+    passes: the plan takes it, the forward is bit for bit the same, the
+    gradients the same up to float32 sums grouped otherwise, and both
+    against float64."""
     q, _, _, bias, mask, gate, _ = inputs.args
-    configs = {on: _prologue_config(inputs, on) for on in (True, False)}
-    with msa_pallas.skipping_padding():
+    configs = {on: _prologue_config(inputs, on, skip) for on in (True, False)}
+    with msa_pallas.skipping_padding(skip):
         plans = {on: msa_pallas.explain(q, q, q, bias, mask, gate, implementation="mosaic",
                                         block_config=configs[on]) for on in (True, False)}
     assert plans[True].prologue_kernel and not plans[False].prologue_kernel
     assert "backward prologue" in str(plans[True])
-    results = {on: helpers.fwd_bwd("mosaic", block_config=configs[on], skip_padding=True)(
+    results = {on: helpers.fwd_bwd("mosaic", block_config=configs[on], skip_padding=skip)(
         *inputs.args) for on in (True, False)}
     (out, grads), (out_xla, grads_xla) = results[True], results[False]
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out_xla, np.float32))
@@ -199,38 +200,38 @@ def check_prologue_kernel(inputs, name: str):
                     f"{name} prologue kernel", floor=1e-3)
 
 
-@pytest.mark.parametrize("gated", [True, False], ids=["gate", "no-gate"])
-def test_backward_prologue_kernel(gated, seed):
+@pytest.mark.parametrize("skip,gated", [(True, True), (True, False), (False, True)],
+                         ids=["skipping", "skipping-no-gate", "visiting"])
+def test_backward_prologue_kernel(skip, gated, seed):
     (batch, rows, n_res, heads, head_dim), dtype, _ = CASES["middle-all-padding-d8"]
     inputs = helpers.random_inputs(seed, batch, rows, 64, 2, 16, dtype)
     keep = helpers.padded_mask(batch, rows, 64, seed, dead=(1, 3), dead_batch=(1,))
     inputs = inputs._replace(mask=jnp.asarray(keep))
     if not gated:
         inputs = inputs._replace(gate=None)
-    check_prologue_kernel(inputs, "prologue " + ("gate" if gated else "no gate"))
+    check_prologue_kernel(inputs, f"prologue skip={skip} gated={gated}", skip=skip)
 
 
 def test_backward_prologue_kernel_is_not_taken_with_dropout(seed):
-    """With dropout the forward has no dead-row means to hand it (it visits
-    dead rows whole): the plan keeps XLA's passes."""
+    """With dropout (the XLA passes scale `do` and delta for it) the plan
+    keeps XLA's passes, skipping or not."""
     inputs = _inputs("end-dead-rows", seed)
     q, _, _, bias, mask, gate, _ = inputs.args
-    config = _prologue_config(inputs, True)
-    with msa_pallas.skipping_padding():
-        plan = msa_pallas.explain(q, q, q, bias, mask, gate, implementation="mosaic",
-                                  block_config=config, dropout_rate=0.1,
-                                  dropout_rng=jax.random.key(0))
+    for skip in (True, False):
+        config = _prologue_config(inputs, True, skip)
+        with msa_pallas.skipping_padding(skip):
+            plan = msa_pallas.explain(q, q, q, bias, mask, gate, implementation="mosaic",
+                                      block_config=config, dropout_rate=0.1,
+                                      dropout_rng=jax.random.key(0))
         assert not plan.prologue_kernel and "backward prologue" not in str(plan)
-    plan = msa_pallas.explain(q, q, q, bias, mask, gate, implementation="mosaic",
-                              block_config=config)
-    assert not plan.prologue_kernel, "taken without skipping"
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16], ids=["bias-f32", "bias-bf16"])
 def test_gpu_backward_prologue_kernel(bias_dtype, seed):
     """At a train-like size with the padded crop's mask (a quarter of the
-    residues and rows padding), gated, and d = 8 pairs with a dead batch element."""
+    residues and rows padding), gated, and d = 8 pairs with a dead batch
+    element; skipping padding and visiting it."""
     from benchmarks import shapes
 
     for dims in ((1, 16, 256, 8, 32), (2, 8, 200, 8, 8)):
@@ -239,4 +240,6 @@ def test_gpu_backward_prologue_kernel(bias_dtype, seed):
         if dims[0] > 1:
             keep[-1] = False  # a batch element all padding
         inputs = helpers.random_inputs(seed, *dims, jnp.bfloat16, bias_dtype=bias_dtype)
-        check_prologue_kernel(inputs._replace(mask=jnp.asarray(keep)), f"gpu {dims}")
+        for skip in (True, False):
+            check_prologue_kernel(inputs._replace(mask=jnp.asarray(keep)),
+                                  f"gpu {dims} skip={skip}", skip=skip)

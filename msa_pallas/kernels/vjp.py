@@ -26,13 +26,12 @@ from `p @ v`: `ds = p * (do.v - delta)` is a difference of nearly equal
 numbers when a softmax row is close to one-hot, and a bf16-rounded o there
 costs a gradient error of several percent.
 
-Where the plan asks for it (`plan.prologue_kernel`: skipping padding on the
-Mosaic kernels, no dropout), `do`, the gate's gradient, the stacked
-statistics and the dead rows' dv come from one Pallas kernel
-(`triton.backward_prologue`) in place of these XLA passes: the forward then
-saves its residuals as its kernel left them, with the dead rows' means of v,
-and the prologue reads a dead row's mean where XLA's select read its
-float32 row.
+Where the plan asks for it (`plan.prologue_kernel`: the Mosaic kernels, no
+dropout), `do`, the gate's gradient and the stacked statistics come from one
+Pallas kernel (`triton.backward_prologue`) in place of these XLA passes.
+Skipping padding, the forward then saves its residuals as its kernel left
+them, with the dead rows' means of v: the prologue reads a dead row's mean
+where XLA's select read its float32 row, and gives the dead rows' dv.
 
 Each kernel call (forward, dk/dv, dq, dbias, the prologue) goes through
 `partitioning.partitioned_call`: under `jax.jit` with inputs sharded over the
@@ -105,7 +104,8 @@ def _forward(q, k, v, bias, mask, gate, seeds, *, scale, plan, save_stats):
     mosaic = plan.forward == "mosaic"
     forward = mosaic_forward.attention_forward if mosaic else triton_forward.attention_forward
     skip = {"skip_masked" if mosaic else "skip_padding": plan.skips_padding}
-    if save_stats and plan.prologue_kernel:
+    dead_row_means = save_stats and plan.prologue_kernel and plan.skips_padding
+    if dead_row_means:
         # The residuals of dead rows unselected, and their means of v, for
         # `backward_prologue`.
         skip["dead_row_means"] = True
@@ -117,7 +117,7 @@ def _forward(q, k, v, bias, mask, gate, seeds, *, scale, plan, save_stats):
         save_stats=save_stats, **skip, **dropout,
     )
     outs = (QUERY_ROWS, QUERY_ROWS, STATS, STATS) if save_stats else (QUERY_ROWS,)
-    if save_stats and plan.prologue_kernel:
+    if dead_row_means:
         outs += (ROW_VECTORS,)
     if mosaic:
         return _mosaic_call(kernel, args, in_layouts, outs, interpret=plan.interpret)
@@ -259,31 +259,36 @@ def partitioned_prologue(dout, gate, attention, means, row_max, row_log2_sum, ma
                          do_dtype, interpret: bool):
     """`backward_prologue` as one SPMD-partitioned op (B, S and H may be
     sharded, as for the kernels): `(do, dgate, stats, dead_dv)`; without a
-    gate `do` is dout itself and dgate None. `mask`: `[B, S, N]` int8, the
-    kernels' (its rows' ends tell the dead rows)."""
-    _, key_end = key_spans(mask, dout.shape[2])
-    gated = gate is not None
+    gate `do` is dout itself and dgate None. `means`: the dead rows' means
+    of v where the forward skipped them, with `mask` (`[B, S, N]` int8, the
+    kernels': its rows' ends tell the dead rows); None, and dead_dv None,
+    where the forward visited every row."""
+    key_end = None if means is None else key_spans(mask, dout.shape[2])[1]
+    # The results of this call: without a gate `do` is dout itself and there
+    # is no dgate; without the means, no dead rows' dv.
+    returned = slice(0 if gate is not None else 2, 4 if means is not None else 3)
 
     def prologue(*args):
-        results = backward_prologue(*args, do_dtype=do_dtype, interpret=interpret)
-        # Without a gate `do` is dout itself and there is no dgate.
-        return results if gated else results[2:]
+        return backward_prologue(*args, do_dtype=do_dtype, interpret=interpret)[returned]
 
     results = partitioned_call(
         prologue, (dout, gate, attention, means, row_max, row_log2_sum, key_end),
         (QUERY_ROWS, QUERY_ROWS, QUERY_ROWS, ROW_VECTORS, STATS, STATS, ROWS),
-        (QUERY_ROWS, QUERY_ROWS, STACKED_STATS, ROW_VECTORS)[0 if gated else 2:],
+        (QUERY_ROWS, QUERY_ROWS, STACKED_STATS, ROW_VECTORS)[returned],
     )
-    return results if gated else (dout, None, *results)
+    full = [dout, None, None, None]
+    full[returned] = results
+    return tuple(full)
 
 
 def _prologue_backward(scale, plan, residuals, dout):
     """`_fused_attention_bwd` where `plan.prologue_kernel`: `do`, the gate's
-    gradient, the stacked statistics and the dead rows' dv from one Pallas
-    kernel (`backward_prologue`) that reads each row once, a dead row's
-    mean of v in place of its float32 output."""
+    gradient, the stacked statistics (and skipping, the dead rows' dv) from
+    one Pallas kernel (`backward_prologue`) that reads each row once, a dead
+    row's mean of v in place of its float32 output."""
     (q, k, v, bias, bias_dtype_token, mask, gate, seeds, attention, row_max, row_log2_sum,
-     means) = residuals
+     *means) = residuals  # the dead rows' means of v where padding was skipped
+    means = means[0] if means else None
     do, dgate, stats, dead_dv = partitioned_prologue(
         dout, gate, attention, means, row_max, row_log2_sum, mask, do_dtype=q.dtype,
         interpret=plan.interpret,

@@ -461,9 +461,9 @@ def test_lean_variant_sets_the_options_in_every_planned_mosaic_kernel():
 
 
 def test_prologue_variant_asks_for_the_prologue_kernel_and_keeps_the_tiles():
-    """msa_pallas_skip_prologue: the skipping plan's tiles as they are, every
-    kernel's, and `prologue_kernel` set on the backward's; the op's plan then
-    takes it (a mask, skipping, no dropout)."""
+    """msa_pallas_skip_prologue (and msa_pallas_prologue): the plan's tiles as
+    they are, every kernel's, and `prologue_kernel` set on the backward's; the
+    op's plan then takes it (the Mosaic kernels, no dropout)."""
     q = jax.ShapeDtypeStruct((1, 8, 256, 8, 32), jnp.bfloat16)
     bias = jax.ShapeDtypeStruct((1, 8, 256, 256), jnp.float32)
     mask = jax.ShapeDtypeStruct((1, 8, 256), jnp.bool_)
@@ -481,9 +481,9 @@ def test_prologue_variant_asks_for_the_prologue_kernel_and_keeps_the_tiles():
                                               block_config=asked, target=target)
         assert taken.prologue_kernel and not plan.prologue_kernel
     assert alternatives.backward_options() == {"prologue_kernel"}
-    variant = "msa_pallas_skip_prologue"
-    assert variant in alternatives.OWN_VARIANTS and variant in alternatives.IMPLEMENTATIONS
-    assert variant not in alternatives.TABLE_IMPLEMENTATIONS
+    for variant in ("msa_pallas_prologue", "msa_pallas_skip_prologue"):
+        assert variant in alternatives.OWN_VARIANTS and variant in alternatives.IMPLEMENTATIONS
+        assert variant not in alternatives.TABLE_IMPLEMENTATIONS
 
 
 # --- the targets table -------------------------------------------------------------------

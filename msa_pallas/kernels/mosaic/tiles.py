@@ -90,12 +90,12 @@ class MosaicBackwardTiles:
         the MSA rows).
       ping_pong: the two consumers of the dk/dv and dq kernels take turns
         (`kernels.mosaic.pipeline.PingPong`).
-      prologue_kernel: where padding is skipped after the Mosaic forward
-        (no dropout), what the kernels read of the output's cotangent (`do`,
-        the gate's gradient, the stacked row statistics, the dead rows' dv)
-        is made by one Pallas kernel that reads each row once
-        (`triton.backward_prologue`), in place of three XLA passes over
-        every row; not chosen by default, not yet timed.
+      prologue_kernel: after the Mosaic forward, without dropout, what the
+        kernels read of the output's cotangent (`do`, the gate's gradient,
+        the stacked row statistics; skipping padding, the dead rows' dv) is
+        made by one Pallas kernel that reads each row once
+        (`triton.backward_prologue`), in place of two XLA passes over every
+        row (three skipping); not chosen by default, not yet timed.
     """
 
     dkdv: MosaicTiles = MosaicTiles(block_q=64, block_k=128, num_stages=2, msa_rows=2)

@@ -1,21 +1,18 @@
 """What the Mosaic backward kernels read besides q, k, v and the bias, made
-in one Pallas (Triton) kernel where padding is skipped: the cotangent of
-the ungated output `do`, the gate's gradient, the stacked row statistics
-and the dv of rows whose keys are all masked.
+in one Pallas (Triton) kernel: the cotangent of the ungated output `do`,
+the gate's gradient, the stacked row statistics and, where padding is
+skipped, the dv of rows whose keys are all masked.
 
-Skipping padding (`key_tiles.skipping_padding`), the Mosaic forward leaves
-the residuals of dead rows (MSA rows that keep no key) as its kernel left
-them and gives their mean of v instead (`dead_rows.fill_dead_rows`; SPEC
-§1: a dead row's weights are uniform over its N keys). Written in XLA
-(`vjp`), what the backward kernels need from them takes three passes over
-every row:
-
-- the gate's backward and delta, reading every row's float32 attention
-  output through a select on the dead rows' means;
-- the statistics stacked into one `[B, S, H, 3, N]` array (one TMA copy
-  per tile in the kernels), dead rows' selected to those of uniform
-  weights;
-- the dead rows' `do` read again for their dv (`dead_rows.dead_row_means`).
+Written in XLA (`vjp`), the gate's backward and delta take one pass over
+every row, and the statistics' stack into one `[B, S, H, 3, N]` array (one
+TMA copy per tile in the kernels) a second. Skipping padding
+(`key_tiles.skipping_padding`), the Mosaic forward leaves the residuals of
+dead rows (MSA rows that keep no key) as its kernel left them and gives
+their mean of v instead (`dead_rows.fill_dead_rows`; SPEC §1: a dead row's
+weights are uniform over its N keys); XLA then reads every row's float32
+attention output through a select on those means, selects dead rows'
+statistics to those of uniform weights in the stack, and a third launch
+reads the dead rows' `do` again for their dv (`dead_rows.dead_row_means`).
 
 This kernel is one launch that reads each row once, and a dead row's
 float32 attention output not at all. A program serves one MSA row and a
@@ -26,12 +23,13 @@ columns) and loops over the row's residues:
   kernels multiply it), `dgate = dout * o * sigmoid(g) * (1 - sigmoid(g))`,
   `delta = sum_d do * o`, and the forward's row max and log2 sum copied
   beside delta;
-- a dead row: the same with o its mean of v (one vector), the row max the
-  masked logit and the log2 sum log2(N) (uniform weights, base 2), and its
-  dv, the mean over residues of `do`, summed on the way.
+- a dead row (where the caller tells them, skipping): the same with o its
+  mean of v (one vector), the row max the masked logit and the log2 sum
+  log2(N) (uniform weights, base 2), and its dv, the mean over residues of
+  `do`, summed on the way.
 
 Without a gate `do` is the cotangent itself (in q's dtype), not written
-again; only the statistics and the dead rows' dv are.
+again; only the statistics (and the dead rows' dv) are.
 
 The results are the XLA passes' up to the order of float32 sums (delta over
 d, the dead rows' mean over N) and the last bit of the sigmoid.
@@ -80,14 +78,19 @@ def _check(dout, gate, attention, means, row_max, row_log2_sum, key_end, n_res):
     if attention.shape != dout.shape or attention.dtype != jnp.float32:
         raise ValueError(f"attention {attention.shape} {attention.dtype}: expected "
                          f"{dout.shape} float32")
+    if (means is None) != (key_end is None):
+        raise ValueError("means and key_end: both (dead rows told apart) or neither (none)")
+    if means is None:
+        return
     if means.shape != (batch, rows, heads, head_dim) or means.dtype != jnp.float32:
         raise ValueError(f"means {means.shape} {means.dtype}: expected "
                          f"{(batch, rows, heads, head_dim)} float32")
     for name, plane in (("row_max", row_max), ("row_log2_sum", row_log2_sum)):
         if plane.shape[:3] != (batch, rows, heads) or plane.shape[3] < n_res:
             raise ValueError(f"{name} {plane.shape}: expected [B, S, H, N' >= {n_res}]")
-    if key_end.shape != (batch, rows):
+    if key_end is not None and key_end.shape != (batch, rows):
         raise ValueError(f"key_end {key_end.shape}: expected {(batch, rows)}")
+
 
 
 def _prologue_kernel(
@@ -99,9 +102,9 @@ def _prologue_kernel(
     refs `[N, width]` (dout, gate, attention, do, dgate), `[width]` (means,
     dead_dv), `[heads, N']` (the row statistics), `[heads, 3, N]` (stats),
     the scalar `end_ref` (the row's `key_tiles.key_spans` end: 0 for a dead
-    row). `gate_ref` and `do_ref` are None without a gate."""
+    row). `gate_ref` and `do_ref` are None without a gate; `end_ref`,
+    `means_ref` and `dead_dv_ref` where no row is told dead."""
     width = heads * head_dim
-    dead = end_ref[...] == 0
     residue_ids = lambda start: common.residue_ids(start, block)  # noqa: E731
     every_head = pl.ds(common.index(0), heads)
 
@@ -139,8 +142,7 @@ def _prologue_kernel(
 
     tiles = pl.cdiv(n_res, block)
 
-    @pl.when(jnp.logical_not(dead))
-    def _live():
+    def live():
         def visit(tile, carry):
             start = tile * block
             attention = common.load_residues(attention_ref, (), start, block, n_res, width)
@@ -151,7 +153,14 @@ def _prologue_kernel(
             return carry
 
         common.tile_loop(0, tiles, visit, jnp.int32(0))
-        dead_dv_ref[...] = jnp.zeros((width,), jnp.float32)
+        if dead_dv_ref is not None:
+            dead_dv_ref[...] = jnp.zeros((width,), jnp.float32)
+
+    if end_ref is None:
+        live()
+        return
+    dead = end_ref[...] == 0
+    pl.when(jnp.logical_not(dead))(live)
 
     @pl.when(dead)
     def _dead():
@@ -184,10 +193,13 @@ def backward_prologue(dout, gate, attention, means, row_max, row_log2_sum, key_e
       attention: `[B, S, N, H, d]` float32, the forward kernel's ungated
         output; dead rows' are not read.
       means: `[B, S, H, d]` float32, the dead rows' mean of v
-        (`dead_rows.fill_dead_rows`); live rows' are not read.
+        (`dead_rows.fill_dead_rows`); live rows' are not read. None (with
+        key_end): no row is told dead, every row's residuals are read (as
+        a forward that visits every row leaves them).
       row_max, row_log2_sum: `[B, S, H, N']` float32 (N' >= N), the
         forward's row statistics (base 2); dead rows' are not read.
-      key_end: `[B, S]` int32, `key_tiles.key_spans`' end (0: a dead row).
+      key_end: `[B, S]` int32, `key_tiles.key_spans`' end (0: a dead row),
+        or None.
       do_dtype: the dtype the kernels multiply `do` in (q's); without a
         gate, dout's.
       interpret: run in Pallas interpret mode (CPU).
@@ -196,7 +208,8 @@ def backward_prologue(dout, gate, attention, means, row_max, row_log2_sum, key_e
       do `[B, S, N, H, d]` in `do_dtype` (dout itself without a gate);
       dgate like gate (None without one); stats `[B, S, H, 3, N]` float32:
       row max, log2 row sum and delta; dead_dv `[B, S, H, d]` float32, a
-      dead row's mean of `do` over the residues (its dv), 0 elsewhere.
+      dead row's mean of `do` over the residues (its dv), 0 elsewhere (None
+      without key_end).
     """
     _check(dout, gate, attention, means, row_max, row_log2_sum, key_end, dout.shape[2])
     if gate is None and jnp.dtype(do_dtype) != dout.dtype:
@@ -218,13 +231,15 @@ def backward_prologue(dout, gate, attention, means, row_max, row_log2_sum, key_e
         None if gate is None else rows_type,
         None if gate is None else jax.ShapeDtypeStruct(rows_type.shape, gate.dtype),
         jax.ShapeDtypeStruct((batch, rows, heads, 3, n_res), jnp.float32),
-        jax.ShapeDtypeStruct((batch, rows, heads * head_dim), jnp.float32),
+        None if key_end is None else jax.ShapeDtypeStruct((batch, rows, heads * head_dim),
+                                                          jnp.float32),
     ]
-    means = means.reshape(batch, rows, heads * head_dim)
+    if means is not None:
+        means = means.reshape(batch, rows, heads * head_dim)
     out_specs = [
         None if gate is None else row_spec, None if gate is None else row_spec,
         pl.BlockSpec((None, None, program_heads, 3, n_res), lambda s, b, c: (b, s, c, 0, 0)),
-        vector_spec,
+        None if key_end is None else vector_spec,
     ]
     kernel = functools.partial(
         _prologue_kernel, n_res=n_res, heads=program_heads, head_dim=head_dim, block=block,
@@ -233,15 +248,17 @@ def backward_prologue(dout, gate, attention, means, row_max, row_log2_sum, key_e
     do, dgate, stats, dead_dv = common.pallas_call(
         kernel, _LAUNCH, grid=(rows, batch, heads // program_heads),
         in_specs=[
-            pl.BlockSpec((None, None), lambda s, b, c: (b, s)), row_spec,
-            None if gate is None else row_spec, row_spec, vector_spec,
+            None if key_end is None else pl.BlockSpec((None, None), lambda s, b, c: (b, s)),
+            row_spec, None if gate is None else row_spec, row_spec,
+            None if means is None else vector_spec,
             plane_spec(row_max), plane_spec(row_log2_sum),
         ],
         out_specs=out_specs, out_shape=out_shape, interpret=interpret,
         name="msa_backward_prologue",
     )(key_end, as_rows(dout), None if gate is None else as_rows(gate), as_rows(attention),
       means, row_max, row_log2_sum)
-    dead_dv = dead_dv.reshape(batch, rows, heads, head_dim)
+    if dead_dv is not None:
+        dead_dv = dead_dv.reshape(batch, rows, heads, head_dim)
     if gate is None:
         return dout, None, stats, dead_dv
     return do.reshape(dout.shape), dgate.reshape(dout.shape), stats, dead_dv

@@ -164,6 +164,30 @@ def test_equals_the_xla_passes(seed):
     np.testing.assert_allclose(dead_dv.reshape(want_dv.shape), want_dv, rtol=1e-6, atol=1e-7)
 
 
+def test_no_row_told_dead_reads_every_row(seed):
+    """Without the means and the rows' ends (a forward that visited every
+    row): every row's residuals read as they are, no dead rows' dv."""
+    args, _ = random_case("N100-H8-d32", seed)
+    dout, gate, attention, means, row_max, row_log2_sum, key_end = args
+    rng = np.random.default_rng(seed)
+    attention = jnp.asarray(rng.standard_normal(dout.shape), jnp.float32)
+    row_max, row_log2_sum = (jnp.nan_to_num(plane, nan=1.5) for plane in (row_max, row_log2_sum))
+    live = (dout, gate, attention, None, row_max, row_log2_sum, None)
+    do, dgate, stats, dead_dv = backward_prologue.backward_prologue(
+        *live, do_dtype=jnp.bfloat16, interpret=True)
+    assert dead_dv is None
+    no_dead = np.zeros(dout.shape[:2], bool)
+    want_do, want_dgate, want_stats, _ = expected(
+        (*live[:3], means, *live[4:]), no_dead, do)
+    np.testing.assert_allclose(helpers.to_f64(do), want_do, rtol=2 ** -7, atol=1e-6)
+    np.testing.assert_allclose(helpers.to_f64(dgate), want_dgate, rtol=2 ** -7, atol=1e-6)
+    np.testing.assert_array_equal(stats[:, :, :, :2], want_stats[:, :, :, :2].astype(np.float32))
+    np.testing.assert_allclose(stats[:, :, :, 2], want_stats[:, :, :, 2], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="both"):
+        backward_prologue.backward_prologue(*live[:6], key_end, do_dtype=jnp.bfloat16,
+                                            interpret=True)
+
+
 def test_rejects_what_it_does_not_take(seed):
     args, _ = random_case("N37-H3-d8-middle-and-end", seed)
     with pytest.raises(ValueError, match="without a gate"):
@@ -177,7 +201,7 @@ def test_rejects_what_it_does_not_take(seed):
 @pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])
 def test_lowers_for_the_gpu(x64):
     """The kernel lowers to Triton for an H200 on this machine, with and
-    without `jax_enable_x64`, gated or not."""
+    without `jax_enable_x64`, gated or not, dead rows told or not."""
     shape = (1, 4, 200, 8, 8)
     rows = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
     attention = jax.ShapeDtypeStruct(shape, jnp.float32)
@@ -192,12 +216,15 @@ def test_lowers_for_the_gpu(x64):
         ungated = backward_prologue.backward_prologue(
             dout, None, attention, means, row_max, row_log2_sum, key_end,
             do_dtype=jnp.bfloat16, interpret=False)
-        return gated, ungated[2:]
+        every_row = backward_prologue.backward_prologue(
+            dout, gate, attention, None, row_max, row_log2_sum, None,
+            do_dtype=jnp.bfloat16, interpret=False)
+        return gated, ungated[2:], every_row[:3]
 
     with jax.enable_x64(x64):
         text = mosaic_lowering.lowered_for_cuda(
             kernels, rows, rows, attention, means, plane, plane, key_end)
-    assert text.count(exporting.TRITON_CUSTOM_CALL) == 2, text[:2000]
+    assert text.count(exporting.TRITON_CUSTOM_CALL) == 3, text[:2000]
 
 
 @pytest.mark.gpu
