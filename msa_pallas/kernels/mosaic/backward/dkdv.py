@@ -336,10 +336,10 @@ def backward_dkdv(
         rate 0: none), `do` and the statistics' delta scaled as
         `operands.recompute` says: `dv = (p keep)^T do`, `ds = p (keep dp -
         delta)`.
-      dead_dv: skipping without dropout, `[B, S, H·d]` float32, each dead
-        row's mean of `do` over the residues and 0 for the other rows, where
-        the caller has it (`triton.backward_prologue`); None: computed here
-        (`triton.dead_rows.dead_row_means`).
+      dead_dv: skipping without dropout, `[B, S, H, d]` (or `[B, S, H·d]`)
+        float32, each dead row's mean of `do` over the residues and 0 for
+        the other rows, where the caller has it (`triton.backward_prologue`);
+        None: computed here (`triton.dead_rows.dead_row_means`).
     """
     check_kernel_inputs(q, bias, float32=True, paired_heads=q.dtype != jnp.float32)
     batch, rows, n_res, heads = q.shape[:4]
