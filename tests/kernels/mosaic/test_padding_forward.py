@@ -99,6 +99,37 @@ def test_skipping_matches_visiting_every_tile(case, seed):
     check(inputs, TILES, interpret=True)
 
 
+def test_dead_row_means_hand_over_the_residuals_unselected(seed):
+    """`dead_row_means=True` (for the backward's prologue kernel): the same
+    output, live rows' residuals bit for bit the selected ones, and a fifth
+    result, the dead rows' mean of v (0 for live rows); refused where dead
+    rows are not skipped."""
+    batch, rows, n_res, heads, head_dim = 1, 4, 64, 2, 16
+    inputs = helpers.random_inputs(seed, batch, rows, n_res, heads, head_dim, jnp.bfloat16)
+    keep = helpers.padded_mask(batch, rows, n_res, seed, dead=(1, 3))
+    q, k, v, bias, _, gate, _ = inputs.args
+    mask = jnp.asarray(keep, jnp.int8)
+
+    def forward(**options):
+        return mosaic_forward.attention_forward(
+            q, k, v, bias, mask, gate, scale=head_dim ** -0.5, tiles=TILES, interpret=True,
+            save_stats=True, **options)
+
+    selected = forward(skip_masked=True)
+    *handed, means = forward(skip_masked=True, dead_row_means=True)
+    dead = ~keep.any(axis=-1)
+    np.testing.assert_array_equal(np.asarray(handed[0], np.float32),
+                                  np.asarray(selected[0], np.float32))
+    for got, want in zip(handed[1:], selected[1:]):
+        np.testing.assert_array_equal(np.asarray(got)[~dead], np.asarray(want)[~dead])
+    assert means.shape == (batch, rows, heads, head_dim) and means.dtype == jnp.float32
+    v_mean = helpers.to_f64(v).mean(axis=2)
+    np.testing.assert_allclose(np.asarray(means)[dead], v_mean[dead], rtol=1e-5, atol=1e-6)
+    assert not np.asarray(means)[~dead].any()
+    with pytest.raises(ValueError, match="dead_row_means"):
+        forward(skip_masked=False, dead_row_means=True)
+
+
 @pytest.mark.parametrize("persistent", [False, True])
 def test_skipping_kernel_lowers_for_the_gpu_on_a_cpu(persistent):
     """Its scalar loads of the bounds and of the row groups' count from GMEM
