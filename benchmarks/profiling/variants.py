@@ -142,6 +142,20 @@ def kernel_calls(ops: dict, plan, variant: str, rate: float, candidates=None,
     return calls
 
 
+def parse_tile_options(text: str) -> dict[str, bool]:
+    """`parse_kernel_options` of flags of `MosaicTiles` alone: the kernels here
+    run one by one, so an option of the backward's kernels together
+    (`prologue_kernel`) has nothing to act on."""
+    from benchmarks.alternatives import backward_options
+
+    options = parse_kernel_options(text)
+    together = sorted(set(options) & backward_options())
+    if together:
+        raise SystemExit(f"--kernel-options: {together} act on the op, not on a kernel alone; "
+                         "time them with `python -m benchmarks op`")
+    return options
+
+
 def op_calls(ops: dict, variant: str, rate: float) -> dict:
     """{"op forward": ..., "op forward+backward": ...} of `msa_row_attention` in the
     variant (traced inside `skipping_padding()` for `SKIPPING`)."""
@@ -230,7 +244,7 @@ def main(argv=None, prog: str | None = None) -> int:
     parser.add_argument("--no-op", action="store_true", help="the kernels alone, not the op")
     parser.add_argument("--tiles", default="", type=parse_candidates,
                         help='more candidates per kernel: "forward=128x64x2x2x1x1;dkdv=64x64x2x2"')
-    parser.add_argument("--kernel-options", default="", type=parse_kernel_options,
+    parser.add_argument("--kernel-options", default="", type=parse_tile_options,
                         help="each kernel again with these MosaicTiles flags: "
                              '"staggered_bias=0,mask_without_select=1"')
     parser.add_argument("--reps", type=int, default=1 if INTERPRET else 20)

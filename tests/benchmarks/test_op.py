@@ -297,6 +297,9 @@ def test_profile_variants_times_more_tiles_of_a_kernel(capsys):
         assert float(line.strip("|").split("|")[4]) > 0, line
     with pytest.raises(SystemExit):
         profile_variants.main(["--tiles", "dx=64x64x2x1"])
+    # An option of the op's backward as a whole has no kernel alone to act on.
+    with pytest.raises(SystemExit, match="prologue_kernel"):
+        profile_variants.parse_tile_options("prologue_kernel=1")
 
 
 def test_profile_forward_mosaic_candidates_alone(capsys):
