@@ -24,7 +24,8 @@ that GPU, Triton's and Mosaic GPU's, as it would there: a check that they compil
 (`profile sass` reads the Mosaic kernels' machine code so compiled).
 
 `--kernel-options staggered_bias=0,mask_without_select=1` sets fields of `MosaicTiles` in
-every Mosaic kernel the op's plan runs, its tiles otherwise as planned.
+every Mosaic kernel the op's plan runs, its tiles otherwise as planned (and
+`prologue_kernel=1`, `MosaicBackwardTiles`', the backward's prologue kernel).
 """
 
 from __future__ import annotations
@@ -281,14 +282,17 @@ def compile_op(args, mesh):
             return traced.lower().compile()
 
 
-def parse_kernel_options(text: str) -> dict[str, bool]:
-    """`"staggered_bias=0,mask_without_select=1"` -> {field of `MosaicTiles`, or of
-    `alternatives.backward_options` (`prologue_kernel`): bool}."""
+def parse_kernel_options(text: str, op_options: bool = True) -> dict[str, bool]:
+    """`"staggered_bias=0,mask_without_select=1"` -> {field of `MosaicTiles`, or
+    with `op_options` of `alternatives.backward_options` (`prologue_kernel`, which
+    acts on the op's backward as a whole): bool}."""
     from benchmarks.alternatives import backward_options
     from msa_pallas.kernels.mosaic.tiles import MosaicTiles
 
     flags = {field.name for field in dataclasses.fields(MosaicTiles)
-             if field.type in ("bool", bool)} | backward_options()
+             if field.type in ("bool", bool)}
+    if op_options:
+        flags |= backward_options()
     options = {}
     for item in filter(None, text.split(",")):
         name, _, value = item.partition("=")
@@ -312,7 +316,8 @@ def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--persistent-backward", action="store_true",
                         help="the Mosaic dq and dk/dv kernels persistent (one CTA per SM)")
     parser.add_argument("--kernel-options", default="",
-                        help="NAME=0|1,...: MosaicTiles flags set in every Mosaic kernel")
+                        help="NAME=0|1,...: MosaicTiles flags set in every Mosaic kernel, "
+                             "and MosaicBackwardTiles' prologue_kernel")
     parser.add_argument("--no-gate", action="store_true")
     parser.add_argument("--forward-only", action="store_true")
     parser.add_argument("--deviceless", choices=sorted(DEVICELESS_TARGETS), default=None,

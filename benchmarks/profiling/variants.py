@@ -146,14 +146,7 @@ def parse_tile_options(text: str) -> dict[str, bool]:
     """`parse_kernel_options` of flags of `MosaicTiles` alone: the kernels here
     run one by one, so an option of the backward's kernels together
     (`prologue_kernel`) has nothing to act on."""
-    from benchmarks.alternatives import backward_options
-
-    options = parse_kernel_options(text)
-    together = sorted(set(options) & backward_options())
-    if together:
-        raise SystemExit(f"--kernel-options: {together} act on the op, not on a kernel alone; "
-                         "time them with `python -m benchmarks op`")
-    return options
+    return parse_kernel_options(text, op_options=False)
 
 
 def op_calls(ops: dict, variant: str, rate: float) -> dict:

@@ -78,6 +78,9 @@ def _check(dout, gate, attention, means, row_max, row_log2_sum, key_end, n_res):
     if attention.shape != dout.shape or attention.dtype != jnp.float32:
         raise ValueError(f"attention {attention.shape} {attention.dtype}: expected "
                          f"{dout.shape} float32")
+    for name, plane in (("row_max", row_max), ("row_log2_sum", row_log2_sum)):
+        if plane.shape[:3] != (batch, rows, heads) or plane.shape[3] < n_res:
+            raise ValueError(f"{name} {plane.shape}: expected [B, S, H, N' >= {n_res}]")
     if (means is None) != (key_end is None):
         raise ValueError("means and key_end: both (dead rows told apart) or neither (none)")
     if means is None:
@@ -85,12 +88,8 @@ def _check(dout, gate, attention, means, row_max, row_log2_sum, key_end, n_res):
     if means.shape != (batch, rows, heads, head_dim) or means.dtype != jnp.float32:
         raise ValueError(f"means {means.shape} {means.dtype}: expected "
                          f"{(batch, rows, heads, head_dim)} float32")
-    for name, plane in (("row_max", row_max), ("row_log2_sum", row_log2_sum)):
-        if plane.shape[:3] != (batch, rows, heads) or plane.shape[3] < n_res:
-            raise ValueError(f"{name} {plane.shape}: expected [B, S, H, N' >= {n_res}]")
-    if key_end is not None and key_end.shape != (batch, rows):
+    if key_end.shape != (batch, rows):
         raise ValueError(f"key_end {key_end.shape}: expected {(batch, rows)}")
-
 
 
 def _prologue_kernel(
@@ -105,8 +104,12 @@ def _prologue_kernel(
     row). `gate_ref` and `do_ref` are None without a gate; `end_ref`,
     `means_ref` and `dead_dv_ref` where no row is told dead."""
     width = heads * head_dim
-    residue_ids = lambda start: common.residue_ids(start, block)  # noqa: E731
     every_head = pl.ds(common.index(0), heads)
+
+    def stats_in_range(start):
+        """`[heads, block]` bool: the statistics' columns below N."""
+        in_range = common.residue_ids(start, block) < n_res
+        return jnp.broadcast_to(in_range[None, :], (heads, block))
 
     def gate_backward(start, ungated):
         """`(do, delta)` of the tile at `start` (do float32, rounded to the
@@ -131,14 +134,11 @@ def _prologue_kernel(
 
     def store_stats(start, plane: int, value):
         view = stats_ref.at[every_head, common.index(plane), pl.ds(start, block)]
-        in_range = residue_ids(start) < n_res
-        plgpu.store(view, value, mask=jnp.broadcast_to(in_range[None, :], value.shape))
+        plgpu.store(view, value, mask=stats_in_range(start))
 
     def load_stats(ref, start):
         view = ref.at[every_head, pl.ds(start, block)]
-        in_range = residue_ids(start) < n_res
-        return plgpu.load(view, mask=jnp.broadcast_to(in_range[None, :], (heads, block)),
-                          other=0.0)
+        return plgpu.load(view, mask=stats_in_range(start), other=0.0)
 
     tiles = pl.cdiv(n_res, block)
 
@@ -184,7 +184,7 @@ def _prologue_kernel(
 def backward_prologue(dout, gate, attention, means, row_max, row_log2_sum, key_end, *,
                       do_dtype, interpret: bool):
     """`(do, dgate, stats, dead_dv)`: what the Mosaic backward kernels read
-    of the output's cotangent where padding is skipped (module docstring).
+    of the output's cotangent (module docstring).
 
     Args:
       dout: `[B, S, N, H, d]`, the cotangent of the op's output (d a power
