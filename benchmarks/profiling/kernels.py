@@ -75,8 +75,8 @@ KERNELS = {
 
 
 def parse_mosaic(text: str) -> list[MosaicTiles]:
-    """`BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT[xSTAGGERED_BIAS[xMASK_WITHOUT_SELECT]]]]`
-    candidates, comma-separated (the flags 1 or 0; `MosaicTiles`' fields of those
+    """`BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT[xSTAGGERED_BIAS[xMASK_WITHOUT_SELECT[x
+    PREFETCH_NEXT_ITEM]]]]]` candidates, comma-separated (the flags 1 or 0; `MosaicTiles`' fields of those
     names, in their order)."""
     tiles = []
     for item in filter(None, text.split(",")):
@@ -87,7 +87,8 @@ def parse_mosaic(text: str) -> list[MosaicTiles]:
 
 def mosaic_text(tiles: MosaicTiles) -> str:
     """One candidate as `parse_mosaic` reads it, every field given:
-    `BQxBKxSTAGESxROWSxPING_PONGxPERSISTENTxSTAGGERED_BIASxMASK_WITHOUT_SELECT`."""
+    `BQxBKxSTAGESxROWSxPING_PONGxPERSISTENTxSTAGGERED_BIASxMASK_WITHOUT_SELECTx
+    PREFETCH_NEXT_ITEM`."""
     return "x".join(str(int(getattr(tiles, field.name)))
                     for field in dataclasses.fields(MosaicTiles))
 

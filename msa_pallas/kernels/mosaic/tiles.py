@@ -50,6 +50,14 @@ class MosaicTiles:
         to -inf, dk/dv multiplies ds by the key's 0 or 1
         (`backward.operands.recompute`); the same results. The forward
         ignores it.
+      prefetch_next_item: the persistent dq and dk/dv kernels: a consumer
+        starts loading its next item's own tiles (dq: q, do and the row
+        statistics; dk/dv: K, V and the mask) as soon as the last products
+        of this item have read them, so that the next item finds them
+        landed, and stages its results in tiles of their own. Without it
+        each item waits for its own tiles at its start. The same results;
+        ignored without `persistent` and by the other kernels; not chosen
+        by default, not yet timed.
     """
 
     block_q: int = 64
@@ -60,6 +68,7 @@ class MosaicTiles:
     persistent: bool = False
     staggered_bias: bool = True
     mask_without_select: bool = False
+    prefetch_next_item: bool = False
 
     def __post_init__(self):
         if self.block_q not in (64, 128):

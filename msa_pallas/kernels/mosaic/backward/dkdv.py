@@ -37,7 +37,7 @@ from msa_pallas.kernels.mosaic.matmul import (
 from msa_pallas.kernels.mosaic.pipeline import (
     PingPong, copy_tiles, launch, produce, ring_slot, run_when,
 )
-from msa_pallas.kernels.mosaic.plan import dkdv_plan
+from msa_pallas.kernels.mosaic.plan import dkdv_plan, prefetches_next_item
 from msa_pallas.kernels.mosaic.smem import (
     copy_row_tile_to_gmem, operand_at, row_tile_at, row_view_names, split_row_views, store_row_tile,
     transposed,
@@ -115,7 +115,23 @@ def _dkdv_kernel(
             return jnp.int32(0), visited.astype(jnp.int32) * query_tiles
         return 0, query_tiles
 
-    def consume_item(batch, head, row_group, key_tile, lb, ub):
+    def load_keys(batch, head, row_group, key_tile):
+        """Starts the copies of the item's K and V tiles and mask vector,
+        which the consumer holds across its loop."""
+        keys = pl.ds(key_tile * block_k, block_k)
+        row = row_group * msa_rows + wg
+        copy_tiles(
+            gmem, smem_tma, ("k", "v"), (batch, row, keys, head), wg, produced["kv"].at[wg]
+        )
+        if has_mask:
+            plgpu.copy_gmem_to_smem(
+                gmem["mask"].at[batch, pl.ds(row, 1), keys],
+                smem["mask"].at[wg, :, pl.ds(0, block_k)], produced["kv"].at[wg],
+            )
+
+    def consume_item(batch, head, row_group, key_tile, lb, ub, load_next=None):
+        """`load_next`: as in `work_items.serve_items` (None: the item loads
+        its own K, V and mask here)."""
         keys = pl.ds(key_tile * block_k, block_k)
         visits = True if isinstance(lb, int) else lb < ub
         row = row_group * msa_rows + wg
@@ -124,20 +140,14 @@ def _dkdv_kernel(
         if "dead_dv" in gmem:
             copy_dead_dv(batch, head, row)
 
-        def load_keys():
-            copy_tiles(
-                gmem, smem_tma, ("k", "v"), (batch, row, keys, head), wg, produced["kv"].at[wg]
-            )
-            if has_mask:
-                plgpu.copy_gmem_to_smem(
-                    gmem["mask"].at[batch, pl.ds(row, 1), keys],
-                    smem["mask"].at[wg, :, pl.ds(0, block_k)], produced["kv"].at[wg],
-                )
+        def await_keys():
+            if load_next is None:
+                load_keys(batch, head, row_group, key_tile)
             plgpu.barrier_wait(produced["kv"].at[wg])
 
         # A CTA whose loop runs no step loads no K, V or mask: its dk is 0,
         # its dv 0 or a dead row's (`dead_dv`).
-        run_when(visits, load_keys)
+        run_when(visits, await_keys)
         keep = None
         if has_mask:
             keep = plgpu.load(smem["mask"].at[wg, 0, pl.ds(0, block_k)], layout=WGMMA_ROW) != 0
@@ -152,6 +162,13 @@ def _dkdv_kernel(
             key_words = row_dropout.key_words(keys.start, block_k)
         turns = PingPong(schedule, wg, enabled=ping_pong and msa_rows == 2)
         turns.start()
+
+        def load_next_after_loop(when):
+            @pl.when(when)
+            def _():
+                # Every warp of the warpgroup is past its reads of the tiles.
+                plgpu.commit_smem()
+                load_next()
 
         def visit_query_tile(query_tile, carry):
             dks, dvs = (list(c) for c in carry)
@@ -169,6 +186,10 @@ def _dkdv_kernel(
                                           staggered=tiles.staggered_bias), None),
                     interpret=interpret,
                 )
+                if load_next is not None and h == pair - 1:
+                    # The item's last products with its K and V tiles are
+                    # done: they take the next item's.
+                    load_next_after_loop(query_tile == ub - 1)
                 stats = load_stats(smem["stats"].at[slot, wg, h], WGMMA_COL)
                 dropout_keep = None
                 if dropout is not None:
@@ -214,6 +235,10 @@ def _dkdv_kernel(
             copy_row_tile_to_gmem(
                 row_tile_at(smem_tma[tile], wg), gmem[name].at[batch, row, keys, head]
             )
+        if load_next is not None and visits is not True:
+            # An item without a loop read none of its tiles (its mask vector
+            # above, unused): the next item's start loading now.
+            run_when(jnp.logical_not(visits), load_next)
         # The tiles are read out before the CTA ends or its next item loads
         # them. The CTA may end once its stores have read shared memory: their
         # writes land before the kernel completes, and the next CTA on the
@@ -286,6 +311,7 @@ def _dkdv_kernel(
         live_groups=(spans.live_row_groups(work_items[2])
                      if spans is not None and tiles.persistent else None),
         dead_groups=dead_groups,
+        load_held=load_keys if prefetches_next_item(tiles) else None,
     )
 
 

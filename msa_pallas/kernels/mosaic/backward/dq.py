@@ -32,7 +32,7 @@ from msa_pallas.kernels.mosaic.matmul import (
 from msa_pallas.kernels.mosaic.pipeline import (
     PingPong, copy_tiles, launch, produce, ring_slot, run_when,
 )
-from msa_pallas.kernels.mosaic.plan import dq_plan
+from msa_pallas.kernels.mosaic.plan import dq_plan, prefetches_next_item
 from msa_pallas.kernels.mosaic.smem import (
     copy_row_tile_to_gmem, operand_at, row_tile_at, row_view_names, split_row_views, store_row_tile,
     transposed,
@@ -134,7 +134,22 @@ def _dq_kernel(
             return spans.key_tiles(batch, row_group, block_k)
         return 0, key_tile_count
 
-    def consume_item(batch, head, row_group, query_tile, lb, ub):
+    def load_queries(batch, head, row_group, query_tile):
+        """Starts the copies of the item's q and do tiles and statistics,
+        which the consumer holds across its loop."""
+        queries = pl.ds(query_tile * block_q, block_q)
+        row = row_group * msa_rows + wg
+        copy_tiles(
+            gmem, smem_tma, ("q", "do"), (batch, row, queries, head), wg, produced["q"].at[wg]
+        )
+        plgpu.copy_gmem_to_smem(
+            gmem["stats"].at[batch, row, pl.ds(head * pair, pair), :, queries],
+            smem["stats"].at[wg], produced["q"].at[wg],
+        )
+
+    def consume_item(batch, head, row_group, query_tile, lb, ub, load_next=None):
+        """`load_next`: as in `work_items.serve_items` (None: the item loads
+        its own q, do and statistics here)."""
         queries = pl.ds(query_tile * block_q, block_q)
         row = row_group * msa_rows + wg
         # An item whose loop runs no step (a group of dead rows) loads
@@ -142,18 +157,12 @@ def _dq_kernel(
         visits = True if isinstance(lb, int) else lb < ub
         q_smem, do_smem = operand_at(smem["q"], wg), operand_at(smem["do"], wg)
 
-        def load_queries():
-            copy_tiles(
-                gmem, smem_tma, ("q", "do"), (batch, row, queries, head), wg,
-                produced["q"].at[wg],
-            )
-            plgpu.copy_gmem_to_smem(
-                gmem["stats"].at[batch, row, pl.ds(head * pair, pair), :, queries],
-                smem["stats"].at[wg], produced["q"].at[wg],
-            )
+        def await_queries():
+            if load_next is None:
+                load_queries(batch, head, row_group, query_tile)
             plgpu.barrier_wait(produced["q"].at[wg])
 
-        run_when(visits, load_queries)
+        run_when(visits, await_queries)
         stats = [load_stats(smem["stats"].at[wg, h], WGMMA_ROW) for h in range(pair)]
         queries_of_head, douts_of_head = held_tiles_per_head(
             smem, {"q": q_smem, "do": do_smem}, wg, pair, when=visits
@@ -164,6 +173,13 @@ def _dq_kernel(
             query_words = row_dropout.query_words(queries.start, block_q)
         turns = PingPong(schedule, wg, enabled=ping_pong and msa_rows == 2)
         turns.start()
+
+        def load_next_after_loop(when):
+            @pl.when(when)
+            def _():
+                # Every warp of the warpgroup is past its reads of the tiles.
+                plgpu.commit_smem()
+                load_next()
 
         def visit_key_tile(key_tile, dqs):
             dqs = list(dqs)
@@ -188,6 +204,10 @@ def _dq_kernel(
                     mask_without_select=tiles.mask_without_select,
                 )
                 ds = lax.optimization_barrier(matrix_operand(ds, dtype))
+                if load_next is not None and h == pair - 1:
+                    # The item's last products with its q and do tiles are
+                    # done: they take the next item's.
+                    load_next_after_loop(key_tile == ub - 1)
                 turns.release()
                 turns.take_turn()
                 # Against K tiles of both heads: the other head's columns are
@@ -206,6 +226,10 @@ def _dq_kernel(
         copy_row_tile_to_gmem(
             row_tile_at(smem_tma[out_name], wg), gmem["dq"].at[batch, row, queries, head]
         )
+        if load_next is not None and visits is not True:
+            # An item without a loop read none of its tiles: the next item's
+            # start loading now.
+            run_when(jnp.logical_not(visits), load_next)
         # The tile is read out before the CTA ends or its next item loads it.
         # The CTA may end once its stores have read shared memory: their
         # writes land before the kernel completes, and the next CTA on the
@@ -256,6 +280,7 @@ def _dq_kernel(
         live_groups=(spans.live_row_groups(work_items[2])
                      if spans is not None and tiles.persistent else None),
         dead_groups=dead_groups,
+        load_held=load_queries if prefetches_next_item(tiles) else None,
     )
 
 
