@@ -200,6 +200,17 @@ class BackwardItems:
         self._for_each(batch_heads * dead, unit)
 
 
+def load_next_when(when, load_next) -> None:
+    """Runs `load_next` (`serve_items`' start of the next item's held tiles)
+    where `when` holds, once every warp of the consumer warpgroup is past
+    its reads of the current item's."""
+
+    @pl.when(when)
+    def _():
+        plgpu.commit_smem()
+        load_next()
+
+
 def serve_items(consume, produce, bounds_of, *, consumers: int, heads: int, persistent: bool,
                 tile_axis: str, work_items=None, live_groups=None, dead_groups=None,
                 load_held=None) -> None:

@@ -44,7 +44,7 @@ from msa_pallas.kernels.mosaic.smem import (
 )
 from msa_pallas.kernels.mosaic.support import check_kernel_inputs
 from msa_pallas.kernels.mosaic.tiles import MosaicTiles
-from msa_pallas.kernels.mosaic.work_items import serve_items, store_every_tile
+from msa_pallas.kernels.mosaic.work_items import load_next_when, serve_items, store_every_tile
 from msa_pallas.kernels.triton.dead_rows import dead_row_means
 
 
@@ -163,13 +163,6 @@ def _dkdv_kernel(
         turns = PingPong(schedule, wg, enabled=ping_pong and msa_rows == 2)
         turns.start()
 
-        def load_next_after_loop(when):
-            @pl.when(when)
-            def _():
-                # Every warp of the warpgroup is past its reads of the tiles.
-                plgpu.commit_smem()
-                load_next()
-
         def visit_query_tile(query_tile, carry):
             dks, dvs = (list(c) for c in carry)
             slot = ring_slot(query_tile, lb, stages)
@@ -189,7 +182,7 @@ def _dkdv_kernel(
                 if load_next is not None and h == pair - 1:
                     # The item's last products with its K and V tiles are
                     # done: they take the next item's.
-                    load_next_after_loop(query_tile == ub - 1)
+                    load_next_when(query_tile == ub - 1, load_next)
                 stats = load_stats(smem["stats"].at[slot, wg, h], WGMMA_COL)
                 dropout_keep = None
                 if dropout is not None:

@@ -39,7 +39,7 @@ from msa_pallas.kernels.mosaic.smem import (
 )
 from msa_pallas.kernels.mosaic.support import check_kernel_inputs
 from msa_pallas.kernels.mosaic.tiles import MosaicTiles
-from msa_pallas.kernels.mosaic.work_items import serve_items, store_every_tile
+from msa_pallas.kernels.mosaic.work_items import load_next_when, serve_items, store_every_tile
 
 
 def _copy_key_tiles(gmem, smem_tma, smem, rows, batch, keys, head, pair, slot, barrier):
@@ -174,13 +174,6 @@ def _dq_kernel(
         turns = PingPong(schedule, wg, enabled=ping_pong and msa_rows == 2)
         turns.start()
 
-        def load_next_after_loop(when):
-            @pl.when(when)
-            def _():
-                # Every warp of the warpgroup is past its reads of the tiles.
-                plgpu.commit_smem()
-                load_next()
-
         def visit_key_tile(key_tile, dqs):
             dqs = list(dqs)
             slot = ring_slot(key_tile, lb, stages)
@@ -207,7 +200,7 @@ def _dq_kernel(
                 if load_next is not None and h == pair - 1:
                     # The item's last products with its q and do tiles are
                     # done: they take the next item's.
-                    load_next_after_loop(key_tile == ub - 1)
+                    load_next_when(key_tile == ub - 1, load_next)
                 turns.release()
                 turns.take_turn()
                 # Against K tiles of both heads: the other head's columns are
