@@ -54,8 +54,9 @@ class MosaicTiles:
         starts loading its next item's own tiles (dq: q, do and the row
         statistics; dk/dv: K, V and the mask) as soon as the last products
         of this item have read them, so that the next item finds them
-        landed, and stages its results in tiles of their own. Without it
-        each item waits for its own tiles at its start. The same results;
+        landed, and stages its results in tiles of their own, whose stores
+        run on into the next item. Without it each item waits for its own
+        tiles at its start and for its stores at its end. The same results;
         ignored without `persistent` and by the other kernels; not chosen
         by default, not yet timed.
     """

@@ -233,7 +233,8 @@ def serve_items(consume, produce, bounds_of, *, consumers: int, heads: int, pers
     `consume(*item, lb, ub, load_next=load_next)`: `load_next()` starts the
     next item's, where there is one and its loop runs a step; `consume`
     calls it once its own held tiles are read for good, and waits for its
-    own where its loop runs.
+    own where its loop runs. Its results' stores then run on into the next
+    item, whose results wait for them (and the CTA's end, after its last).
     """
     wg = lax.axis_index("wg")
     if not persistent:
@@ -279,6 +280,9 @@ def serve_items(consume, produce, bounds_of, *, consumers: int, heads: int, pers
             run_when(jnp.logical_and(has_one, visits(bounds_of(*first))),
                      lambda: load_held(*first))
             items.for_each_live_with_next(consume_ahead)
+            # The last item's stores have read its results' tiles, which
+            # `dead_groups` writes, before the CTA may end.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         if live_groups is not None:
             dead_groups(items)
 

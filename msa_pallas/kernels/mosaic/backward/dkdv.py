@@ -221,6 +221,10 @@ def _dkdv_kernel(
             # adds 0 to what it computed.
             skipped = (ub == lb).astype(jnp.float32)
             dv = dv + lax.broadcast_in_dim(copied_dead_dv() * skipped, dv.shape, [1])
+        if load_next is not None:
+            # The previous item's results have left the tiles written below
+            # (their stores ran on while this item's loop did).
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         store_row_tile(row_tile_at(smem[dk_name], wg), (dk * scale).astype(dtype))
         store_row_tile(row_tile_at(smem[dv_name], wg), dv.astype(dtype))
         plgpu.commit_smem()
@@ -228,10 +232,12 @@ def _dkdv_kernel(
             copy_row_tile_to_gmem(
                 row_tile_at(smem_tma[tile], wg), gmem[name].at[batch, row, keys, head]
             )
-        if load_next is not None and visits is not True:
-            # An item without a loop read none of its tiles (its mask vector
-            # above, unused): the next item's start loading now.
-            run_when(jnp.logical_not(visits), load_next)
+        if load_next is not None:
+            if visits is not True:
+                # An item without a loop read none of its tiles (its mask
+                # vector above, unused): the next item's start loading now.
+                run_when(jnp.logical_not(visits), load_next)
+            return
         # The tiles are read out before the CTA ends or its next item loads
         # them. The CTA may end once its stores have read shared memory: their
         # writes land before the kernel completes, and the next CTA on the

@@ -214,15 +214,21 @@ def _dq_kernel(
         )
         turns.finish()
         dq = combine_head_columns(dqs)
+        if load_next is not None:
+            # The previous item's dq has left the tile written below (its
+            # store ran on while this item's loop did).
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         store_row_tile(row_tile_at(smem[out_name], wg), (dq * scale).astype(dtype))
         plgpu.commit_smem()
         copy_row_tile_to_gmem(
             row_tile_at(smem_tma[out_name], wg), gmem["dq"].at[batch, row, queries, head]
         )
-        if load_next is not None and visits is not True:
-            # An item without a loop read none of its tiles: the next item's
-            # start loading now.
-            run_when(jnp.logical_not(visits), load_next)
+        if load_next is not None:
+            if visits is not True:
+                # An item without a loop read none of its tiles: the next
+                # item's start loading now.
+                run_when(jnp.logical_not(visits), load_next)
+            return
         # The tile is read out before the CTA ends or its next item loads it.
         # The CTA may end once its stores have read shared memory: their
         # writes land before the kernel completes, and the next CTA on the
