@@ -95,13 +95,23 @@ def persistent_backward_config(config, plan):
         plan, dkdv=persistent, dq=persistent))
 
 
-def persistent_backward_block_config(q, bias, mask=None, gate=None, implementation=None):
-    """The default block config of a call on `q` `[B, S, N, H, d]` and `bias`
-    (arrays or `jax.ShapeDtypeStruct`s) with its plan's Mosaic dq and dk/dv
-    tiles made persistent (`persistent_backward_config`)."""
-    plan = msa_pallas.explain(q, q, q, bias, mask, gate, implementation=implementation)
+def asked_block_config(q, bias, mask=None, gate=None, *, implementation=None,
+                       skip: bool = False, persistent_backward: bool = False,
+                       kernel_options: dict | None = None):
+    """The block config a profiling command asks for on q `[B, S, N, H, d]`, `bias`
+    (arrays or `jax.ShapeDtypeStruct`s): None (the op's own) unless
+    `persistent_backward` (`persistent_backward_config`) or `kernel_options`
+    (`kernel_options_config`, on the plan the call makes, skipping padding or not)."""
+    if not persistent_backward and not kernel_options:
+        return None
+    with msa_pallas.skipping_padding(skip):  # the plan skipping makes
+        plan = msa_pallas.explain(q, q, q, bias, mask, gate, implementation=implementation)
     config = msa_pallas.default_block_config(q.shape[2], q.shape[-1], q.dtype, bias.dtype)
-    return persistent_backward_config(config, plan)
+    if persistent_backward:
+        config = persistent_backward_config(config, plan)
+    if kernel_options:
+        config = kernel_options_config(config, plan, kernel_options)
+    return config
 
 
 # Keys per tile of `narrow_key_tiles_config`.

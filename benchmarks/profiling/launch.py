@@ -8,6 +8,8 @@ Mosaic GPU kernels' PTX is written to DIR as they compile (their SASS too with
     python -m benchmarks profile launch --shape 1x32x1024x8x32 --implementation mosaic
     python -m benchmarks profile launch --shape extra_padded --skip   # padding skipped
     python -m benchmarks profile launch --shape extra_padded --skip --persistent-backward
+    python -m benchmarks profile launch --shape extra_padded --skip \
+        --kernel-options prologue_kernel=1,prefetch_next_item=1
     python -m benchmarks profile launch --shape finetune --dropout-rate 0.1
     python -m benchmarks profile launch --layer reference --shape train --dropout-rate 0.1
 
@@ -30,16 +32,18 @@ from benchmarks.layer import PRESETS, LayerProgram, core_options, layer_shape
 from benchmarks.profiling.forward import parse_shape
 from benchmarks.profiling.kernels import make_inputs
 from benchmarks.shapes import DTYPES, SHAPES, make_mask
-from benchmarks.alternatives import persistent_backward_block_config
+from benchmarks.alternatives import asked_block_config
+from benchmarks.profiling.launches import parse_kernel_options
 from msa_pallas import msa_row_attention, skipping_padding
 
 
 def layer_step_call(args):
     """The layer's training step (`args.layer`'s preset, bf16 compute): a call without
     arguments that runs it, the compiled program, and a line saying what it runs."""
-    if args.no_gate or args.bias_dtype != "input" or args.persistent_backward:
-        raise ValueError("--no-gate, --bias-dtype and --persistent-backward are the op's: the "
-                         "layer has its gate, and its bias takes the compute dtype")
+    if args.no_gate or args.bias_dtype != "input" or args.persistent_backward or args.kernel_options:
+        raise ValueError("--no-gate, --bias-dtype, --persistent-backward and --kernel-options "
+                         "are the op's: the layer has its gate, and its bias takes the "
+                         "compute dtype")
     options = core_options(args.implementation)
     program = LayerProgram(layer_shape(args.shape), args.layer, args.dropout_rate,
                            jnp.bfloat16, DTYPES[args.dtype], options)
@@ -61,10 +65,11 @@ def op_call(args):
         mask = make_mask(SHAPES[args.shape], jax.random.key(1))
 
     implementation = None if args.implementation == "default" else args.implementation
-    block_config = None
-    if args.persistent_backward:
-        block_config = persistent_backward_block_config(
-            q, bias, mask != 0, gate, implementation=implementation)
+    block_config = asked_block_config(
+        q, bias, mask != 0, gate, implementation=implementation, skip=args.skip,
+        persistent_backward=args.persistent_backward,
+        kernel_options=parse_kernel_options(args.kernel_options),
+    )
 
     def loss(q, k, v, bias, gate):
         out = msa_row_attention(
@@ -81,6 +86,7 @@ def op_call(args):
         f"forward+backward calls at {args.shape} {args.dtype}"
         + (" skipping padding" if args.skip else "")
         + (", persistent dq and dk/dv" if args.persistent_backward else "")
+        + (f", kernel options {args.kernel_options}" if args.kernel_options else "")
         + (f", dropout {args.dropout_rate}" if args.dropout_rate else ""))
 
 
@@ -97,6 +103,9 @@ def make_parser(prog: str | None = None, description: str | None = None) -> argp
                         help="trace inside msa_pallas.skipping_padding()")
     parser.add_argument("--persistent-backward", action="store_true",
                         help="the Mosaic dq and dk/dv kernels persistent (one CTA per SM)")
+    parser.add_argument("--kernel-options", default="",
+                        help="NAME=0|1,...: MosaicTiles flags set in every Mosaic kernel, "
+                             "and MosaicBackwardTiles' prologue_kernel")
     parser.add_argument("--dropout-rate", type=float, default=0.0,
                         help="attention dropout's rate (0: none)")
     parser.add_argument("--layer", choices=PRESETS, default=None,

@@ -224,7 +224,7 @@ def compile_op(args, mesh):
     from jax.sharding import NamedSharding, PartitionSpec
 
     import msa_pallas
-    from benchmarks.alternatives import kernel_options_config, persistent_backward_block_config
+    from benchmarks.alternatives import asked_block_config
     from benchmarks.profiling.forward import parse_shape
     from benchmarks.shapes import DTYPES
 
@@ -243,19 +243,11 @@ def compile_op(args, mesh):
     key = spec((), key_dtype)
     implementation = None if args.implementation == "default" else args.implementation
     with jax.sharding.set_mesh(mesh):
-        config = None
-        if args.persistent_backward:
-            config = persistent_backward_block_config(
-                rows_like, bias, mask, rows_like, implementation=implementation)
-
-        if args.kernel_options:
-            with msa_pallas.skipping_padding(args.skip):  # the plan skipping makes
-                plan = msa_pallas.explain(rows_like, rows_like, rows_like, bias, mask,
-                                          rows_like, implementation=implementation)
-            config = kernel_options_config(
-                config or msa_pallas.default_block_config(n_res, head_dim, dtype, bias_dtype),
-                plan, parse_kernel_options(args.kernel_options),
-            )
+        config = asked_block_config(
+            rows_like, bias, mask, rows_like, implementation=implementation, skip=args.skip,
+            persistent_backward=args.persistent_backward,
+            kernel_options=parse_kernel_options(args.kernel_options),
+        )
 
         def op(q, k, v, bias, gate, mask, key):
             return msa_pallas.msa_row_attention(

@@ -3,6 +3,13 @@ from its text, and the tool run end to end on the CPU (the op's plain-jnp path t
 
 from __future__ import annotations
 
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+
+import msa_pallas
+from benchmarks.alternatives import asked_block_config
 from benchmarks.profiling import launches
 
 # An entry computation as XLA's GPU compiler prints it (lines shortened): a fusion, a
@@ -102,3 +109,27 @@ def test_kernel_options_name_flags_of_mosaic_tiles():
             assert wrong in str(refusal)
         else:
             raise AssertionError(f"{wrong!r} was taken")
+
+
+def test_asked_block_config_of_the_profiling_commands():
+    """What `profile launch` (and timeline, durations) and `profile launches` ask
+    for: None without options; `--persistent-backward` makes the plan's dq and
+    dk/dv persistent; `--kernel-options` sets flags on the plan's tiles, the plan
+    that skipping makes with `--skip` (persistent dq and dk/dv there)."""
+    q = jax.ShapeDtypeStruct((1, 8, 256, 8, 32), jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((1, 8, 256, 256), jnp.float32)
+    mask = jax.ShapeDtypeStruct((1, 8, 256), jnp.bool_)
+    target = msa_pallas.dispatch.Target("gpu", 90)
+    with mock.patch.object(msa_pallas.dispatch, "current_target", return_value=target):
+        assert asked_block_config(q, bias, mask, implementation="mosaic") is None
+        persistent = asked_block_config(q, bias, mask, implementation="mosaic",
+                                        persistent_backward=True).mosaic_backward
+        assert persistent.dq.persistent and persistent.dkdv.persistent
+        assert not persistent.dbias.persistent
+        options = launches.parse_kernel_options("prefetch_next_item=1,prologue_kernel=1")
+        for skip in (True, False):
+            config = asked_block_config(q, bias, mask, implementation="mosaic", skip=skip,
+                                        kernel_options=options)
+            tiles = config.mosaic_backward
+            assert tiles.prologue_kernel and tiles.dq.prefetch_next_item
+            assert tiles.dq.persistent == tiles.dkdv.persistent == skip, skip
