@@ -76,8 +76,8 @@ KERNELS = {
 
 def parse_mosaic(text: str) -> list[MosaicTiles]:
     """`BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT[xSTAGGERED_BIAS[xMASK_WITHOUT_SELECT[x
-    PREFETCH_NEXT_ITEM]]]]]` candidates, comma-separated (the flags 1 or 0; `MosaicTiles`' fields of those
-    names, in their order)."""
+    PREFETCH_NEXT_ITEM]]]]]` candidates, comma-separated (the flags 1 or 0;
+    `MosaicTiles`' fields of those names, in their order)."""
     tiles = []
     for item in filter(None, text.split(",")):
         block_q, block_k, stages, rows, *flags = (int(x) for x in item.split("x"))

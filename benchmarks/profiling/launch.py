@@ -40,7 +40,8 @@ from msa_pallas import msa_row_attention, skipping_padding
 def layer_step_call(args):
     """The layer's training step (`args.layer`'s preset, bf16 compute): a call without
     arguments that runs it, the compiled program, and a line saying what it runs."""
-    if args.no_gate or args.bias_dtype != "input" or args.persistent_backward or args.kernel_options:
+    if (args.no_gate or args.bias_dtype != "input" or args.persistent_backward
+            or args.kernel_options):
         raise ValueError("--no-gate, --bias-dtype, --persistent-backward and --kernel-options "
                          "are the op's: the layer has its gate, and its bias takes the "
                          "compute dtype")

@@ -251,8 +251,8 @@ def dkdv_plan(
 
     Shared memory: each consumer's K and V tiles (and one copy per head of
     each for two heads per tile), its dK and dV tiles (float32 inputs, or
-    `prefetches_next_item`), its mask vector and dead row's dv; the ring's q, do,
-    statistics and transposed bias tiles. Each consumer loads its own K, V
+    `prefetches_next_item`), its mask vector and dead row's dv; the ring's
+    q, do, statistics and transposed bias tiles. Each consumer loads its own K, V
     and mask ("kv") and dead row's dv ("dead_dv"); the
     producer's step copies each consumer's q and do tiles and statistics
     and the bias tile of each head. The grid: a CTA per work item (B * H',
@@ -322,8 +322,8 @@ def dq_plan(
 
     Shared memory: each consumer's q and do tiles (and one copy per head of
     each for two heads per tile), statistics and dq tile (float32 inputs,
-    or `prefetches_next_item`); the ring's K, V, mask and bias tiles. Each consumer loads its
-    own q, do and statistics ("q"); the producer's step copies each
+    or `prefetches_next_item`); the ring's K, V, mask and bias tiles. Each
+    consumer loads its own q, do and statistics ("q"); the producer's step copies each
     consumer's K and V tiles and mask vector and the bias tile of each head.
     The grid: a CTA per work item, or with `tiles.persistent` one per SM
     sharing them out (`work_items.BackwardItems`), as for dk/dv.

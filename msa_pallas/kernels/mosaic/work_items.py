@@ -160,15 +160,17 @@ class BackwardItems:
         groups = lax.max(self.groups, 1)
         count = batch_heads * tiles * self.groups
 
-        def decode(linear):
-            return decode_item(lax.min(linear, lax.max(count - 1, 0)), tiles, groups, self.heads)
+        def decode(linear, clamped=True):
+            if clamped:
+                linear = lax.min(linear, lax.max(count - 1, 0))
+            return decode_item(linear, tiles, groups, self.heads)
 
         return count, decode
 
     def for_each_live(self, work) -> None:
         """`work(batch, head, row_group, tile)` for this CTA's live items, in order."""
         count, decode = self._live()
-        self._for_each(count, lambda linear: work(*decode(linear)))
+        self._for_each(count, lambda linear: work(*decode(linear, clamped=False)))
 
     def first_live(self):
         """(item, has_one): this CTA's first live item, and whether it has any."""
