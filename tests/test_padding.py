@@ -235,8 +235,9 @@ def test_gpu_backward_prologue_kernel(bias_dtype, seed):
     from benchmarks import shapes
 
     for dims in ((1, 16, 256, 8, 32), (2, 8, 200, 8, 8)):
-        keep = np.asarray(shapes.make_mask(shapes.Shape("padded", dims, mask="padded"),
-                                           jax.random.key(seed % 1000)))
+        # A writable copy: a batch element is made all padding below.
+        keep = np.array(shapes.make_mask(shapes.Shape("padded", dims, mask="padded"),
+                                         jax.random.key(seed % 1000)))
         if dims[0] > 1:
             keep[-1] = False  # a batch element all padding
         inputs = helpers.random_inputs(seed, *dims, jnp.bfloat16, bias_dtype=bias_dtype)
