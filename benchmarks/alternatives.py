@@ -6,8 +6,10 @@ its variants: the Triton or the Mosaic kernels forced, msa_pallas_skip, traced i
 dk/dv kernels), msa_pallas_persistent, those kernels without skipping,
 msa_pallas_skip_k64, skipping with 64-key forward and dk/dv tiles, msa_pallas_lean, every
 Mosaic kernel with `LEAN_OPTIONS` (a select per logit fewer), msa_pallas_skip_lean, both,
-msa_pallas_prologue and msa_pallas_skip_prologue, the backward's prologue kernel
-(`MosaicBackwardTiles.prologue_kernel`) without and with skipping,
+msa_pallas_mask_without_select and msa_pallas_skip_mask_without_select, the backward
+kernels with `MosaicTiles.mask_without_select` alone, msa_pallas_prologue, the backward's
+prologue kernel (`MosaicBackwardTiles.prologue_kernel`) without skipping, and
+msa_pallas_skip_xla_prologue, skipping with XLA's passes in its place,
 msa_pallas_skip_prefetch and msa_pallas_persistent_prefetch, the persistent dq and dk/dv
 kernels loading each next item's tiles ahead (`MosaicTiles.prefetch_next_item`), skipping
 and on every shape, and msa_pallas_dpa,
@@ -76,12 +78,13 @@ def jitted_pair(op: Callable, info: dict | None = None) -> Callables:
 
 def planned_backward_tiles(plan, **changes):
     """The Mosaic backward tiles `plan` (a `CallPlan` on the Mosaic backward) chose,
-    with `changes` by kernel (`dq={"persistent": True}`: fields of its `MosaicTiles`)."""
+    with `changes` by kernel (`dq={"persistent": True}`: fields of its `MosaicTiles`),
+    and the plan's choice of the backward's prologue kernel."""
     tiles = dict(plan.backward_tiles)
     return msa_pallas.MosaicBackwardTiles(
         **{kernel: dataclasses.replace(tiles[kernel], **changes.get(kernel, {}))
            for kernel in ("dkdv", "dq", "dbias")},
-        ping_pong=plan.ping_pong,
+        ping_pong=plan.ping_pong, prologue_kernel=plan.prologue_kernel,
     )
 
 
@@ -222,13 +225,21 @@ build_msa_pallas_lean = _msa_pallas_builder(None, kernel_options=LEAN_OPTIONS)
 # ... and skipping padding: the padded shapes' cells of issue 36 with them.
 build_msa_pallas_skip_lean = _msa_pallas_builder(None, skip_padding=True,
                                                  kernel_options=LEAN_OPTIONS)
+# One of the two alone: on an H100 at the extra MSA it made every backward kernel
+# faster with either bias dtype, where a float32 bias read lane by lane made every
+# kernel slower (log 2026-12-05 11).
+MASK_WITHOUT_SELECT_OPTIONS = {"mask_without_select": True}
+build_msa_pallas_mask_without_select = _msa_pallas_builder(
+    None, kernel_options=MASK_WITHOUT_SELECT_OPTIONS)
+build_msa_pallas_skip_mask_without_select = _msa_pallas_builder(
+    None, skip_padding=True, kernel_options=MASK_WITHOUT_SELECT_OPTIONS)
 # The backward's prologue in one Pallas kernel in place of XLA's passes
-# (`MosaicBackwardTiles.prologue_kernel`), skipping padding or not: whether reading each
-# row once pays.
+# (`MosaicBackwardTiles.prologue_kernel`): asked without skipping (the dispatch takes it
+# where padding is skipped), and skipping, XLA's passes in its place: what it gains.
 PROLOGUE_OPTIONS = {"prologue_kernel": True}
 build_msa_pallas_prologue = _msa_pallas_builder(None, kernel_options=PROLOGUE_OPTIONS)
-build_msa_pallas_skip_prologue = _msa_pallas_builder(None, skip_padding=True,
-                                                     kernel_options=PROLOGUE_OPTIONS)
+build_msa_pallas_skip_xla_prologue = _msa_pallas_builder(
+    None, skip_padding=True, kernel_options={"prologue_kernel": False})
 # The persistent dq and dk/dv kernels loading each next item's own tiles during the item
 # before it (`MosaicTiles.prefetch_next_item`): skipping padding (where the plan takes
 # the persistent kernels), and on every shape with them made persistent.
@@ -451,8 +462,10 @@ IMPLEMENTATIONS: dict[str, Callable[[Case], Callables]] = {
     "msa_pallas_skip_k64": build_msa_pallas_skip_k64,
     "msa_pallas_lean": build_msa_pallas_lean,
     "msa_pallas_skip_lean": build_msa_pallas_skip_lean,
+    "msa_pallas_mask_without_select": build_msa_pallas_mask_without_select,
+    "msa_pallas_skip_mask_without_select": build_msa_pallas_skip_mask_without_select,
     "msa_pallas_prologue": build_msa_pallas_prologue,
-    "msa_pallas_skip_prologue": build_msa_pallas_skip_prologue,
+    "msa_pallas_skip_xla_prologue": build_msa_pallas_skip_xla_prologue,
     "msa_pallas_skip_prefetch": build_msa_pallas_skip_prefetch,
     "msa_pallas_persistent_prefetch": build_msa_pallas_persistent_prefetch,
     "msa_pallas_dpa": build_msa_pallas_dpa,
@@ -469,8 +482,10 @@ REFERENCE_POINTS = ("jax_mha_nobias",)
 # msa_pallas' own variants: checked, timed, never a yardstick.
 OWN_VARIANTS = ("msa_pallas_triton", "msa_pallas_mosaic", "msa_pallas_skip",
                 "msa_pallas_persistent", "msa_pallas_skip_k64", "msa_pallas_lean",
-                "msa_pallas_skip_lean", "msa_pallas_prologue", "msa_pallas_skip_prologue",
-                "msa_pallas_skip_prefetch", "msa_pallas_persistent_prefetch", "msa_pallas_dpa")
+                "msa_pallas_skip_lean", "msa_pallas_mask_without_select",
+                "msa_pallas_skip_mask_without_select", "msa_pallas_prologue",
+                "msa_pallas_skip_xla_prologue", "msa_pallas_skip_prefetch",
+                "msa_pallas_persistent_prefetch", "msa_pallas_dpa")
 # What the full table measures unless asked for more: msa_pallas and every
 # alternative (the variants and reference points add half again to its time).
 TABLE_IMPLEMENTATIONS = tuple(

@@ -366,8 +366,10 @@ def plan_call(
             (*kernel_shape[:-1], backward_head_dim), q.dtype, read_bias_dtype,
             dropout=bool(dropout_rate),
             # Skipping padding, the persistent dq and dk/dv kernels measured
-            # faster (16-bit inputs; they take no dropout).
+            # faster (16-bit inputs; they take no dropout), and so did the
+            # backward's prologue in one kernel (taken below where it applies).
             persistent=skipping and not dropout_rate and jnp.dtype(q.dtype).itemsize == 2,
+            prologue_kernel=skipping,
         )
         backward_tiles = (("dkdv", tiles.dkdv), ("dq", tiles.dq), ("dbias", tiles.dbias))
         ping_pong = tiles.ping_pong

@@ -130,11 +130,12 @@ def test_dropout_takes_64_key_forward_stages(bias_dtype):
     assert dropped.ping_pong == plain.ping_pong
 
 
-def test_skipping_padding_takes_the_persistent_dq_and_dkdv():
+def test_skipping_padding_takes_the_persistent_dq_and_dkdv_and_the_prologue_kernel():
     """Inside `skipping_padding()` with a mask, 16-bit inputs and no dropout,
     the Mosaic dq and dk/dv kernels run persistent (one CTA per SM), with the
-    tiles they have otherwise; dbias, the forward, and every other call keep
-    the default grids."""
+    tiles they have otherwise, and the backward's prologue is one kernel;
+    dbias, the forward, and every other call keep the default grids and
+    XLA's passes."""
     q, k, v, bias = structs(256, 32, bias_dtype=jnp.bfloat16, rows=4)
     mask = jax.ShapeDtypeStruct((1, 4, 256), jnp.bool_)
     rng = jax.random.key(0)
@@ -152,10 +153,13 @@ def test_skipping_padding_takes_the_persistent_dq_and_dkdv():
     assert not dense.tiles_of("dq").persistent and not dense.tiles_of("dkdv").persistent
     assert skipping.tiles_of("dbias") == dense.tiles_of("dbias")
     assert skipping.forward_tiles == dense.forward_tiles
+    assert skipping.prologue_kernel and "backward prologue" in str(skipping)
+    assert not dense.prologue_kernel
     for other in (planned(mask=None), planned(dropout_rate=0.1, dropout_rng=rng),
                   planned(dtype=jnp.float32, implementation="mosaic")):
         assert other.backward == "mosaic"
         assert not any(tiles.persistent for _, tiles in other.backward_tiles), other
+        assert not other.prologue_kernel, other
     with pytest.raises(ValueError, match="take no dropout"):
         mosaic_backward_tiles((1, 4, 256, 4, 32), jnp.bfloat16, jnp.bfloat16,
                               dropout=True, persistent=True)

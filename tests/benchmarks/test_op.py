@@ -464,28 +464,39 @@ def test_lean_variant_sets_the_options_in_every_planned_mosaic_kernel():
         assert variant not in alternatives.TABLE_IMPLEMENTATIONS
 
 
-def test_prologue_variant_asks_for_the_prologue_kernel_and_keeps_the_tiles():
-    """msa_pallas_skip_prologue (and msa_pallas_prologue): the plan's tiles as
-    they are, every kernel's, and `prologue_kernel` set on the backward's; the
-    op's plan then takes it (the Mosaic kernels, no dropout)."""
+def test_prologue_variants_set_the_prologue_kernel_and_keep_the_tiles():
+    """msa_pallas_prologue asks for the prologue kernel where the plan (padding
+    visited) has none; msa_pallas_skip_xla_prologue asks for XLA's passes
+    where the plan (skipping) takes the kernel. Both keep the plan's tiles,
+    every kernel's, and the op's plan then takes what they ask; options that
+    are not the prologue's keep the plan's choice of it."""
     q = jax.ShapeDtypeStruct((1, 8, 256, 8, 32), jnp.bfloat16)
     bias = jax.ShapeDtypeStruct((1, 8, 256, 256), jnp.float32)
     mask = jax.ShapeDtypeStruct((1, 8, 256), jnp.bool_)
     config = msa_pallas.default_block_config(256, 32, jnp.bfloat16, jnp.float32)
     target = msa_pallas.dispatch.Target("gpu", 90)
-    with msa_pallas.skipping_padding():
-        plan = msa_pallas.dispatch.plan_call(q, q, q, bias, mask, implementation="mosaic",
-                                             target=target)
-        asked = alternatives.kernel_options_config(config, plan, {"prologue_kernel": True})
-        assert asked.mosaic_forward is None, "the forward's tiles are not the option's"
-        tiles = asked.mosaic_backward
-        assert tiles.prologue_kernel and tiles.ping_pong == plan.ping_pong
-        assert dict(plan.backward_tiles) == {k: getattr(tiles, k) for k in ("dkdv", "dq", "dbias")}
-        taken = msa_pallas.dispatch.plan_call(q, q, q, bias, mask, implementation="mosaic",
-                                              block_config=asked, target=target)
-        assert taken.prologue_kernel and not plan.prologue_kernel
+    for skip, asked_value in ((False, True), (True, False)):
+        with msa_pallas.skipping_padding(skip):
+            plan = msa_pallas.dispatch.plan_call(q, q, q, bias, mask, implementation="mosaic",
+                                                 target=target)
+            assert plan.prologue_kernel == skip
+            asked = alternatives.kernel_options_config(
+                config, plan, {"prologue_kernel": asked_value})
+            assert asked.mosaic_forward is None, "the forward's tiles are not the option's"
+            tiles = asked.mosaic_backward
+            assert tiles.prologue_kernel == asked_value and tiles.ping_pong == plan.ping_pong
+            assert dict(plan.backward_tiles) == {
+                k: getattr(tiles, k) for k in ("dkdv", "dq", "dbias")}
+            taken = msa_pallas.dispatch.plan_call(q, q, q, bias, mask, implementation="mosaic",
+                                                  block_config=asked, target=target)
+            assert taken.prologue_kernel == asked_value
+            other = alternatives.kernel_options_config(
+                config, plan, alternatives.MASK_WITHOUT_SELECT_OPTIONS)
+            assert other.mosaic_backward.prologue_kernel == skip
+            assert other.mosaic_backward.dq.mask_without_select
     assert alternatives.backward_options() == {"prologue_kernel"}
-    for variant in ("msa_pallas_prologue", "msa_pallas_skip_prologue"):
+    for variant in ("msa_pallas_prologue", "msa_pallas_skip_xla_prologue",
+                    "msa_pallas_mask_without_select", "msa_pallas_skip_mask_without_select"):
         assert variant in alternatives.OWN_VARIANTS and variant in alternatives.IMPLEMENTATIONS
         assert variant not in alternatives.TABLE_IMPLEMENTATIONS
 

@@ -38,8 +38,8 @@ class MosaicTiles:
         so that one item's epilogue overlaps the loads of the next. The dq
         and dk/dv kernels take it too (`work_items.BackwardItems`: skipping
         padding, the dead row groups at the end of the alignment get their
-        results without a CTA each); not chosen by default, not yet timed.
-        The bias-gradient kernel ignores it.
+        results without a CTA each); chosen for them where padding is
+        skipped (`backward_tiles`). The bias-gradient kernel ignores it.
       staggered_bias: a 32-bit bias tile is read from shared memory with
         Mosaic GPU's bank-conflict-free plan, a select per logit; False:
         each lane reads its own elements, with two-way bank conflicts and no
@@ -105,7 +105,8 @@ class MosaicBackwardTiles:
         the stacked row statistics; skipping padding, the dead rows' dv) is
         made by one Pallas kernel that reads each row once
         (`triton.backward_prologue`), in place of two XLA passes over every
-        row (three skipping); not chosen by default, not yet timed.
+        row (three skipping); chosen where padding is skipped
+        (`backward_tiles`).
     """
 
     dkdv: MosaicTiles = MosaicTiles(block_q=64, block_k=128, num_stages=2, msa_rows=2)
@@ -162,7 +163,8 @@ def forward_tiles(
 
 
 def backward_tiles(q_shape, q_dtype, bias_dtype, dropout: bool = False,
-                   persistent: bool = False) -> MosaicBackwardTiles:
+                   persistent: bool = False, prologue_kernel: bool = False
+                   ) -> MosaicBackwardTiles:
     """The backward kernels' tiles for these inputs: per kernel the first
     candidate that fits in shared memory, two MSA rows (consumers) before one.
     The tiles of d <= 32 are the fastest of an H200 sweep (benchmarks/RESULTS.md);
@@ -187,7 +189,15 @@ def backward_tiles(q_shape, q_dtype, bias_dtype, dropout: bool = False,
     Where padding is skipped their CTAs write the dead row groups' gradients
     without a CTA each: on the H200, forward+backward 3-5% faster at the
     padded crops and 3% at the unpadded training crop (bf16, 2026-12-05,
-    benchmarks/log/2026-12-05-03-padding-on-the-h200.md)."""
+    benchmarks/log/2026-12-05-03-padding-on-the-h200.md).
+
+    `prologue_kernel` asks for the backward's prologue in one Pallas kernel
+    (`MosaicBackwardTiles.prologue_kernel`). Where padding is skipped it
+    measured 2-5% faster forward+backward at the padded crops and the same
+    within 1% at the unpadded ones, for 8-9% more temporary memory at the
+    extra MSA (its kernel writes the stacked statistics while the float32
+    output it reads is alive; an H100, bf16, 2026-12-05,
+    benchmarks/log/2026-12-05-11-the-backwards-prologue-where-padding-is-skipped.md)."""
     if persistent and dropout:
         raise ValueError("the persistent dq and dk/dv kernels take no dropout")
     head_dim = kernel_head_dim(q_shape[-1])
@@ -226,4 +236,5 @@ def backward_tiles(q_shape, q_dtype, bias_dtype, dropout: bool = False,
         if not fits:
             raise ValueError(f"no Mosaic {kernel} configuration fits head dim {head_dim}")
         chosen[kernel] = fits[0]
-    return MosaicBackwardTiles(**chosen, ping_pong=jnp.dtype(bias_dtype).itemsize == 2)
+    return MosaicBackwardTiles(**chosen, ping_pong=jnp.dtype(bias_dtype).itemsize == 2,
+                               prologue_kernel=prologue_kernel)
