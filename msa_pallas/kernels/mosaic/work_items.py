@@ -181,12 +181,12 @@ class BackwardItems:
         """`work(item, next_item, has_next)` for this CTA's live items, in
         order: `next_item` is the CTA's next (where `has_next`)."""
         count, decode = self._live()
-        here = self._share(count)
 
-        @pl.loop(0, here)
-        def _(index):
-            linear = index * self.ctas + self.cta
-            work(decode(linear), decode(linear + self.ctas), index + 1 < here)
+        def with_next(linear):
+            following = linear + self.ctas
+            work(decode(linear), decode(following), following < count)
+
+        self._for_each(count, with_next)
 
     def for_each_dead_group(self, work) -> None:
         """`work(batch, head, row_group)` for this CTA's share of the dead row
