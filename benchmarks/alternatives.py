@@ -6,8 +6,8 @@ its variants: the Triton or the Mosaic kernels forced, msa_pallas_skip, traced i
 dk/dv kernels), msa_pallas_persistent, those kernels without skipping,
 msa_pallas_skip_k64, skipping with 64-key forward and dk/dv tiles, msa_pallas_lean, every
 Mosaic kernel with `LEAN_OPTIONS` (a select per logit fewer), msa_pallas_skip_lean, both,
-msa_pallas_mask_without_select and msa_pallas_skip_mask_without_select, the backward
-kernels with `MosaicTiles.mask_without_select` alone, msa_pallas_prologue, the backward's
+msa_pallas_mask_with_select and msa_pallas_skip_mask_with_select, the backward
+kernels with `MosaicTiles.mask_without_select` off (the select the default left), msa_pallas_prologue, the backward's
 prologue kernel (`MosaicBackwardTiles.prologue_kernel`) without skipping, and
 msa_pallas_skip_xla_prologue, skipping with XLA's passes in its place,
 msa_pallas_skip_prefetch and msa_pallas_persistent_prefetch, the persistent dq and dk/dv
@@ -135,8 +135,9 @@ def narrow_key_tiles_config(config, plan):
     )
 
 
-# The Mosaic kernels' leaner ways, fields of `MosaicTiles` off by default until timed on
-# an H200: a float32 bias read lane by lane, and masked keys' ds made 0 without a select.
+# The Mosaic kernels' leaner ways, fields of `MosaicTiles`: a float32 bias read lane by
+# lane (off by default: slower on an H100), and masked keys' ds made 0 without a select
+# (the default since it measured faster on an H100: log 2026-12-05 13).
 LEAN_OPTIONS = {"staggered_bias": False, "mask_without_select": True}
 
 
@@ -225,14 +226,13 @@ build_msa_pallas_lean = _msa_pallas_builder(None, kernel_options=LEAN_OPTIONS)
 # ... and skipping padding: the padded shapes' cells of issue 36 with them.
 build_msa_pallas_skip_lean = _msa_pallas_builder(None, skip_padding=True,
                                                  kernel_options=LEAN_OPTIONS)
-# One of the two alone: on an H100 at the extra MSA it made every backward kernel
-# faster with either bias dtype, where a float32 bias read lane by lane made every
-# kernel slower (log 2026-12-05 11).
-MASK_WITHOUT_SELECT_OPTIONS = {"mask_without_select": True}
-build_msa_pallas_mask_without_select = _msa_pallas_builder(
-    None, kernel_options=MASK_WITHOUT_SELECT_OPTIONS)
-build_msa_pallas_skip_mask_without_select = _msa_pallas_builder(
-    None, skip_padding=True, kernel_options=MASK_WITHOUT_SELECT_OPTIONS)
+# The backward kernels as they were before `mask_without_select` became the default: a
+# masked key's ds made 0 by a select after the product (log 2026-12-05 13).
+MASK_WITH_SELECT_OPTIONS = {"mask_without_select": False}
+build_msa_pallas_mask_with_select = _msa_pallas_builder(
+    None, kernel_options=MASK_WITH_SELECT_OPTIONS)
+build_msa_pallas_skip_mask_with_select = _msa_pallas_builder(
+    None, skip_padding=True, kernel_options=MASK_WITH_SELECT_OPTIONS)
 # The backward's prologue in one Pallas kernel in place of XLA's passes
 # (`MosaicBackwardTiles.prologue_kernel`): asked without skipping (the dispatch takes it
 # where padding is skipped), and skipping, XLA's passes in its place: what it gains.
@@ -462,8 +462,8 @@ IMPLEMENTATIONS: dict[str, Callable[[Case], Callables]] = {
     "msa_pallas_skip_k64": build_msa_pallas_skip_k64,
     "msa_pallas_lean": build_msa_pallas_lean,
     "msa_pallas_skip_lean": build_msa_pallas_skip_lean,
-    "msa_pallas_mask_without_select": build_msa_pallas_mask_without_select,
-    "msa_pallas_skip_mask_without_select": build_msa_pallas_skip_mask_without_select,
+    "msa_pallas_mask_with_select": build_msa_pallas_mask_with_select,
+    "msa_pallas_skip_mask_with_select": build_msa_pallas_skip_mask_with_select,
     "msa_pallas_prologue": build_msa_pallas_prologue,
     "msa_pallas_skip_xla_prologue": build_msa_pallas_skip_xla_prologue,
     "msa_pallas_skip_prefetch": build_msa_pallas_skip_prefetch,
@@ -482,8 +482,8 @@ REFERENCE_POINTS = ("jax_mha_nobias",)
 # msa_pallas' own variants: checked, timed, never a yardstick.
 OWN_VARIANTS = ("msa_pallas_triton", "msa_pallas_mosaic", "msa_pallas_skip",
                 "msa_pallas_persistent", "msa_pallas_skip_k64", "msa_pallas_lean",
-                "msa_pallas_skip_lean", "msa_pallas_mask_without_select",
-                "msa_pallas_skip_mask_without_select", "msa_pallas_prologue",
+                "msa_pallas_skip_lean", "msa_pallas_mask_with_select",
+                "msa_pallas_skip_mask_with_select", "msa_pallas_prologue",
                 "msa_pallas_skip_xla_prologue", "msa_pallas_skip_prefetch",
                 "msa_pallas_persistent_prefetch", "msa_pallas_dpa")
 # What the full table measures unless asked for more: msa_pallas and every

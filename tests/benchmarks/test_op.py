@@ -491,12 +491,13 @@ def test_prologue_variants_set_the_prologue_kernel_and_keep_the_tiles():
                                                   block_config=asked, target=target)
             assert taken.prologue_kernel == asked_value
             other = alternatives.kernel_options_config(
-                config, plan, alternatives.MASK_WITHOUT_SELECT_OPTIONS)
+                config, plan, alternatives.MASK_WITH_SELECT_OPTIONS)
             assert other.mosaic_backward.prologue_kernel == skip
-            assert other.mosaic_backward.dq.mask_without_select
+            assert dict(plan.backward_tiles)["dq"].mask_without_select
+            assert not other.mosaic_backward.dq.mask_without_select
     assert alternatives.backward_options() == {"prologue_kernel"}
     for variant in ("msa_pallas_prologue", "msa_pallas_skip_xla_prologue",
-                    "msa_pallas_mask_without_select", "msa_pallas_skip_mask_without_select"):
+                    "msa_pallas_mask_with_select", "msa_pallas_skip_mask_with_select"):
         assert variant in alternatives.OWN_VARIANTS and variant in alternatives.IMPLEMENTATIONS
         assert variant not in alternatives.TABLE_IMPLEMENTATIONS
 

@@ -48,8 +48,13 @@ class MosaicTiles:
       mask_without_select: the backward kernels make a masked key's ds 0
         without a select after the product: dq and dbias set its exponent
         to -inf, dk/dv multiplies ds by the key's 0 or 1
-        (`backward.operands.recompute`); the same results. The forward
-        ignores it.
+        (`backward.operands.recompute`). The same dq, dk and dv bitwise;
+        compiled, dbias's sum over rows takes one rounding less per term (the
+        product and the sum fused), so it may differ from the select's in the
+        last bits. The default: on an H100, forward+backward 1-6% faster at
+        every SPEC shape but the training crop, where it read alike
+        (benchmarks/log, 2026-12-05 13). False: the select after the product.
+        The forward ignores it.
       prefetch_next_item: the persistent dq and dk/dv kernels: a consumer
         starts loading its next item's own tiles (dq: q, do and the row
         statistics; dk/dv: K, V and the mask) as soon as the last products
@@ -69,7 +74,7 @@ class MosaicTiles:
     ping_pong: bool = True
     persistent: bool = False
     staggered_bias: bool = True
-    mask_without_select: bool = False
+    mask_without_select: bool = True
     prefetch_next_item: bool = False
 
     def __post_init__(self):

@@ -286,40 +286,50 @@ def test_ping_pong_changes_nothing(seed):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-# Every backward kernel with plain bias loads and masked keys' ds made 0 without a
-# select (`MosaicTiles.staggered_bias`, `mask_without_select`).
-LEAN = dataclasses.replace(SMALL, staggered_bias=False, mask_without_select=True)
+# The kernels' other ways with masked keys and a float32 bias: the select after the
+# product that makes a masked key's ds 0 (`MosaicTiles.mask_without_select` off), and
+# the bias tile read lane by lane (`staggered_bias` off).
+OTHER_WAYS = {
+    "mask-with-select": {"mask_without_select": False},
+    "plain-bias-loads": {"staggered_bias": False},
+}
 
 
 @pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16])
-def test_plain_bias_loads_and_masking_without_select_change_nothing(bias_dtype, seed):
-    """The kernels' two leaner ways give the gradients of the default ones
-    (a zero's sign aside), with masked keys, a fully masked row and keys
-    past N (N = 72), and stay within tolerance of float64."""
+@pytest.mark.parametrize("way", OTHER_WAYS.values(), ids=OTHER_WAYS.keys())
+def test_other_ways_with_masked_keys_and_the_bias_change_nothing(way, bias_dtype, seed):
+    """Each other way gives the default kernels' gradients (a zero's sign
+    aside), with masked keys, a fully masked row and keys past N (N = 72),
+    and stays within tolerance of float64."""
     inputs = helpers.random_inputs(
         seed, 1, 2, 72, 1, 32, jnp.bfloat16, bias_dtype=bias_dtype, gate=False,
         fully_masked_row=(0, 1),
     )
     operands, scale = helpers.mosaic_backward_operands(inputs)
     default = run_backward(operands, scale, SMALL_TILES)
-    lean = run_backward(operands, scale, MosaicBackwardTiles(dkdv=LEAN, dq=LEAN, dbias=LEAN))
-    for name, a, b in zip(("dq", "dk", "dv", "dbias"), default, lean):
+    other = dataclasses.replace(SMALL, **way)
+    assert other != SMALL
+    other_grads = run_backward(
+        operands, scale, MosaicBackwardTiles(dkdv=other, dq=other, dbias=other)
+    )
+    for name, a, b in zip(("dq", "dk", "dv", "dbias"), default, other_grads):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
-    check_gradients(lean, inputs, scale, "lean kernels")
+    check_gradients(other_grads, inputs, scale, f"kernels with {way}")
 
 
 def test_masking_without_select_zeroes_masked_keys_ds(seed):
     """Where a masked key's logit gradient would not be 0 but for the mask
     (its logit, without the mask, the row's largest), no kernel passes
-    gradient through it with `mask_without_select` either: the bias gradient
-    of a key masked in every row is exactly 0, and so is that key's dk."""
+    gradient through it without a select after the product (the default,
+    `mask_without_select`) either: the bias gradient of a key masked in
+    every row is exactly 0, and so is that key's dk."""
     inputs = helpers.random_inputs(seed, 1, 2, 128, 1, 32, jnp.bfloat16, gate=False)
     masked_key = 7
     mask = inputs.mask.at[..., masked_key].set(False)
     inputs = inputs._replace(mask=mask, bias=inputs.bias.at[..., masked_key].add(30.0))
     operands, scale = helpers.mosaic_backward_operands(inputs)
-    lean = MosaicBackwardTiles(dkdv=LEAN, dq=LEAN, dbias=LEAN)
-    dq, dk, dv, dbias = run_backward(operands, scale, lean)
+    assert SMALL.mask_without_select
+    dq, dk, dv, dbias = run_backward(operands, scale, SMALL_TILES)
     assert not np.asarray(dbias[..., masked_key]).any()
     assert not np.asarray(dk[:, :, masked_key]).any()
     check_gradients((dq, dk, dv, dbias), inputs, scale, "mask without select")

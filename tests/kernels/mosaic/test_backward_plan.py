@@ -70,20 +70,21 @@ def test_lowers_for_the_gpu_on_a_cpu(case):
 
 
 @pytest.mark.parametrize("head_dim, n_res", [(32, 200), (8, 384)])
-def test_lean_options_lower_for_the_gpu_on_a_cpu(head_dim, n_res):
+def test_other_ways_lower_for_the_gpu_on_a_cpu(head_dim, n_res):
     """Each kernel with a float32 bias read lane by lane and masked keys'
-    ds made 0 without a select (`MosaicTiles.staggered_bias`,
-    `mask_without_select`) lowers for CUDA, one head per tile and two."""
+    ds made 0 by a select after the product (`MosaicTiles.staggered_bias`
+    and `mask_without_select` off) lowers for CUDA, one head per tile and
+    two."""
     shape = (1, 4, n_res, 8, head_dim)
     operands = mosaic_lowering.backward_operands(shape, BF16, F32)
     tiles = mosaic_backward.default_tiles(shape, BF16, F32)
     for kernel in ("dkdv", "dq", "dbias"):
-        lean = dataclasses.replace(
-            getattr(tiles, kernel), staggered_bias=False, mask_without_select=True
+        other = dataclasses.replace(
+            getattr(tiles, kernel), staggered_bias=False, mask_without_select=False
         )
         function = getattr(mosaic_backward, f"backward_{kernel}")
         text = mosaic_lowering.lowered_for_cuda(
-            lambda *args: function(*args, scale=0.2, tiles=lean, interpret=False),  # noqa: B023
+            lambda *args: function(*args, scale=0.2, tiles=other, interpret=False),  # noqa: B023
             *operands,
         )
         assert "mosaic_gpu" in text, kernel

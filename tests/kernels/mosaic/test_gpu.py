@@ -366,21 +366,37 @@ def test_paired_backward_equals_the_padded_head_dim(shape, bias_dtype, seed):
         )
 
 
+# The kernels' other ways (each off where the default has it on): masked keys' ds made 0
+# by a select after the product, a float32 bias tile read lane by lane.
+OTHER_WAYS = {
+    "mask-with-select": {"mask_without_select": False},
+    "plain-bias-loads": {"staggered_bias": False},
+}
+
+
 @pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("shape", [SHAPES["train"], (1, 4, 384, 8, 8), (2, 3, 200, 4, 32)],
                          ids=lambda s: "x".join(map(str, s)))
-def test_lean_options_change_nothing(shape, bias_dtype, seed):
-    """Compiled, the kernels' leaner ways (`MosaicTiles.staggered_bias` off in
-    every kernel, `mask_without_select` in the backward ones) give the default
-    kernels' outputs, residuals and gradients bitwise (a zero's sign aside),
-    with masked keys and a fully masked row: at the training crop, the
-    extra MSA's d = 8 (two heads per tile), and N past the last whole tile."""
+@pytest.mark.parametrize("way", OTHER_WAYS.values(), ids=OTHER_WAYS.keys())
+def test_other_ways_change_nothing(way, shape, bias_dtype, seed):
+    """Compiled, each other way (`MosaicTiles.mask_without_select` off in the
+    backward kernels, `staggered_bias` off in every kernel) gives the default
+    kernels' outputs, residuals and gradients, with masked keys and a fully
+    masked row: at the training crop, the extra MSA's d = 8 (two heads per
+    tile), and N past the last whole tile.
+
+    Bitwise (a zero's sign aside), but for dbias with the select: without it
+    the compiler fuses each row's `p (dp - delta)` with the sum over rows into
+    one FMA (in SASS at the training crop, dbias's loop has 128 FFMA and no
+    FMUL where the select's has 64 of each), one rounding less per term. So
+    there the two sums over S rows must agree within S float32 roundings of
+    dbias's largest value, far below what a wrong logit gradient would change
+    (at the training crop they differed by at most 1.9e-6 on an H100)."""
     inputs = device_inputs(seed, shape, jnp.bfloat16, bias_dtype=bias_dtype)
     q, k, v, bias, mask, gate, dout = inputs.args
     mask, scale = mask.astype(jnp.int8), shape[-1] ** -0.5
     forward_tiles = mosaic_forward.default_tiles(q.shape, q.dtype, bias.dtype, save_stats=True)
     backward_tiles = mosaic_backward.default_tiles(q.shape, q.dtype, bias.dtype)
-    lean = dict(staggered_bias=False, mask_without_select=True)
 
     def forward(tiles):
         return mosaic_forward.attention_forward(
@@ -389,9 +405,9 @@ def test_lean_options_change_nothing(shape, bias_dtype, seed):
         )
 
     default_forward = forward(forward_tiles)
-    lean_forward = forward(dataclasses.replace(forward_tiles, **lean))
+    other_forward = forward(dataclasses.replace(forward_tiles, **way))
     for name, x, y in zip(("out", "attention", "row_max", "row_log2_sum"), default_forward,
-                          lean_forward):
+                          other_forward):
         np.testing.assert_array_equal(
             np.asarray(x.astype(jnp.float32)), np.asarray(y.astype(jnp.float32)), err_msg=name
         )
@@ -408,10 +424,18 @@ def test_lean_options_change_nothing(shape, bias_dtype, seed):
         dq = mosaic_backward.backward_dq(*operands, tiles=tiles["dq"], **turns, **bound)
         return dq, dk, dv, mosaic_backward.backward_dbias(*operands, tiles=tiles["dbias"], **bound)
 
-    for name, x, y in zip(("dq", "dk", "dv", "dbias"), backward({}), backward(lean)):
-        np.testing.assert_array_equal(
-            np.asarray(x.astype(jnp.float32)), np.asarray(y.astype(jnp.float32)), err_msg=name
-        )
+    assert backward_tiles.dbias.mask_without_select
+    for name, x, y in zip(("dq", "dk", "dv", "dbias"), backward({}), backward(way)):
+        x, y = np.asarray(x.astype(jnp.float32)), np.asarray(y.astype(jnp.float32))
+        if name == "dbias" and "mask_without_select" in way:
+            rows = shape[1]
+            np.testing.assert_allclose(
+                y, x, rtol=0, atol=rows * np.finfo(np.float32).eps * np.abs(x).max(),
+                err_msg=name,
+            )
+            assert not np.array_equal(x, np.zeros_like(x))
+        else:
+            np.testing.assert_array_equal(x, y, err_msg=name)
 
 
 @pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16])
