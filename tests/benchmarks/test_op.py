@@ -287,13 +287,13 @@ def test_profile_variants_times_more_tiles_of_a_kernel(capsys):
     `--kernel-options`: every kernel again with its planned tiles and the flags set."""
     status = profile_variants.main(["--shapes", "tiny", "--bias-dtypes", "f32", "--no-op",
                                     "--variants", "plain", "--tiles", "dkdv=64x64x2x1x0",
-                                    "--kernel-options", "staggered_bias=0,mask_without_select=1"])
+                                    "--kernel-options", "staggered_bias=0,mask_without_select=0"])
     assert status == 0
     lines = capsys.readouterr().out.splitlines()[2:]
     kernels = [line.strip("|").split("|")[3].strip() for line in lines]
-    lean = "with staggered_bias=0,mask_without_select=1"
-    assert kernels == ["forward", "dkdv", "dq", "dbias", "dkdv 64x64x2x1x0x0x1x0x0",
-                       f"forward {lean}", f"dkdv {lean}", f"dq {lean}", f"dbias {lean}"], lines
+    other = "with staggered_bias=0,mask_without_select=0"
+    assert kernels == ["forward", "dkdv", "dq", "dbias", "dkdv 64x64x2x1x0x0x1x1x0",
+                       f"forward {other}", f"dkdv {other}", f"dq {other}", f"dbias {other}"], lines
     for line in lines[4:]:
         assert float(line.strip("|").split("|")[4]) > 0, line
     with pytest.raises(SystemExit):
@@ -870,19 +870,19 @@ def test_layer_keeps_the_rows_of_a_run_cut_short(tmp_path, monkeypatch):
 def test_parse_mosaic_candidates():
     """`BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT[xSTAGGERED_BIAS[xMASK_WITHOUT_SELECT]]]]`:
     the flags in that order, left out meaning the defaults (ping-pong on, one CTA per
-    item, staggered bias loads, ds selected after the product); `mosaic_text` writes
+    item, staggered bias loads, ds made 0 without a select); `mosaic_text` writes
     every field, and reads back as the same tiles."""
-    plain, turns_off, persistent, lean = profile_kernels.parse_mosaic(
-        "128x64x2x2,128x128x2x2x0,64x64x3x1x1x1,64x128x2x2x1x0x0x1"
+    plain, turns_off, persistent, other = profile_kernels.parse_mosaic(
+        "128x64x2x2,128x128x2x2x0,64x64x3x1x1x1,64x128x2x2x1x0x0x0"
     )
     assert (plain.block_q, plain.block_k, plain.num_stages, plain.msa_rows) == (128, 64, 2, 2)
     assert plain.ping_pong and not plain.persistent
-    assert plain.staggered_bias and not plain.mask_without_select
+    assert plain.staggered_bias and plain.mask_without_select
     assert not turns_off.ping_pong and not turns_off.persistent
     assert persistent.ping_pong and persistent.persistent and persistent.num_stages == 3
-    assert not lean.staggered_bias and lean.mask_without_select and not lean.persistent
-    assert profile_kernels.mosaic_text(lean) == "64x128x2x2x1x0x0x1x0"
-    for tiles in (plain, turns_off, persistent, lean):
+    assert not other.staggered_bias and not other.mask_without_select and not other.persistent
+    assert profile_kernels.mosaic_text(other) == "64x128x2x2x1x0x0x0x0"
+    for tiles in (plain, turns_off, persistent, other):
         assert profile_kernels.parse_mosaic(profile_kernels.mosaic_text(tiles)) == [tiles]
 
 
