@@ -7,8 +7,8 @@ dk/dv kernels), msa_pallas_persistent, those kernels without skipping,
 msa_pallas_skip_k64, skipping with 64-key forward and dk/dv tiles, msa_pallas_lean, every
 Mosaic kernel with `LEAN_OPTIONS` (a select per logit fewer), msa_pallas_skip_lean, both,
 msa_pallas_mask_with_select and msa_pallas_skip_mask_with_select, the backward
-kernels with `MosaicTiles.mask_without_select` off (the select the default left), msa_pallas_prologue, the backward's
-prologue kernel (`MosaicBackwardTiles.prologue_kernel`) without skipping, and
+kernels with the select that `MosaicTiles.mask_without_select` takes out,
+msa_pallas_prologue, the backward's prologue kernel (`MosaicBackwardTiles.prologue_kernel`) without skipping, and
 msa_pallas_skip_xla_prologue, skipping with XLA's passes in its place,
 msa_pallas_skip_prefetch and msa_pallas_persistent_prefetch, the persistent dq and dk/dv
 kernels loading each next item's tiles ahead (`MosaicTiles.prefetch_next_item`), skipping

@@ -9,7 +9,7 @@ Mosaic GPU kernels' PTX is written to DIR as they compile (their SASS too with
     python -m benchmarks profile launch --shape extra_padded --skip   # padding skipped
     python -m benchmarks profile launch --shape extra_padded --skip --persistent-backward
     python -m benchmarks profile launch --shape extra_padded --skip \
-        --kernel-options prologue_kernel=0,mask_without_select=1
+        --kernel-options prologue_kernel=0,mask_without_select=0
     python -m benchmarks profile launch --shape finetune --dropout-rate 0.1
     python -m benchmarks profile launch --layer reference --shape train --dropout-rate 0.1
 

@@ -23,7 +23,7 @@ libdevice; `scripts/compile_for_gpu.sh` sets them up. XLA then compiles every ke
 that GPU, Triton's and Mosaic GPU's, as it would there: a check that they compile
 (`profile sass` reads the Mosaic kernels' machine code so compiled).
 
-`--kernel-options staggered_bias=0,mask_without_select=1` sets fields of `MosaicTiles` in
+`--kernel-options staggered_bias=0,mask_without_select=0` sets fields of `MosaicTiles` in
 every Mosaic kernel the op's plan runs, its tiles otherwise as planned (and
 `prologue_kernel=1`, `MosaicBackwardTiles`', the backward's prologue kernel).
 """
@@ -275,7 +275,7 @@ def compile_op(args, mesh):
 
 
 def parse_kernel_options(text: str, op_options: bool = True) -> dict[str, bool]:
-    """`"staggered_bias=0,mask_without_select=1"` -> {field of `MosaicTiles`, or
+    """`"staggered_bias=0,mask_without_select=0"` -> {field of `MosaicTiles`, or
     with `op_options` of `alternatives.backward_options` (`prologue_kernel`, which
     acts on the op's backward as a whole): bool}."""
     from benchmarks.alternatives import backward_options

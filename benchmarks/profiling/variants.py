@@ -25,7 +25,7 @@ on the same operands in each variant, with the tiles the op plans in that varian
 these candidates (`BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT[xSTAGGERED_BIAS[
 xMASK_WITHOUT_SELECT[xPREFETCH_NEXT_ITEM]]]]]`, comma-separated), in every variant, as
 `KERNEL BQxBKxSTAGESxROWS...` rows: which tiles suit a variant. `--kernel-options
-staggered_bias=0,mask_without_select=1` also times every kernel with its planned tiles
+staggered_bias=0,mask_without_select=0` also times every kernel with its planned tiles
 and those flags of `MosaicTiles` set, as `KERNEL with OPTIONS` rows.
 
 Then the op itself, forward and forward+backward (`jax.grad` of q, k, v, bias and
@@ -239,7 +239,7 @@ def main(argv=None, prog: str | None = None) -> int:
                         help='more candidates per kernel: "forward=128x64x2x2x1x1;dkdv=64x64x2x2"')
     parser.add_argument("--kernel-options", default="", type=parse_tile_options,
                         help="each kernel again with these MosaicTiles flags: "
-                             '"staggered_bias=0,mask_without_select=1"')
+                             '"staggered_bias=0,mask_without_select=0"')
     parser.add_argument("--reps", type=int, default=1 if INTERPRET else 20)
     parser.add_argument("--samples", type=int, default=1 if INTERPRET else 5)
     args = parser.parse_args(argv)

@@ -51,10 +51,10 @@ class MosaicTiles:
         (`backward.operands.recompute`). The same dq, dk and dv bitwise;
         compiled, dbias's sum over rows takes one rounding less per term (the
         product and the sum fused), so it may differ from the select's in the
-        last bits. The default: on an H100, forward+backward 1-6% faster at
-        every SPEC shape but the training crop, where it read alike
-        (benchmarks/log, 2026-12-05 13). False: the select after the product.
-        The forward ignores it.
+        last bits. The default: on an H100, forward+backward 0.3-6.1% faster
+        from finetune up, within run-to-run spread at the training and padded
+        crops (benchmarks/log, 2026-12-05 13). False: the select after the
+        product. The forward ignores it.
       prefetch_next_item: the persistent dq and dk/dv kernels: a consumer
         starts loading its next item's own tiles (dq: q, do and the row
         statistics; dk/dv: K, V and the mask) as soon as the last products
