@@ -8,11 +8,9 @@ msa_pallas_skip_k64, skipping with 64-key forward and dk/dv tiles, msa_pallas_le
 Mosaic kernel with `LEAN_OPTIONS` (a select per logit fewer), msa_pallas_skip_lean, both,
 msa_pallas_mask_with_select and msa_pallas_skip_mask_with_select, the backward
 kernels with the select that `MosaicTiles.mask_without_select` takes out,
-msa_pallas_prologue, the backward's prologue kernel (`MosaicBackwardTiles.prologue_kernel`) without skipping, and
-msa_pallas_skip_xla_prologue, skipping with XLA's passes in its place,
-msa_pallas_skip_prefetch and msa_pallas_persistent_prefetch, the persistent dq and dk/dv
-kernels loading each next item's tiles ahead (`MosaicTiles.prefetch_next_item`), skipping
-and on every shape, and msa_pallas_dpa,
+msa_pallas_prologue, the backward's prologue kernel (`MosaicBackwardTiles.prologue_kernel`)
+without skipping, msa_pallas_skip_xla_prologue, skipping with XLA's passes in its place,
+and msa_pallas_dpa,
 `msa_pallas.dot_product_attention` in tokamax's layouts), xla (msa_pallas' plain-jnp
 path, the reference of the forward check), cudnn (`jax.nn.dot_product_attention`),
 cuequivariance (`cuequivariance_jax.triangle_attention`), tokamax_mosaic and
@@ -240,14 +238,6 @@ PROLOGUE_OPTIONS = {"prologue_kernel": True}
 build_msa_pallas_prologue = _msa_pallas_builder(None, kernel_options=PROLOGUE_OPTIONS)
 build_msa_pallas_skip_xla_prologue = _msa_pallas_builder(
     None, skip_padding=True, kernel_options={"prologue_kernel": False})
-# The persistent dq and dk/dv kernels loading each next item's own tiles during the item
-# before it (`MosaicTiles.prefetch_next_item`): skipping padding (where the plan takes
-# the persistent kernels), and on every shape with them made persistent.
-PREFETCH_OPTIONS = {"prefetch_next_item": True}
-build_msa_pallas_skip_prefetch = _msa_pallas_builder(None, skip_padding=True,
-                                                     kernel_options=PREFETCH_OPTIONS)
-build_msa_pallas_persistent_prefetch = _msa_pallas_builder(
-    None, persistent_backward=True, kernel_options=PREFETCH_OPTIONS)
 
 
 def build_msa_pallas_mosaic(case: Case) -> Callables:
@@ -466,8 +456,6 @@ IMPLEMENTATIONS: dict[str, Callable[[Case], Callables]] = {
     "msa_pallas_skip_mask_with_select": build_msa_pallas_skip_mask_with_select,
     "msa_pallas_prologue": build_msa_pallas_prologue,
     "msa_pallas_skip_xla_prologue": build_msa_pallas_skip_xla_prologue,
-    "msa_pallas_skip_prefetch": build_msa_pallas_skip_prefetch,
-    "msa_pallas_persistent_prefetch": build_msa_pallas_persistent_prefetch,
     "msa_pallas_dpa": build_msa_pallas_dpa,
     "xla": build_xla,
     "cudnn": build_cudnn,
@@ -484,8 +472,7 @@ OWN_VARIANTS = ("msa_pallas_triton", "msa_pallas_mosaic", "msa_pallas_skip",
                 "msa_pallas_persistent", "msa_pallas_skip_k64", "msa_pallas_lean",
                 "msa_pallas_skip_lean", "msa_pallas_mask_with_select",
                 "msa_pallas_skip_mask_with_select", "msa_pallas_prologue",
-                "msa_pallas_skip_xla_prologue", "msa_pallas_skip_prefetch",
-                "msa_pallas_persistent_prefetch", "msa_pallas_dpa")
+                "msa_pallas_skip_xla_prologue", "msa_pallas_dpa")
 # What the full table measures unless asked for more: msa_pallas and every
 # alternative (the variants and reference points add half again to its time).
 TABLE_IMPLEMENTATIONS = tuple(

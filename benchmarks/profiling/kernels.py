@@ -75,9 +75,9 @@ KERNELS = {
 
 
 def parse_mosaic(text: str) -> list[MosaicTiles]:
-    """`BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT[xSTAGGERED_BIAS[xMASK_WITHOUT_SELECT[x
-    PREFETCH_NEXT_ITEM]]]]]` candidates, comma-separated (the flags 1 or 0;
-    `MosaicTiles`' fields of those names, in their order)."""
+    """`BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT[xSTAGGERED_BIAS[xMASK_WITHOUT_SELECT]]]]`
+    candidates, comma-separated (the flags 1 or 0; `MosaicTiles`' fields of those
+    names, in their order)."""
     tiles = []
     for item in filter(None, text.split(",")):
         block_q, block_k, stages, rows, *flags = (int(x) for x in item.split("x"))
@@ -87,8 +87,7 @@ def parse_mosaic(text: str) -> list[MosaicTiles]:
 
 def mosaic_text(tiles: MosaicTiles) -> str:
     """One candidate as `parse_mosaic` reads it, every field given:
-    `BQxBKxSTAGESxROWSxPING_PONGxPERSISTENTxSTAGGERED_BIASxMASK_WITHOUT_SELECTx
-    PREFETCH_NEXT_ITEM`."""
+    `BQxBKxSTAGESxROWSxPING_PONGxPERSISTENTxSTAGGERED_BIASxMASK_WITHOUT_SELECT`."""
     return "x".join(str(int(getattr(tiles, field.name)))
                     for field in dataclasses.fields(MosaicTiles))
 

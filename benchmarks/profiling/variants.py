@@ -23,7 +23,7 @@ on the same operands in each variant, with the tiles the op plans in that varian
 
 `--tiles "forward=128x64x2x2x1x1;dkdv=64x64x2x2"` also times each named kernel with
 these candidates (`BQxBKxSTAGESxROWS[xPING_PONG[xPERSISTENT[xSTAGGERED_BIAS[
-xMASK_WITHOUT_SELECT[xPREFETCH_NEXT_ITEM]]]]]`, comma-separated), in every variant, as
+xMASK_WITHOUT_SELECT]]]]`, comma-separated), in every variant, as
 `KERNEL BQxBKxSTAGESxROWS...` rows: which tiles suit a variant. `--kernel-options
 staggered_bias=0,mask_without_select=0` also times every kernel with its planned tiles
 and those flags of `MosaicTiles` set, as `KERNEL with OPTIONS` rows.

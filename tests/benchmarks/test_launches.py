@@ -126,10 +126,10 @@ def test_asked_block_config_of_the_profiling_commands():
                                         persistent_backward=True).mosaic_backward
         assert persistent.dq.persistent and persistent.dkdv.persistent
         assert not persistent.dbias.persistent
-        options = launches.parse_kernel_options("prefetch_next_item=1,prologue_kernel=1")
+        options = launches.parse_kernel_options("mask_without_select=0,prologue_kernel=1")
         for skip in (True, False):
             config = asked_block_config(q, bias, mask, implementation="mosaic", skip=skip,
                                         kernel_options=options)
             tiles = config.mosaic_backward
-            assert tiles.prologue_kernel and tiles.dq.prefetch_next_item
+            assert tiles.prologue_kernel and not tiles.dq.mask_without_select
             assert tiles.dq.persistent == tiles.dkdv.persistent == skip, skip

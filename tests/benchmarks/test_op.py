@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 import msa_pallas
-from msa_pallas.kernels.mosaic import plan as mosaic_plan
 from benchmarks import alternatives, measure, report, shapes
 from benchmarks import layer, op, runs, timing
 from benchmarks.profiling import backward as profile_backward
@@ -292,7 +291,7 @@ def test_profile_variants_times_more_tiles_of_a_kernel(capsys):
     lines = capsys.readouterr().out.splitlines()[2:]
     kernels = [line.strip("|").split("|")[3].strip() for line in lines]
     other = "with staggered_bias=0,mask_without_select=0"
-    assert kernels == ["forward", "dkdv", "dq", "dbias", "dkdv 64x64x2x1x0x0x1x1x0",
+    assert kernels == ["forward", "dkdv", "dq", "dbias", "dkdv 64x64x2x1x0x0x1x1",
                        f"forward {other}", f"dkdv {other}", f"dq {other}", f"dbias {other}"], lines
     for line in lines[4:]:
         assert float(line.strip("|").split("|")[4]) > 0, line
@@ -498,42 +497,6 @@ def test_prologue_variants_set_the_prologue_kernel_and_keep_the_tiles():
     assert alternatives.backward_options() == {"prologue_kernel"}
     for variant in ("msa_pallas_prologue", "msa_pallas_skip_xla_prologue",
                     "msa_pallas_mask_with_select", "msa_pallas_skip_mask_with_select"):
-        assert variant in alternatives.OWN_VARIANTS and variant in alternatives.IMPLEMENTATIONS
-        assert variant not in alternatives.TABLE_IMPLEMENTATIONS
-
-
-def test_prefetch_variants_ask_for_it_in_the_persistent_kernels():
-    """msa_pallas_skip_prefetch keeps the plan's persistent dq and dk/dv tiles
-    (skipping padding) with `prefetch_next_item` set, and the plans those tiles
-    make stage the results in tiles of their own; msa_pallas_persistent_prefetch
-    makes the dq and dk/dv kernels persistent first, padding visited."""
-    dims = (1, 8, 256, 8, 32)
-    q = jax.ShapeDtypeStruct(dims, jnp.bfloat16)
-    bias = jax.ShapeDtypeStruct((1, 8, 256, 256), jnp.float32)
-    mask = jax.ShapeDtypeStruct((1, 8, 256), jnp.bool_)
-    config = msa_pallas.default_block_config(256, 32, jnp.bfloat16, jnp.float32)
-    target = msa_pallas.dispatch.Target("gpu", 90)
-    options = alternatives.PREFETCH_OPTIONS
-    for skipping in (True, False):
-        with msa_pallas.skipping_padding(skipping):
-            plan = msa_pallas.dispatch.plan_call(q, q, q, bias, mask, implementation="mosaic",
-                                                 target=target)
-            asked = config
-            if not skipping:
-                assert not dict(plan.backward_tiles)["dq"].persistent
-                asked = alternatives.persistent_backward_config(config, plan)
-            asked = alternatives.kernel_options_config(asked, plan, options)
-        tiles = asked.mosaic_backward
-        for name, plan_of in (("dq", mosaic_plan.dq_plan), ("dkdv", mosaic_plan.dkdv_plan)):
-            kernel_tiles = getattr(tiles, name)
-            assert kernel_tiles.persistent and kernel_tiles.prefetch_next_item, (name, skipping)
-            staged = plan_of(dims, jnp.bfloat16, jnp.float32, kernel_tiles, mask_dtype=jnp.int8,
-                             interpret=False).smem
-            own = plan_of(dims, jnp.bfloat16, jnp.float32,
-                          dataclasses.replace(kernel_tiles, prefetch_next_item=False),
-                          mask_dtype=jnp.int8, interpret=False).smem
-            assert name[:2] in staged and name[:2] not in own, name
-    for variant in ("msa_pallas_skip_prefetch", "msa_pallas_persistent_prefetch"):
         assert variant in alternatives.OWN_VARIANTS and variant in alternatives.IMPLEMENTATIONS
         assert variant not in alternatives.TABLE_IMPLEMENTATIONS
 
@@ -881,7 +844,7 @@ def test_parse_mosaic_candidates():
     assert not turns_off.ping_pong and not turns_off.persistent
     assert persistent.ping_pong and persistent.persistent and persistent.num_stages == 3
     assert not other.staggered_bias and not other.mask_without_select and not other.persistent
-    assert profile_kernels.mosaic_text(other) == "64x128x2x2x1x0x0x0x0"
+    assert profile_kernels.mosaic_text(other) == "64x128x2x2x1x0x0x0"
     for tiles in (plain, turns_off, persistent, other):
         assert profile_kernels.parse_mosaic(profile_kernels.mosaic_text(tiles)) == [tiles]
 

@@ -220,12 +220,6 @@ def _backward_operand_tiles(q_shape, q_dtype, interpret: bool):
     return tile_heads(q_shape, q_dtype), pieces, row_views, operand_tiles
 
 
-def prefetches_next_item(tiles: MosaicTiles) -> bool:
-    """Whether a dq or dk/dv kernel of `tiles` loads each next item's own
-    tiles ahead (`MosaicTiles.prefetch_next_item`, persistent kernels only)."""
-    return tiles.persistent and tiles.prefetch_next_item
-
-
 # The dk/dv kernel's keys per consumer (`dkdv_plan`).
 DKDV_BLOCK_K = (64, 128, 256)
 
@@ -250,9 +244,9 @@ def dkdv_plan(
     copy per consumer (`dropout_words.copy_words_to_ring`).
 
     Shared memory: each consumer's K and V tiles (and one copy per head of
-    each for two heads per tile), its dK and dV tiles (float32 inputs, or
-    `prefetches_next_item`), its mask vector and dead row's dv; the ring's
-    q, do, statistics and transposed bias tiles. Each consumer loads its own K, V
+    each for two heads per tile), its float32 dK and dV tiles (float32
+    inputs), its mask vector and dead row's dv; the ring's q, do,
+    statistics and transposed bias tiles. Each consumer loads its own K, V
     and mask ("kv") and dead row's dv ("dead_dv"); the
     producer's step copies each consumer's q and do tiles and statistics
     and the bias tile of each head. The grid: a CTA per work item (B * H',
@@ -283,10 +277,9 @@ def dkdv_plan(
             smem[name] = tuple(
                 smem_tile((msa_rows, block_k, tile_dim), q_dtype) for _ in range(pair)
             )
-    if pieces > 1 or prefetches_next_item(tiles):
-        # float32 results, or K and V already taking the next item's.
-        smem["dk"] = row_tile((msa_rows, block_k, tile_dim), q_dtype, row_views)
-        smem["dv"] = row_tile((msa_rows, block_k, tile_dim), q_dtype, row_views)
+    if pieces > 1:
+        smem["dk"] = row_tile((msa_rows, block_k, tile_dim), jnp.float32, row_views)
+        smem["dv"] = row_tile((msa_rows, block_k, tile_dim), jnp.float32, row_views)
     if mask_dtype is not None:
         smem["mask"] = smem_vectors((msa_rows, 1, block_k), mask_dtype)
     step_copies = ("q", "do", "stats")
@@ -321,9 +314,9 @@ def dq_plan(
     words of the step's keys ride the ring).
 
     Shared memory: each consumer's q and do tiles (and one copy per head of
-    each for two heads per tile), statistics and dq tile (float32 inputs,
-    or `prefetches_next_item`); the ring's K, V, mask and bias tiles. Each
-    consumer loads its own q, do and statistics ("q"); the producer's step copies each
+    each for two heads per tile), statistics and float32 dq tile (float32
+    inputs); the ring's K, V, mask and bias tiles. Each consumer loads its
+    own q, do and statistics ("q"); the producer's step copies each
     consumer's K and V tiles and mask vector and the bias tile of each head.
     The grid: a CTA per work item, or with `tiles.persistent` one per SM
     sharing them out (`work_items.BackwardItems`), as for dk/dv.
@@ -346,9 +339,8 @@ def dq_plan(
             smem[name] = tuple(
                 smem_tile((msa_rows, block_q, tile_dim), q_dtype) for _ in range(pair)
             )
-    if pieces > 1 or prefetches_next_item(tiles):
-        # float32 results, or q already taking the next item's.
-        smem["dq"] = row_tile((msa_rows, block_q, tile_dim), q_dtype, row_views)
+    if pieces > 1:
+        smem["dq"] = row_tile((msa_rows, block_q, tile_dim), jnp.float32, row_views)
     key_copies = ("k", "v")
     if mask_dtype is not None:
         smem["mask"] = smem_vectors((stages, msa_rows, 1, block_k), mask_dtype)

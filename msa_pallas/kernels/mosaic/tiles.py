@@ -55,16 +55,6 @@ class MosaicTiles:
         from finetune up, within run-to-run spread at the training and padded
         crops (benchmarks/log, 2026-12-05 13). False: the select after the
         product. The forward ignores it.
-      prefetch_next_item: the persistent dq and dk/dv kernels: a consumer
-        starts loading its next item's own tiles (dq: q, do and the row
-        statistics; dk/dv: K, V and the mask) as soon as the last products
-        of this item have read them, so that the next item finds them
-        landed, and stages its results in tiles of their own, whose stores
-        run on into the next item. Without it each item waits for its own
-        tiles at its start and for its stores at its end. The same results;
-        ignored without `persistent` and by the other kernels; not chosen
-        by default (on an H100, up to 7% slower forward+backward at the
-        padded crops: benchmarks/log, 2026-12-05 11).
     """
 
     block_q: int = 64
@@ -75,7 +65,6 @@ class MosaicTiles:
     persistent: bool = False
     staggered_bias: bool = True
     mask_without_select: bool = True
-    prefetch_next_item: bool = False
 
     def __post_init__(self):
         if self.block_q not in (64, 128):

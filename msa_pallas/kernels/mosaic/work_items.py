@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from msa_pallas.kernels.mosaic.pipeline import (
-    batch_head_and_warpgroup, consumer_registers, producer_registers, run_when,
+    batch_head_and_warpgroup, consumer_registers, producer_registers,
 )
 
 
@@ -140,53 +140,23 @@ class BackwardItems:
         self.groups = grid[2] if live_groups is None else lax.clamp(0, live_groups, grid[2])
         self.ctas, self.cta = lax.axis_size("ctas"), lax.axis_index("ctas")
 
-    def _share(self, count):
-        """How many of `count` indices this CTA takes."""
-        return count // self.ctas + (self.cta < count % self.ctas).astype(jnp.int32)
-
     def _for_each(self, count, work) -> None:
         """`work(index)` for this CTA's share of `count` indices."""
+        here = count // self.ctas + (self.cta < count % self.ctas).astype(jnp.int32)
 
-        @pl.loop(0, self._share(count))
+        @pl.loop(0, here)
         def _(index):
             work(index * self.ctas + self.cta)
 
-    def _live(self):
-        """(count, decode): the live items, and the item of a linear index,
-        clamped to the last live one (an index past them, a last item's
-        "next", then names an item that exists)."""
+    def for_each_live(self, work) -> None:
+        """`work(batch, head, row_group, tile)` for this CTA's live items, in order."""
         batch_heads, tiles, _ = self.grid
         # At least one group in the numbering, so that no item divides by 0.
         groups = lax.max(self.groups, 1)
-        count = batch_heads * tiles * self.groups
-
-        def decode(linear, clamped=True):
-            if clamped:
-                linear = lax.min(linear, lax.max(count - 1, 0))
-            return decode_item(linear, tiles, groups, self.heads)
-
-        return count, decode
-
-    def for_each_live(self, work) -> None:
-        """`work(batch, head, row_group, tile)` for this CTA's live items, in order."""
-        count, decode = self._live()
-        self._for_each(count, lambda linear: work(*decode(linear, clamped=False)))
-
-    def first_live(self):
-        """(item, has_one): this CTA's first live item, and whether it has any."""
-        count, decode = self._live()
-        return decode(self.cta), self._share(count) > 0
-
-    def for_each_live_with_next(self, work) -> None:
-        """`work(item, next_item, has_next)` for this CTA's live items, in
-        order: `next_item` is the CTA's next (where `has_next`)."""
-        count, decode = self._live()
-
-        def with_next(linear):
-            following = linear + self.ctas
-            work(decode(linear), decode(following), following < count)
-
-        self._for_each(count, with_next)
+        self._for_each(
+            batch_heads * tiles * self.groups,
+            lambda linear: work(*decode_item(linear, tiles, groups, self.heads)),
+        )
 
     def for_each_dead_group(self, work) -> None:
         """`work(batch, head, row_group)` for this CTA's share of the dead row
@@ -202,20 +172,8 @@ class BackwardItems:
         self._for_each(batch_heads * dead, unit)
 
 
-def load_next_when(when, load_next) -> None:
-    """Runs `load_next` (`serve_items`' start of the next item's held tiles)
-    where `when` holds, once every warp of the consumer warpgroup is past
-    its reads of the current item's."""
-
-    @pl.when(when)
-    def _():
-        plgpu.commit_smem()
-        load_next()
-
-
 def serve_items(consume, produce, bounds_of, *, consumers: int, heads: int, persistent: bool,
-                tile_axis: str, work_items=None, live_groups=None, dead_groups=None,
-                load_held=None) -> None:
+                tile_axis: str, work_items=None, live_groups=None, dead_groups=None) -> None:
     """A backward kernel's warp-specialised body over its work items
     (batch, head, row group, tile): the consumer warpgroups (wg < consumers)
     run `consume(*item, lb, ub)` for each, the producer `produce(*item, lb,
@@ -227,16 +185,6 @@ def serve_items(consume, produce, bounds_of, *, consumers: int, heads: int, pers
     row groups that have items (a traced int32, `key_tiles.SpanReader.
     live_row_groups`; None: all), those alone, then, on the consumers,
     `dead_groups(items)` for the groups after them (all dead).
-
-    `load_held` (persistent only; `MosaicTiles.prefetch_next_item`): a
-    function `load_held(*item)` that starts the copies of the tiles a
-    consumer holds across an item's loop, without waiting. The consumer
-    starts its first item's before its first item, and each item runs
-    `consume(*item, lb, ub, load_next=load_next)`: `load_next()` starts the
-    next item's, where there is one and its loop runs a step; `consume`
-    calls it once its own held tiles are read for good, and waits for its
-    own where its loop runs. Its results' stores then run on into the next
-    item, whose results wait for them (and the CTA's end, after its last).
     """
     wg = lax.axis_index("wg")
     if not persistent:
@@ -261,30 +209,10 @@ def serve_items(consume, produce, bounds_of, *, consumers: int, heads: int, pers
     def with_bounds(run):
         return lambda *item: run(*item, *bounds_of(*item))
 
-    def visits(bounds):
-        lb, ub = bounds
-        return jnp.asarray(lb < ub)
-
-    def consume_ahead(item, next_item, has_next):
-        def load_next():
-            run_when(jnp.logical_and(has_next, visits(bounds_of(*next_item))),
-                     lambda: load_held(*next_item))
-
-        consume(*item, *bounds_of(*item), load_next=load_next)
-
     @pl.when(wg < consumers)
     def _consumer():
         consumer_registers(consumers)
-        if load_held is None:
-            items.for_each_live(with_bounds(consume))
-        else:
-            first, has_one = items.first_live()
-            run_when(jnp.logical_and(has_one, visits(bounds_of(*first))),
-                     lambda: load_held(*first))
-            items.for_each_live_with_next(consume_ahead)
-            # The last item's stores have read its results' tiles, which
-            # `dead_groups` writes, before the CTA may end.
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        items.for_each_live(with_bounds(consume))
         if live_groups is not None:
             dead_groups(items)
 

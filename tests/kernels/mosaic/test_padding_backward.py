@@ -18,8 +18,7 @@ tile. Each case runs the kernels with skipping and without
 - all four against the float64 NumPy gradients by relative error.
 
 The persistent dq and dk/dv kernels (one CTA per SM, `tiles.persistent`)
-are held bitwise to the kernels of one CTA per item, skipping and not, with
-each next item's tiles loaded ahead (`prefetch_next_item`) and without.
+are held bitwise to the kernels of one CTA per item, skipping and not.
 
 Masks: padded residues at the end and in the middle (a whole key tile),
 padded rows at the end and in the middle, a batch element that is all
@@ -207,10 +206,9 @@ def test_bias_gradient_over_row_chunks(seed):
                  regrouped=("dbias",))
 
 
-@pytest.mark.parametrize("prefetch", [False, True], ids=["own-tiles", "prefetch"])
 @pytest.mark.parametrize("tiles", [PAIRS, ONE_ROW], ids=["row-pairs", "one-row"])
 @pytest.mark.parametrize("kernel", ["dq", "dkdv"])
-def test_persistent_kernel_equals_one_cta_per_item(kernel, tiles, prefetch, seed):
+def test_persistent_kernel_equals_one_cta_per_item(kernel, tiles, seed):
     """The persistent dq and dk/dv kernels (one CTA per SM,
     `tiles.persistent`) on padding rows at the end of the alignment: rows
     5-7 dead in every batch element, so the row groups after row 5 have no
@@ -218,21 +216,14 @@ def test_persistent_kernel_equals_one_cta_per_item(kernel, tiles, prefetch, seed
     the middle, batch element 1 all padding, the last quarter of the
     residues masked. Row pairs (row 5 dead beside live row 4) and one row
     per group. Skipping and not (every group live), against float64 and
-    bitwise against the kernel of one CTA per item.
-
-    `prefetch`: each item's own tiles loaded during the item before it
-    (`MosaicTiles.prefetch_next_item`). Skipping, items without a loop (row
-    1's group of one row, the masked key tile of a row pair) sit between
-    items with one: the next item's load is then started by the item
-    without a loop."""
+    bitwise against the kernel of one CTA per item."""
     rows, n_res = 8, 72
     keep = padded_keep("end", 2, rows, n_res, np.random.default_rng(seed))
     keep[:, 5:] = False
     inputs = inputs_with_keep(seed, keep, 2, 8, jnp.bfloat16, jnp.float32)
     operands, scale = helpers.mosaic_backward_operands(inputs)
     per_item = MosaicBackwardTiles(dkdv=tiles, dq=tiles, dbias=tiles)
-    per_sm = dataclasses.replace(per_item, **{kernel: dataclasses.replace(
-        tiles, persistent=True, prefetch_next_item=prefetch)})
+    per_sm = dataclasses.replace(per_item, **{kernel: dataclasses.replace(tiles, persistent=True)})
     check_padded(inputs, operands, scale, per_sm, (kernel,), label=f"persistent {kernel}")
     for skip in (True, False):
         expected = run_kernels(operands, scale, per_item, (kernel,), skip=skip)
@@ -313,20 +304,18 @@ def test_gpu_shapes_lower_with_skipping(shape):
             assert "mosaic_gpu" in text, (shape, bias_dtype, kernel)
 
 
-@pytest.mark.parametrize("prefetch", [False, True], ids=["own-tiles", "prefetch"])
 @pytest.mark.parametrize("kernel", ["dq", "dkdv"])
 @pytest.mark.parametrize("shape", ["N333", "d8"])
-def test_persistent_kernels_lower_for_the_gpu(shape, kernel, prefetch):
+def test_persistent_kernels_lower_for_the_gpu(shape, kernel):
     """The persistent dq and dk/dv kernels lower for CUDA at the GPU tests'
     shapes with their default tiles made persistent, skipping and not, both
-    bias widths; loading each next item's tiles ahead or not."""
+    bias widths."""
     dims = GPU_SHAPES[shape]
     function = getattr(mosaic_backward, f"backward_{kernel}")
     for bias_dtype in (jnp.float32, jnp.bfloat16):
         operands = mosaic_lowering.backward_operands(dims, jnp.bfloat16, bias_dtype)
         tiles = mosaic_backward.default_tiles(dims, jnp.bfloat16, bias_dtype)
-        persistent = dataclasses.replace(getattr(tiles, kernel), persistent=True,
-                                         prefetch_next_item=prefetch)
+        persistent = dataclasses.replace(getattr(tiles, kernel), persistent=True)
         for skip in (True, False):
             text = mosaic_lowering.lowered_for_cuda(
                 lambda *args: function(  # noqa: B023
@@ -380,22 +369,19 @@ def test_gpu_skipping_changes_nothing(shape, bias_dtype, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prefetch", [False, True], ids=["own-tiles", "prefetch"])
 @pytest.mark.parametrize("shape", list(GPU_SHAPES))
-def test_gpu_persistent_kernels_equal_one_cta_per_item(shape, prefetch, seed):
+def test_gpu_persistent_kernels_equal_one_cta_per_item(shape, seed):
     """The compiled persistent dq and dk/dv kernels (their default tiles,
     one CTA per SM) on the padded mask, whose last quarter of MSA rows is
-    dead: bitwise the one-CTA-per-item kernels' gradients, skipping and not;
-    loading each next item's tiles ahead (`prefetch_next_item`) or not."""
+    dead: bitwise the one-CTA-per-item kernels' gradients, skipping and not."""
     dims = GPU_SHAPES[shape]
     inputs = inputs_with_keep(seed, benchmark_padded_keep(dims), *dims[3:], jnp.bfloat16,
                               jnp.float32)
     operands, scale = gpu_residuals(inputs)
     tiles = mosaic_backward.default_tiles(inputs.q.shape, jnp.bfloat16, jnp.float32)
-    options = {"persistent": True, "prefetch_next_item": prefetch}
     persistent = dataclasses.replace(
-        tiles, dq=dataclasses.replace(tiles.dq, **options),
-        dkdv=dataclasses.replace(tiles.dkdv, **options),
+        tiles, dq=dataclasses.replace(tiles.dq, persistent=True),
+        dkdv=dataclasses.replace(tiles.dkdv, persistent=True),
     )
     for skip in (True, False):
         expected = run_kernels(operands, scale, tiles, ("dq", "dkdv"), skip=skip, interpret=False)

@@ -37,14 +37,14 @@ from msa_pallas.kernels.mosaic.matmul import (
 from msa_pallas.kernels.mosaic.pipeline import (
     PingPong, copy_tiles, launch, produce, ring_slot, run_when,
 )
-from msa_pallas.kernels.mosaic.plan import dkdv_plan, prefetches_next_item
+from msa_pallas.kernels.mosaic.plan import dkdv_plan
 from msa_pallas.kernels.mosaic.smem import (
     copy_row_tile_to_gmem, operand_at, row_tile_at, row_view_names, split_row_views, store_row_tile,
     transposed,
 )
 from msa_pallas.kernels.mosaic.support import check_kernel_inputs
 from msa_pallas.kernels.mosaic.tiles import MosaicTiles
-from msa_pallas.kernels.mosaic.work_items import load_next_when, serve_items, store_every_tile
+from msa_pallas.kernels.mosaic.work_items import serve_items, store_every_tile
 from msa_pallas.kernels.triton.dead_rows import dead_row_means
 
 
@@ -129,9 +129,7 @@ def _dkdv_kernel(
                 smem["mask"].at[wg, :, pl.ds(0, block_k)], produced["kv"].at[wg],
             )
 
-    def consume_item(batch, head, row_group, key_tile, lb, ub, load_next=None):
-        """`load_next`: as in `work_items.serve_items` (None: the item loads
-        its own K, V and mask here)."""
+    def consume_item(batch, head, row_group, key_tile, lb, ub):
         keys = pl.ds(key_tile * block_k, block_k)
         visits = True if isinstance(lb, int) else lb < ub
         row = row_group * msa_rows + wg
@@ -141,8 +139,7 @@ def _dkdv_kernel(
             copy_dead_dv(batch, head, row)
 
         def await_keys():
-            if load_next is None:
-                load_keys(batch, head, row_group, key_tile)
+            load_keys(batch, head, row_group, key_tile)
             plgpu.barrier_wait(produced["kv"].at[wg])
 
         # A CTA whose loop runs no step loads no K, V or mask: its dk is 0,
@@ -179,10 +176,6 @@ def _dkdv_kernel(
                                           staggered=tiles.staggered_bias), None),
                     interpret=interpret,
                 )
-                if load_next is not None and h == pair - 1:
-                    # The item's last products with its K and V tiles are
-                    # done: they take the next item's.
-                    load_next_when(query_tile == ub - 1, load_next)
                 stats = load_stats(smem["stats"].at[slot, wg, h], WGMMA_COL)
                 dropout_keep = None
                 if dropout is not None:
@@ -221,10 +214,6 @@ def _dkdv_kernel(
             # adds 0 to what it computed.
             skipped = (ub == lb).astype(jnp.float32)
             dv = dv + lax.broadcast_in_dim(copied_dead_dv() * skipped, dv.shape, [1])
-        if load_next is not None:
-            # The previous item's results have left the tiles written below
-            # (their stores ran on while this item's loop did).
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         store_row_tile(row_tile_at(smem[dk_name], wg), (dk * scale).astype(dtype))
         store_row_tile(row_tile_at(smem[dv_name], wg), dv.astype(dtype))
         plgpu.commit_smem()
@@ -232,12 +221,6 @@ def _dkdv_kernel(
             copy_row_tile_to_gmem(
                 row_tile_at(smem_tma[tile], wg), gmem[name].at[batch, row, keys, head]
             )
-        if load_next is not None:
-            if visits is not True:
-                # An item without a loop read none of its tiles (its mask
-                # vector above, unused): the next item's start loading now.
-                run_when(jnp.logical_not(visits), load_next)
-            return
         # The tiles are read out before the CTA ends or its next item loads
         # them. The CTA may end once its stores have read shared memory: their
         # writes land before the kernel completes, and the next CTA on the
@@ -310,7 +293,6 @@ def _dkdv_kernel(
         live_groups=(spans.live_row_groups(work_items[2])
                      if spans is not None and tiles.persistent else None),
         dead_groups=dead_groups,
-        load_held=load_keys if prefetches_next_item(tiles) else None,
     )
 
 

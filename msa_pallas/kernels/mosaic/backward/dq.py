@@ -32,14 +32,14 @@ from msa_pallas.kernels.mosaic.matmul import (
 from msa_pallas.kernels.mosaic.pipeline import (
     PingPong, copy_tiles, launch, produce, ring_slot, run_when,
 )
-from msa_pallas.kernels.mosaic.plan import dq_plan, prefetches_next_item
+from msa_pallas.kernels.mosaic.plan import dq_plan
 from msa_pallas.kernels.mosaic.smem import (
     copy_row_tile_to_gmem, operand_at, row_tile_at, row_view_names, split_row_views, store_row_tile,
     transposed,
 )
 from msa_pallas.kernels.mosaic.support import check_kernel_inputs
 from msa_pallas.kernels.mosaic.tiles import MosaicTiles
-from msa_pallas.kernels.mosaic.work_items import load_next_when, serve_items, store_every_tile
+from msa_pallas.kernels.mosaic.work_items import serve_items, store_every_tile
 
 
 def _copy_key_tiles(gmem, smem_tma, smem, rows, batch, keys, head, pair, slot, barrier):
@@ -147,9 +147,7 @@ def _dq_kernel(
             smem["stats"].at[wg], produced["q"].at[wg],
         )
 
-    def consume_item(batch, head, row_group, query_tile, lb, ub, load_next=None):
-        """`load_next`: as in `work_items.serve_items` (None: the item loads
-        its own q, do and statistics here)."""
+    def consume_item(batch, head, row_group, query_tile, lb, ub):
         queries = pl.ds(query_tile * block_q, block_q)
         row = row_group * msa_rows + wg
         # An item whose loop runs no step (a group of dead rows) loads
@@ -158,8 +156,7 @@ def _dq_kernel(
         q_smem, do_smem = operand_at(smem["q"], wg), operand_at(smem["do"], wg)
 
         def await_queries():
-            if load_next is None:
-                load_queries(batch, head, row_group, query_tile)
+            load_queries(batch, head, row_group, query_tile)
             plgpu.barrier_wait(produced["q"].at[wg])
 
         run_when(visits, await_queries)
@@ -197,10 +194,6 @@ def _dq_kernel(
                     mask_without_select=tiles.mask_without_select,
                 )
                 ds = lax.optimization_barrier(matrix_operand(ds, dtype))
-                if load_next is not None and h == pair - 1:
-                    # The item's last products with its q and do tiles are
-                    # done: they take the next item's.
-                    load_next_when(key_tile == ub - 1, load_next)
                 turns.release()
                 turns.take_turn()
                 # Against K tiles of both heads: the other head's columns are
@@ -214,21 +207,11 @@ def _dq_kernel(
         )
         turns.finish()
         dq = combine_head_columns(dqs)
-        if load_next is not None:
-            # The previous item's dq has left the tile written below (its
-            # store ran on while this item's loop did).
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         store_row_tile(row_tile_at(smem[out_name], wg), (dq * scale).astype(dtype))
         plgpu.commit_smem()
         copy_row_tile_to_gmem(
             row_tile_at(smem_tma[out_name], wg), gmem["dq"].at[batch, row, queries, head]
         )
-        if load_next is not None:
-            if visits is not True:
-                # An item without a loop read none of its tiles: the next
-                # item's start loading now.
-                run_when(jnp.logical_not(visits), load_next)
-            return
         # The tile is read out before the CTA ends or its next item loads it.
         # The CTA may end once its stores have read shared memory: their
         # writes land before the kernel completes, and the next CTA on the
@@ -279,7 +262,6 @@ def _dq_kernel(
         live_groups=(spans.live_row_groups(work_items[2])
                      if spans is not None and tiles.persistent else None),
         dead_groups=dead_groups,
-        load_held=load_queries if prefetches_next_item(tiles) else None,
     )
 
 
