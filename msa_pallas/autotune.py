@@ -101,10 +101,24 @@ def _read_cache(path: pathlib.Path) -> dict:
         return {}
 
 
+# Fields of `MosaicTiles` that choose how a kernel computes its results, not its tiles.
+# Never tuned, they are not cached: an entry leaves them to the library's defaults of
+# the day (one written before `mask_without_select` became the default would otherwise
+# keep the select it no longer takes).
+UNTUNED_FIELDS = ("staggered_bias", "mask_without_select")
+
+
 def _tiles_from_json(cls, entry: dict):
-    """`cls(**entry)` with the fields `cls` has (an entry may predate a field's removal)."""
-    names = {field.name for field in dataclasses.fields(cls)}
+    """`cls(**entry)` with the tuned fields `cls` has (an entry may predate a
+    field's removal, or hold an `UNTUNED_FIELDS` value)."""
+    names = {field.name for field in dataclasses.fields(cls)} - set(UNTUNED_FIELDS)
     return cls(**{name: value for name, value in entry.items() if name in names})
+
+
+def _tiles_to_json(tiles) -> dict:
+    """The tuned fields of `tiles` (`KernelTiles` or `MosaicTiles`)."""
+    return {name: value for name, value in dataclasses.asdict(tiles).items()
+            if name not in UNTUNED_FIELDS}
 
 
 def _config_from_json(entry: dict) -> BlockConfig:
@@ -131,11 +145,11 @@ def _config_to_json(config: BlockConfig) -> dict:
         tiles = getattr(config, field.name)
         if field.name == "mosaic_backward" and tiles is not None:
             entry[field.name] = {
-                kernel: dataclasses.asdict(getattr(tiles, kernel))
+                kernel: _tiles_to_json(getattr(tiles, kernel))
                 for kernel in ("dkdv", "dq", "dbias")
             } | {"ping_pong": tiles.ping_pong}
         else:
-            entry[field.name] = None if tiles is None else dataclasses.asdict(tiles)
+            entry[field.name] = None if tiles is None else _tiles_to_json(tiles)
     return entry
 
 

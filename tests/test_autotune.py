@@ -3,6 +3,7 @@ picked tiles compute the right thing, and the cache is read back."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
@@ -186,6 +187,38 @@ def test_tunes_the_mosaic_tiles_in_the_interpreter(cache_dir):
     # The Triton-only entry is another key: no Mosaic tiles come back from it.
     assert autotune.cache_key(MOSAIC_SHAPE, jnp.bfloat16, True, True, True) != \
         autotune.cache_key(MOSAIC_SHAPE, jnp.bfloat16, True, True)
+
+
+def test_cache_leaves_the_kernels_ways_to_the_defaults(cache_dir):
+    """A cached Mosaic entry gives back its tiles, and the fields that choose how
+    a kernel computes (`autotune.UNTUNED_FIELDS`) come from today's defaults: an
+    entry written when masked keys' ds took a select, or with a field since
+    removed, reads as today's kernels with its tiles. Entries written now hold
+    no such field."""
+    config = msa_pallas.default_block_config(20, 16, jnp.bfloat16, jnp.bfloat16)
+    mine = MosaicTiles(64, 128, 3, msa_rows=1)
+    old_entry = {
+        name: None if tiles is None else dataclasses.asdict(tiles)
+        for name, tiles in ((f.name, getattr(config, f.name)) for f in dataclasses.fields(config))
+        if name not in ("mosaic_forward", "mosaic_backward")
+    }
+    written_then = dataclasses.asdict(mine) | {
+        "staggered_bias": False, "mask_without_select": False, "prefetch_next_item": False}
+    old_entry["mosaic_forward"] = written_then
+    old_entry["mosaic_backward"] = {kernel: written_then for kernel in ("dkdv", "dq", "dbias")}
+    old_entry["mosaic_backward"]["ping_pong"] = False
+    key = autotune.cache_key(MOSAIC_SHAPE, jnp.bfloat16, True, True, True)
+    (cache_dir / autotune.CACHE_FILE).write_text(json.dumps({key: old_entry}))
+    cached = autotune.autotune(MOSAIC_SHAPE, jnp.bfloat16, has_gate=True, mosaic=True,
+                               timer=lambda *a: pytest.fail("timed"))
+    assert mine.mask_without_select and mine.staggered_bias
+    assert cached.mosaic_forward == mine
+    backward = cached.mosaic_backward
+    assert (backward.dkdv, backward.dq, backward.dbias) == (mine, mine, mine)
+    assert not backward.ping_pong
+    written_now = autotune._config_to_json(cached)
+    for fields in (written_now["mosaic_forward"], written_now["mosaic_backward"]["dq"]):
+        assert fields["block_k"] == 128 and not set(autotune.UNTUNED_FIELDS) & set(fields)
 
 
 def test_rejects_bad_shape(cache_dir):
