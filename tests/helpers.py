@@ -367,6 +367,16 @@ def padded_mask(batch, rows, n_res, seed, *, end_padding=0.25, middle=None, dead
     return keep
 
 
+# The Mosaic kernels' other ways of computing the same results, each the opposite of
+# its `MosaicTiles` default: masked keys' ds made 0 by a select after the product
+# (`mask_without_select` off, the backward kernels), a float32 bias tile read lane by
+# lane (`staggered_bias` off, every kernel). By test id.
+MOSAIC_OTHER_WAYS = {
+    "mask-with-select": {"mask_without_select": False},
+    "plain-bias-loads": {"staggered_bias": False},
+}
+
+
 def mosaic_backward_operands(inputs: Inputs):
     """The Mosaic backward kernels' operands `(q, k, v, bias, mask, do, stats)`
     and the scale, from the Triton forward (interpreted) on `inputs`, the

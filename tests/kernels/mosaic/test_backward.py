@@ -286,17 +286,9 @@ def test_ping_pong_changes_nothing(seed):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-# The kernels' other ways with masked keys and a float32 bias: the select after the
-# product that makes a masked key's ds 0 (`MosaicTiles.mask_without_select` off), and
-# the bias tile read lane by lane (`staggered_bias` off).
-OTHER_WAYS = {
-    "mask-with-select": {"mask_without_select": False},
-    "plain-bias-loads": {"staggered_bias": False},
-}
-
-
 @pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("way", OTHER_WAYS.values(), ids=OTHER_WAYS.keys())
+@pytest.mark.parametrize("way", helpers.MOSAIC_OTHER_WAYS.values(),
+                         ids=helpers.MOSAIC_OTHER_WAYS.keys())
 def test_other_ways_with_masked_keys_and_the_bias_change_nothing(way, bias_dtype, seed):
     """Each other way gives the default kernels' gradients (a zero's sign
     aside), with masked keys, a fully masked row and keys past N (N = 72),

@@ -366,18 +366,11 @@ def test_paired_backward_equals_the_padded_head_dim(shape, bias_dtype, seed):
         )
 
 
-# The kernels' other ways (each off where the default has it on): masked keys' ds made 0
-# by a select after the product, a float32 bias tile read lane by lane.
-OTHER_WAYS = {
-    "mask-with-select": {"mask_without_select": False},
-    "plain-bias-loads": {"staggered_bias": False},
-}
-
-
 @pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("shape", [SHAPES["train"], (1, 4, 384, 8, 8), (2, 3, 200, 4, 32)],
                          ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("way", OTHER_WAYS.values(), ids=OTHER_WAYS.keys())
+@pytest.mark.parametrize("way", helpers.MOSAIC_OTHER_WAYS.values(),
+                         ids=helpers.MOSAIC_OTHER_WAYS.keys())
 def test_other_ways_change_nothing(way, shape, bias_dtype, seed):
     """Compiled, each other way (`MosaicTiles.mask_without_select` off in the
     backward kernels, `staggered_bias` off in every kernel) gives the default
