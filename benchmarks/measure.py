@@ -134,9 +134,11 @@ def measure_callable(
     """Compiles, reads memory, warms up, then takes `iters` samples rotating `arg_sets`.
 
     A sample is `reps` back-to-back calls, waited for once, divided by `reps`
-    (`timing.times_ms`): the host's dispatch latency stays
-    out of the number. `compiling`: the compile started ahead (`compiled_ahead`), a
-    future of (the compiled program, seconds), in place of compiling here.
+    (`timing.times_ms`): the host's dispatch latency stays out of the number, unless
+    the host queues a call no faster than the GPU runs it (`queued_ms`, the median
+    of the samples' per-call queuing time, tells). `compiling`: the compile started
+    ahead (`compiled_ahead`), a future of (the compiled program, seconds), in place
+    of compiling here.
 
     Returns (result dict, output of the first call or None). Failures are
     recorded in the result's `status`, never raised.
@@ -149,9 +151,12 @@ def measure_callable(
             else compiling.result())
         result.update(memory_stats(compiled))
         first_output = jax.block_until_ready(compiled(*arg_sets[0]))  # the first warm-up call
+        queued: list[float] = []
         times = timing.times_ms(lambda i: compiled(*arg_sets[i % len(arg_sets)]),
-                                samples=iters, reps=reps, warmup=max(1, warmup) - 1)
-        result.update(median_ms=statistics.median(times), min_ms=min(times), times_ms=times)
+                                samples=iters, reps=reps, warmup=max(1, warmup) - 1,
+                                queued_ms=queued)
+        result.update(median_ms=statistics.median(times), min_ms=min(times), times_ms=times,
+                      queued_ms=statistics.median(queued))
     except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
         result["status"] = describe_failure(exc)
         result["detail"] = f"{type(exc).__name__}: {exc}"[:2000]
@@ -400,6 +405,8 @@ def format_result_line(case: Case, impl: str, mode: str, cell: dict) -> str:
     mem_text = f"{mem / 1e6:.1f} MB" if mem is not None else "?"
     text = (f"{head} median {cell['median_ms']:.4g} ms, min {cell['min_ms']:.4g} ms, "
             f"temp+out {mem_text}, compile {cell['compile_s']:.1f} s")
+    if cell.get("queued_ms") is not None:
+        text += f", queued {cell['queued_ms']:.4g} ms"
     err = cell.get("rel_err_vs_" + CHECK_REFERENCE)
     if err is not None:
         text += f", rel.err vs {CHECK_REFERENCE} {err:.1e}"

@@ -233,7 +233,24 @@ def case_notes(case: dict, impls: list[str]) -> list[tuple[str, str]]:
             if err is not None and err > tolerance:
                 found.append((f"{name} {MODE_LABELS[mode]}: relative error vs "
                               f"{CHECK_REFERENCE} above {tolerance:g}", f"{where}: {err:.1e}"))
+            if host_bound(cells[mode]):
+                found.append((f"{name} {MODE_LABELS[mode]}: host-bound, the host queued a call "
+                              f"in at least {HOST_BOUND_SHARE:.0%} of the time per call (the GPU "
+                              "waited for calls)", f"{where}: {cells[mode]['queued_ms']:.3g} of "
+                              f"{cells[mode]['median_ms']:.3g} ms"))
     return found
+
+
+# A cell whose calls took the host this share of their time per call to queue (medians
+# over the samples) timed the host as much as the GPU.
+HOST_BOUND_SHARE = 0.8
+
+
+def host_bound(cell: dict) -> bool:
+    """Whether a timed cell's host took HOST_BOUND_SHARE of its time per call or more
+    to queue the calls (`measure.measure_callable`'s `queued_ms`; False without it)."""
+    queued = cell.get("queued_ms")
+    return ok(cell) and queued is not None and queued >= HOST_BOUND_SHARE * cell["median_ms"]
 
 
 # --- the targets -----------------------------------------------------------------

@@ -31,17 +31,19 @@ SETTLE_SECONDS = 0.1
 
 
 def times_ms(launch: Callable[[int], object], *, samples: int, reps: int,
-             warmup: int = 1, settle_seconds: float | None = None) -> list[float]:
+             warmup: int = 1, settle_seconds: float | None = None,
+             queued_ms: list[float] | None = None) -> list[float]:
     """Per-call milliseconds of `samples` samples of `reps` calls, after `warmup` calls
     and, on a GPU, `settle_seconds` (default `SETTLE_SECONDS`) of calls back to back.
 
     `launch(i)` starts the i-th call (i counts from 0, warm-up, settling and samples
-    each, e.g. to rotate input sets) and returns its output.
+    each, e.g. to rotate input sets) and returns its output. `queued_ms`: a list that
+    gets each sample's per-call milliseconds of queuing (`batched_times_ms`).
     """
     for i in range(warmup):
         jax.block_until_ready(launch(i))
     settle(launch, reps, SETTLE_SECONDS if settle_seconds is None else settle_seconds)
-    return batched_times_ms(launch, samples=samples, reps=reps)
+    return batched_times_ms(launch, samples=samples, reps=reps, queued_ms=queued_ms)
 
 
 def settle(launch: Callable[[int], object], reps: int, seconds: float,

@@ -14,7 +14,8 @@ from typing import Callable
 import jax
 
 
-def batched_times_ms(launch: Callable[[int], object], *, samples: int, reps: int) -> list[float]:
+def batched_times_ms(launch: Callable[[int], object], *, samples: int, reps: int,
+                     queued_ms: list[float] | None = None) -> list[float]:
     """Per-call milliseconds of `samples` samples of `reps` calls each.
 
     Args:
@@ -22,6 +23,12 @@ def batched_times_ms(launch: Callable[[int], object], *, samples: int, reps: int
         samples, e.g. to rotate input sets) and returns its output.
       samples: how many samples.
       reps: calls per sample.
+      queued_ms: a list that gets, for each sample, the per-call
+        milliseconds the host took to queue its calls (until the last one
+        returned, before the wait). Where that is about the whole sample's
+        time, the host bounded the sample, not the GPU: the GPU waited for
+        calls (unless so many launches were queued that the queue, full,
+        held the host back).
     """
     times = []
     calls = 0
@@ -30,7 +37,11 @@ def batched_times_ms(launch: Callable[[int], object], *, samples: int, reps: int
         for _ in range(reps):
             out = launch(calls)
             calls += 1
+        queued = time.perf_counter()
         jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) * 1e3 / reps)
+        end = time.perf_counter()
+        times.append((end - start) * 1e3 / reps)
+        if queued_ms is not None:
+            queued_ms.append((queued - start) * 1e3 / reps)
         del out
     return times

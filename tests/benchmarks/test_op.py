@@ -151,6 +151,8 @@ def test_measure_times_batches_of_back_to_back_calls():
     assert len(result["times_ms"]) == 4
     assert all(t > 0 for t in result["times_ms"])
     assert result["min_ms"] <= result["median_ms"]
+    # Queuing a sample's calls is part of its time: never more than it.
+    assert 0 < result["queued_ms"] <= result["median_ms"]
     # 2 warm-up calls, then 4 samples of 5 calls, rotating the three input sets.
     assert len(executable.calls) == 2 + 4 * 5
     assert executable.calls[2:8] == [0.0, 1.0, 2.0, 0.0, 1.0, 2.0]
@@ -561,6 +563,23 @@ def test_targets_table_every_shape_against_the_fastest_alternative():
     assert fwd == "yes: 1.67× (≥ 1×); 0.300 vs 0.500 ms cuequivariance"
     assert fwd_bwd == "no: 0.75× (≥ 1×); 1.600 vs 1.200 ms cuequivariance"
     assert (memory, met) == ("–", "1 of 2")
+
+
+def test_a_cell_the_host_bounded_gets_a_note():
+    """A cell whose calls took the host most of their time to queue timed the host: the
+    report says so, for that cell alone."""
+    case = _case("train", "bf16", {"msa_pallas": (0.07, 0.35), "tokamax_mosaic": (0.09, 0.6)})
+    case["impls"]["msa_pallas"]["fwd"]["queued_ms"] = 0.065
+    case["impls"]["msa_pallas"]["fwd_bwd"]["queued_ms"] = 0.05
+    case["impls"]["tokamax_mosaic"]["fwd"]["queued_ms"] = 0.02
+    notes = report.case_notes(case, ["msa_pallas", "tokamax_mosaic"])
+    host_bound = [(note, where) for note, where in notes if "host-bound" in note]
+    assert host_bound == [(
+        "msa_pallas fwd: host-bound, the host queued a call in at least 80% of the time per "
+        "call (the GPU waited for calls)", "train bf16: 0.065 of 0.07 ms")]
+    case["impls"]["msa_pallas"]["fwd"]["queued_ms"] = 0.05
+    assert not [note for note, _ in report.case_notes(case, ["msa_pallas"])
+                if "host-bound" in note]
 
 
 def test_an_alternative_with_a_wrong_forward_is_no_yardstick():
