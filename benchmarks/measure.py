@@ -3,8 +3,9 @@
 A case is measured in two modes: `fwd` (the forward) and `fwd_bwd` (the forward plus the
 gradients of q, k, v and bias). For each implementation and mode: the median and minimum
 wall time of jitted calls (`timing.times_ms`: samples of back-to-back
-calls), XLA's compiled temporary and output memory, and the time against a lower bound set
-by the exponentials and the matrix work.
+calls; with `calls_per_program` > 1, of programs that each make that many calls,
+`in_one_program`), XLA's compiled temporary and output memory, and the time against a
+lower bound set by the exponentials and the matrix work.
 """
 
 from __future__ import annotations
@@ -127,18 +128,44 @@ def memory_stats(compiled) -> dict[str, int | None]:
     return {"temp_bytes": temp, "output_bytes": output, "temp_plus_output_bytes": total}
 
 
+def in_one_program(fn: Callable, calls: int) -> Callable:
+    """`fn` (jitted, array arguments) made `calls` times in one jitted program, on the
+    same inputs, giving every call's outputs (a tuple, the last call's last); `fn`
+    itself for one call. Each call's inputs pass through `lax.optimization_barrier`
+    with the previous call's outputs, so XLA neither merges the calls (they see the
+    same inputs) nor moves one before the previous; every call's outputs are the
+    program's, so none is left out (it holds `calls` times one call's outputs). Timed,
+    such a program leaves the host's cost of dispatching a program out of the time per
+    call, as a model's compiled step does: where one call is short, that cost can
+    exceed it."""
+    if calls == 1:
+        return fn
+
+    @jax.jit
+    def repeated(*args):
+        outs = [fn(*args)]
+        for _ in range(calls - 1):
+            barred, _ = jax.lax.optimization_barrier((args, outs[-1]))
+            outs.append(fn(*barred))
+        return tuple(outs)
+
+    return repeated
+
+
 def measure_callable(
     jitted: Callable, arg_sets: list[tuple], iters: int, warmup: int, reps: int = 1,
-    compiling: concurrent.futures.Future | None = None,
+    compiling: concurrent.futures.Future | None = None, calls: int = 1,
 ) -> tuple[dict, object]:
     """Compiles, reads memory, warms up, then takes `iters` samples rotating `arg_sets`.
 
     A sample is `reps` back-to-back calls, waited for once, divided by `reps`
     (`timing.times_ms`): the host's dispatch latency stays out of the number, unless
     the host queues a call no faster than the GPU runs it (`queued_ms`, the median
-    of the samples' per-call queuing time, tells). `compiling`: the compile started
-    ahead (`compiled_ahead`), a future of (the compiled program, seconds), in place
-    of compiling here.
+    of the samples' per-call queuing time, tells). `calls` > 1: each call is a program
+    of that many calls (`in_one_program`), the times divided by it; the memory is a
+    single call's, from a compile of its own. `compiling`: the compile started ahead
+    (`compiled_ahead`, of `in_one_program(jitted, calls)`), a future of (the compiled
+    program, seconds), in place of compiling here.
 
     Returns (result dict, output of the first call or None). Failures are
     recorded in the result's `status`, never raised.
@@ -146,17 +173,22 @@ def measure_callable(
     result: dict = {"status": "ok"}
     first_output = None
     try:
+        program = in_one_program(jitted, calls)
         compiled, result["compile_s"] = (
-            timing.compile_timed(lambda: jitted.lower(*arg_sets[0])) if compiling is None
+            timing.compile_timed(lambda: program.lower(*arg_sets[0])) if compiling is None
             else compiling.result())
-        result.update(memory_stats(compiled))
+        result.update(memory_stats(
+            compiled if calls == 1 else jitted.lower(*arg_sets[0]).compile()))
         first_output = jax.block_until_ready(compiled(*arg_sets[0]))  # the first warm-up call
+        if calls > 1:
+            first_output = first_output[-1]
         queued: list[float] = []
         times = timing.times_ms(lambda i: compiled(*arg_sets[i % len(arg_sets)]),
                                 samples=iters, reps=reps, warmup=max(1, warmup) - 1,
                                 queued_ms=queued)
+        times = [t / calls for t in times]
         result.update(median_ms=statistics.median(times), min_ms=min(times), times_ms=times,
-                      queued_ms=statistics.median(queued))
+                      queued_ms=statistics.median(queued) / calls)
     except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
         result["status"] = describe_failure(exc)
         result["detail"] = f"{type(exc).__name__}: {exc}"[:2000]
@@ -184,8 +216,10 @@ def build(case: Case, impl: str) -> Built:
 
 
 @contextlib.contextmanager
-def compiled_ahead(case: Case, impls: list[str], arg_sets: list[tuple], threads: int):
-    """{impl: Built} of `impls`, each mode's compile started ahead: traced here, one after
+def compiled_ahead(case: Case, impls: list[str], arg_sets: list[tuple], threads: int,
+                   calls: int = 1):
+    """{impl: Built} of `impls`, each mode's compile started ahead (of its program of
+    `calls` calls, `in_one_program`): traced here, one after
     the other (tracing may read global state), compiled on `threads` threads; the context
     is entered once every compile has ended, so that none runs beside a timing (XLA
     autotunes on the GPU while it compiles), and the GPU warmed up again
@@ -197,7 +231,8 @@ def compiled_ahead(case: Case, impls: list[str], arg_sets: list[tuple], threads:
             if built[impl].impl is None:
                 continue
             for mode in MODES:
-                jitted, args = getattr(built[impl].impl, mode), mode_args(mode, arg_sets[0])
+                jitted = in_one_program(getattr(built[impl].impl, mode), calls)
+                args = mode_args(mode, arg_sets[0])
                 built[impl].compiling[mode] = timing.start_compile(
                     pool, lambda jitted=jitted, args=args: jitted.lower(*args))
     yield built
@@ -237,13 +272,15 @@ class Settings:
     """How to time: `iters` samples of `reps` calls after `warmup` calls; inputs from `seed`.
     `compile_threads` > 1: a case's cells are all traced first and compiled that many at a
     time, before the first of them is timed (`run_case`); 1: each cell compiled just
-    before it is timed."""
+    before it is timed. `calls_per_program` > 1: each timed call is a program making
+    that many (`in_one_program`)."""
 
     iters: int
     warmup: int
     reps: int
     seed: int = 0
     compile_threads: int = 1
+    calls_per_program: int = 1
 
 
 class Budget(Protocol):
@@ -314,7 +351,8 @@ def run_case(case: Case, impls: list[str], settings: Settings, progress: Progres
             reference_out = None
     done = 0
     ordered = sorted(impls, key=lambda name: name != CHECK_REFERENCE)
-    ahead = (compiled_ahead(case, ordered, arg_sets, settings.compile_threads)
+    ahead = (compiled_ahead(case, ordered, arg_sets, settings.compile_threads,
+                            settings.calls_per_program)
              if settings.compile_threads > 1 else contextlib.nullcontext({}))
     with ahead as built:
         if settings.compile_threads > 1:
@@ -360,7 +398,7 @@ def run_impl(case: Case, impl: str, arg_sets: list[tuple], settings: Settings,
             sets = [mode_args(mode, inputs) for inputs in arg_sets]
             entry[mode], out = measure_callable(
                 getattr(built.impl, mode), sets, settings.iters, settings.warmup, settings.reps,
-                built.compiling.pop(mode, None))
+                built.compiling.pop(mode, None), settings.calls_per_program)
             if mode == "fwd":
                 fwd_out = out
                 if (out is not None and reference_out is not None

@@ -12,6 +12,7 @@ a lower bound set by the exponentials and the matrix work.
     python -m benchmarks op --shapes 1x64x256x8x32:padded     # ... padded like train_padded
     python -m benchmarks op --impls msa_pallas,cuequivariance,tokamax_mosaic --out DIR
     python -m benchmarks op --impls all         # with msa_pallas's own variants (Triton, Mosaic)
+    python -m benchmarks op --shapes train --calls-per-program 10   # 10 calls in each program
 
 Writes `OUT/results.json` (every number and the run's metadata) after every
 measurement, `OUT/results.md` (the Markdown table, with the targets read off the run)
@@ -23,6 +24,12 @@ over); `--budget SECONDS` stops before a case (or, in a case longer than the bud
 cell) that the longest so far says would not end in time, with exit status 4, and the
 same command continues. Failures (out of memory, unsupported shapes) are recorded per
 cell and never stop the run.
+
+A cell's `queued_ms` is the host's time per call to queue the calls; where it is most
+of the time per call the report calls the cell host-bound: the GPU waited for the host.
+`--calls-per-program K` times programs that each make K calls, one after the other
+(`measure.in_one_program`), so that the host dispatches one program per K calls, as
+inside a model's compiled step; their memory is still one call's.
 
 Without a GPU the default is the `tiny` shape, the kernels in their interpreters: the
 run says which shapes it leaves out and which implementations cannot run here, and why.
@@ -54,7 +61,7 @@ IMPLEMENTATION_GROUPS = {"table": TABLE_IMPLEMENTATIONS, "all": tuple(IMPLEMENTA
 DEFAULT_OUT = runs.REPO_ROOT / "benchmarks" / "out" / "op"
 # Metadata a results file must share with this run for the run to continue it.
 SAME_RUN_KEYS = ("commit", "device_kind", "backend", "jax_version", "packages", "iters", "reps",
-                 "warmup", "seed")
+                 "warmup", "seed", "calls_per_program")
 
 
 def _jaxlib_version() -> str | None:
@@ -87,6 +94,8 @@ def metadata(args) -> dict:
                    for s in args.shapes},
         "iters": args.iters,
         "reps": args.reps,
+        # Only where a program makes several calls: files from before the option read as 1.
+        **({"calls_per_program": args.calls_per_program} if args.calls_per_program > 1 else {}),
         "warmup": args.warmup,
         "settle_seconds": timing.SETTLE_SECONDS,
         "seed": args.seed,
@@ -131,6 +140,11 @@ def parse_args(argv=None, prog: str | None = None):
                         help="timed samples per measurement (default 10 on GPU, 5 on CPU)")
     parser.add_argument("--reps", type=int, default=10 if gpu else 1,
                         help="back-to-back calls per timed sample (default 10 on GPU, 1 on CPU)")
+    parser.add_argument("--calls-per-program", type=int, default=1,
+                        help="each timed call a compiled program making this many calls of the "
+                             "implementation, one after the other (`measure.in_one_program`): "
+                             "the host's cost of dispatching a program left out of the time per "
+                             "call, as inside a model's step (default 1)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls first (default 2)")
     parser.add_argument("--seed", type=int, default=0, help="PRNG seed of the inputs")
     parser.add_argument("--prime", action=argparse.BooleanOptionalAction, default=gpu,
@@ -159,8 +173,8 @@ def parse_args(argv=None, prog: str | None = None):
         unknown = [name for name in chosen if name not in known]
         if unknown or not chosen:
             parser.error(f"unknown or no {kind} {', '.join(unknown)}; expected {', '.join(known)}")
-    if args.iters < 1 or args.reps < 1 or args.compile_threads < 1:
-        parser.error("--iters, --reps and --compile-threads must be >= 1")
+    if min(args.iters, args.reps, args.compile_threads, args.calls_per_program) < 1:
+        parser.error("--iters, --reps, --compile-threads and --calls-per-program must be >= 1")
     return args
 
 
@@ -294,7 +308,8 @@ def main(argv=None, prog: str | None = None) -> int:
                 "cases": [case.key for case in cases(args)], "impls": args.impls}
     meta["runs"].append(this_run)
     settings = measure.Settings(iters=args.iters, warmup=args.warmup, reps=args.reps,
-                                seed=args.seed, compile_threads=args.compile_threads)
+                                seed=args.seed, compile_threads=args.compile_threads,
+                                calls_per_program=args.calls_per_program)
     if todo and args.compile_threads == 1:
         # Compiled ahead, each case's cells warm the GPU up after their compiles.
         timing.warm_up_device()

@@ -108,7 +108,9 @@ def markdown_table(results: dict) -> str:
     lines = [
         f"{meta['device_kind']} · jax {meta['jax_version']} · "
         f"commit {runs.short_commit(meta['commit'])} · {meta['date_utc']} · "
-        f"median of {meta['iters']} samples of {meta.get('reps', 1)} back-to-back calls",
+        f"median of {meta['iters']} samples of {meta.get('reps', 1)} back-to-back calls"
+        + (f", each a program of {meta['calls_per_program']} calls"
+           if meta.get("calls_per_program", 1) > 1 else ""),
         "",
     ]
     installed = [f"{name} {version}" for name, version in meta.get("packages", {}).items()

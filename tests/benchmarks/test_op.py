@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -157,6 +158,36 @@ def test_measure_times_batches_of_back_to_back_calls():
     assert len(executable.calls) == 2 + 4 * 5
     assert executable.calls[2:8] == [0.0, 1.0, 2.0, 0.0, 1.0, 2.0]
     assert jnp.array_equal(first, arg_sets[0][0] * 2.0)
+
+
+def test_a_program_of_several_calls_makes_each_of_them():
+    """`in_one_program`: the calls are not merged (they see the same inputs) and the
+    program gives each call's outputs."""
+    fn = jax.jit(lambda x, y: (jnp.cos(x) @ y, jnp.sin(y)))
+    args = (jnp.arange(16.0).reshape(4, 4) / 7, jnp.eye(4) + 0.5)
+    program = measure.in_one_program(fn, 3)
+    hlo = program.lower(*args).compile().as_text()
+    assert len(re.findall(r"\bcosine\(", hlo)) == 3, hlo
+    assert len(re.findall(r"\bsine\(", hlo)) == 3, hlo
+    outputs = program(*args)
+    assert len(outputs) == 3
+    for call in outputs:
+        for got, want in zip(call, fn(*args)):
+            np.testing.assert_array_equal(got, want)
+    assert measure.in_one_program(fn, 1) is fn
+
+
+def test_measure_divides_a_program_of_several_calls_into_calls():
+    """calls > 1: each timed call is a program of that many, timed per call; the memory
+    is a single call's."""
+    fn = jax.jit(lambda x: jnp.cumsum(jnp.cos(x) * 3.0))
+    arg_sets = [(jnp.linspace(0.0, 1.0, 4096) + i,) for i in range(2)]
+    single, _ = measure.measure_callable(fn, arg_sets, iters=3, warmup=1, reps=2)
+    several, out = measure.measure_callable(fn, arg_sets, iters=3, warmup=1, reps=2, calls=4)
+    assert several["status"] == "ok", several
+    assert 0 < several["queued_ms"] <= several["median_ms"]
+    assert several["temp_plus_output_bytes"] == single["temp_plus_output_bytes"]
+    np.testing.assert_array_equal(out, fn(*arg_sets[0]))
 
 
 @pytest.mark.parametrize("threads", [1, 2])
