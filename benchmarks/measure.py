@@ -132,9 +132,10 @@ def in_one_program(fn: Callable, calls: int) -> Callable:
     """`fn` (jitted, array arguments) made `calls` times in one jitted program, on the
     same inputs, giving every call's outputs (a tuple, the last call's last); `fn`
     itself for one call. Each call's inputs pass through `lax.optimization_barrier`
-    with the previous call's outputs, so XLA neither merges the calls (they see the
-    same inputs) nor moves one before the previous; every call's outputs are the
-    program's, so none is left out (it holds `calls` times one call's outputs). Timed,
+    with the previous call's outputs, so that XLA does not merge the calls (they see
+    the same inputs; it may drop the barriers after that, and on one stream the calls
+    still run one after the other); every call's outputs are the program's, so none is
+    left out (it holds `calls` times one call's outputs). Timed,
     such a program leaves the host's cost of dispatching a program out of the time per
     call, as a model's compiled step does: where one call is short, that cost can
     exceed it."""

@@ -27,7 +27,7 @@ cell and never stop the run.
 
 A cell's `queued_ms` is the host's time per call to queue the calls; where it is most
 of the time per call the report calls the cell host-bound: the GPU waited for the host.
-`--calls-per-program K` times programs that each make K calls, one after the other
+`--calls-per-program K` times programs that each make K calls
 (`measure.in_one_program`), so that the host dispatches one program per K calls, as
 inside a model's compiled step; their memory is still one call's.
 
@@ -142,7 +142,7 @@ def parse_args(argv=None, prog: str | None = None):
                         help="back-to-back calls per timed sample (default 10 on GPU, 1 on CPU)")
     parser.add_argument("--calls-per-program", type=int, default=1,
                         help="each timed call a compiled program making this many calls of the "
-                             "implementation, one after the other (`measure.in_one_program`): "
+                             "implementation (`measure.in_one_program`): "
                              "the host's cost of dispatching a program left out of the time per "
                              "call, as inside a model's step (default 1)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls first (default 2)")
