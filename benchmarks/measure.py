@@ -174,10 +174,9 @@ def measure_callable(
     result: dict = {"status": "ok"}
     first_output = None
     try:
-        program = in_one_program(jitted, calls)
         compiled, result["compile_s"] = (
-            timing.compile_timed(lambda: program.lower(*arg_sets[0])) if compiling is None
-            else compiling.result())
+            timing.compile_timed(lambda: in_one_program(jitted, calls).lower(*arg_sets[0]))
+            if compiling is None else compiling.result())
         result.update(memory_stats(
             compiled if calls == 1 else jitted.lower(*arg_sets[0]).compile()))
         first_output = jax.block_until_ready(compiled(*arg_sets[0]))  # the first warm-up call
