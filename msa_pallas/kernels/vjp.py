@@ -43,12 +43,13 @@ call is the plain kernel.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from msa_pallas.kernels.key_tiles import key_spans
+from msa_pallas.kernels.key_tiles import span_operands
 from msa_pallas.kernels.mosaic import backward as mosaic_backward
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
 from msa_pallas.kernels.mosaic.support import pad_head_dim
@@ -256,24 +257,44 @@ def _round_to(x32, dtype):
 
 
 def partitioned_prologue(dout, gate, attention, means, row_max, row_log2_sum, mask, *,
-                         do_dtype, interpret: bool):
+                         do_dtype, interpret: bool, row_group_tiles=()):
     """`backward_prologue` as one SPMD-partitioned op (B, S and H may be
     sharded, as for the kernels): `(do, dgate, stats, dead_dv)`; without a
     gate `do` is dout itself and dgate None. `means`: the dead rows' means
     of v where the forward skipped them, with `mask` (`[B, S, N]` int8, the
     kernels': its rows' ends tell the dead rows); None, and dead_dv None,
-    where the forward visited every row."""
-    key_end = None if means is None else key_spans(mask, dout.shape[2])[1]
+    where the forward visited every row.
+
+    `row_group_tiles`: with the means, the tiles (`MosaicTiles`) of the
+    backward kernels that read `do` and the statistics a group of rows at a
+    time (dq, dk/dv; the bias gradient's reads end at the last live row):
+    dead rows in groups after a batch element's last live row are then
+    read by none of them and get no `do` or statistics. Empty: every
+    row's are written."""
     # The results of this call: without a gate `do` is dout itself and there
     # is no dgate; without the means, no dead rows' dv.
     returned = slice(0 if gate is not None else 2, 4 if means is not None else 3)
 
-    def prologue(*args):
-        return backward_prologue(*args, do_dtype=do_dtype, interpret=interpret)[returned]
+    def prologue(dout, gate, attention, means, row_max, row_log2_sum, mask):
+        told = {}
+        if means is not None:
+            # On this device's rows, as the kernels read their own bounds
+            # (XLA computes the kernels' identical summaries once).
+            spans = span_operands(mask, dout.shape[2])
+            told["key_end"] = spans["key_end"]
+            if row_group_tiles:
+                told["live_rows_end"] = spans["live_rows_end"]
+                told["rows_per_group"] = math.lcm(
+                    *(tiles.msa_rows_for(dout.shape[1]) for tiles in row_group_tiles)
+                )
+        return backward_prologue(
+            dout, gate, attention, means, row_max, row_log2_sum, told.pop("key_end", None),
+            do_dtype=do_dtype, interpret=interpret, **told,
+        )[returned]
 
     results = partitioned_call(
-        prologue, (dout, gate, attention, means, row_max, row_log2_sum, key_end),
-        (QUERY_ROWS, QUERY_ROWS, QUERY_ROWS, ROW_VECTORS, STATS, STATS, ROWS),
+        prologue, (dout, gate, attention, means, row_max, row_log2_sum, mask),
+        (QUERY_ROWS, QUERY_ROWS, QUERY_ROWS, ROW_VECTORS, STATS, STATS, MASK),
         (QUERY_ROWS, QUERY_ROWS, STACKED_STATS, ROW_VECTORS)[returned],
     )
     full = [dout, None, None, None]
@@ -292,6 +313,7 @@ def _prologue_backward(scale, plan, residuals, dout):
     do, dgate, stats, dead_dv = partitioned_prologue(
         dout, gate, attention, means, row_max, row_log2_sum, mask, do_dtype=q.dtype,
         interpret=plan.interpret,
+        row_group_tiles=tuple(tiles for name, tiles in plan.backward_tiles if name != "dbias"),
     )
     # As in `_fused_attention_bwd`: what the kernels make of the bias is
     # made after this, when the float32 o is no longer live.

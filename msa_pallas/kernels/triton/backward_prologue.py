@@ -26,7 +26,11 @@ columns) and loops over the row's residues:
 - a dead row (where the caller tells them, skipping): the same with o its
   mean of v (one vector), the row max the masked logit and the log2 sum
   log2(N) (uniform weights, base 2), and its dv, the mean over residues of
-  `do`, summed on the way.
+  `do`, summed on the way. A dead row that no backward kernel reads (one
+  in a group of rows after the last group that keeps a key: padding rows
+  at the end of the alignment, whose work items load nothing) gets its
+  gate's gradient and dv alone: its `do` and statistics would be written
+  for nobody.
 
 Without a gate `do` is the cotangent itself (in q's dtype), not written
 again; only the statistics (and the dead rows' dv) are.
@@ -67,7 +71,8 @@ def heads_per_program(heads: int, head_dim: int) -> int:
     return per_program
 
 
-def _check(dout, gate, attention, means, row_max, row_log2_sum, key_end, n_res):
+def _check(dout, gate, attention, means, row_max, row_log2_sum, key_end, live_rows_end,
+           n_res):
     batch, rows, n_tokens, heads, head_dim = dout.shape
     if n_tokens != n_res or head_dim != next_power_of_2(head_dim):
         raise ValueError(
@@ -84,25 +89,31 @@ def _check(dout, gate, attention, means, row_max, row_log2_sum, key_end, n_res):
     if (means is None) != (key_end is None):
         raise ValueError("means and key_end: both (dead rows told apart) or neither (none)")
     if means is None:
+        if live_rows_end is not None:
+            raise ValueError("live_rows_end tells dead rows apart: it needs means and key_end")
         return
     if means.shape != (batch, rows, heads, head_dim) or means.dtype != jnp.float32:
         raise ValueError(f"means {means.shape} {means.dtype}: expected "
                          f"{(batch, rows, heads, head_dim)} float32")
     if key_end.shape != (batch, rows):
         raise ValueError(f"key_end {key_end.shape}: expected {(batch, rows)}")
+    if live_rows_end is not None and live_rows_end.shape != (batch,):
+        raise ValueError(f"live_rows_end {live_rows_end.shape}: expected {(batch,)}")
 
 
 def _prologue_kernel(
-    end_ref, dout_ref, gate_ref, attention_ref, means_ref, row_max_ref, row_log2_sum_ref,
+    end_ref, live_end_ref, dout_ref, gate_ref, attention_ref, means_ref, row_max_ref, row_log2_sum_ref,
     do_ref, dgate_ref, stats_ref, dead_dv_ref, *, n_res: int, heads: int, head_dim: int,
-    block: int, do_dtype,
+    block: int, do_dtype, rows_per_group: int,
 ):
     """One MSA row's column slice (`heads` heads of `head_dim` columns):
     refs `[N, width]` (dout, gate, attention, do, dgate), `[width]` (means,
     dead_dv), `[heads, N']` (the row statistics), `[heads, 3, N]` (stats),
     the scalar `end_ref` (the row's `key_tiles.key_spans` end: 0 for a dead
-    row). `gate_ref` and `do_ref` are None without a gate; `end_ref`,
-    `means_ref` and `dead_dv_ref` where no row is told dead."""
+    row), the scalar `live_end_ref` (the batch element's `live_rows_end`).
+    `gate_ref` and `do_ref` are None without a gate; `end_ref`,
+    `means_ref` and `dead_dv_ref` where no row is told dead; `live_end_ref`
+    where every dead row is read."""
     width = heads * head_dim
     every_head = pl.ds(common.index(0), heads)
 
@@ -111,10 +122,11 @@ def _prologue_kernel(
         in_range = common.residue_ids(start, block) < n_res
         return jnp.broadcast_to(in_range[None, :], (heads, block))
 
-    def gate_backward(start, ungated):
+    def gate_backward(start, ungated, store_do=True):
         """`(do, delta)` of the tile at `start` (do float32, rounded to the
-        kernels' dtype; delta `[heads, block]`), its gate's gradient stored;
-        `ungated`: the tile's o, `[block, width]` or `[width]`."""
+        kernels' dtype; delta `[heads, block]`), its gate's gradient stored
+        and, `store_do`, `do`; `ungated`: the tile's o, `[block, width]` or
+        `[width]`."""
         dout = common.load_residues(dout_ref, (), start, block, n_res, width).astype(jnp.float32)
         if gate_ref is None:
             do = dout
@@ -127,7 +139,8 @@ def _prologue_kernel(
             common.store_residues(dgate_ref, (), start, dgate, n_res, width)
             do = dout * gate
             do = do.astype(do_dtype)
-            common.store_residues(do_ref, (), start, do, n_res, width)
+            if store_do:
+                common.store_residues(do_ref, (), start, do, n_res, width)
             do = do.astype(jnp.float32)
         delta = jnp.sum((do * ungated).reshape(block, heads, head_dim), axis=-1)
         return do, delta.T
@@ -162,27 +175,35 @@ def _prologue_kernel(
     dead = end_ref[...] == 0
     pl.when(jnp.logical_not(dead))(live)
 
-    @pl.when(dead)
-    def _dead():
+    def dead_row(read: bool):
         means = means_ref[...]
         uniform = (jnp.full((heads, block), MASKED_LOGIT_LOG2, jnp.float32),
                    jnp.full((heads, block), math.log2(n_res), jnp.float32))
 
         def visit(tile, total):
             start = tile * block
-            do, delta = gate_backward(start, means[None, :])
-            store_stats(start, 0, uniform[0])
-            store_stats(start, 1, uniform[1])
-            store_stats(start, 2, delta)
+            do, delta = gate_backward(start, means[None, :], store_do=read)
+            if read:
+                store_stats(start, 0, uniform[0])
+                store_stats(start, 1, uniform[1])
+                store_stats(start, 2, delta)
             # Rows past N load as 0 and add nothing.
             return total + jnp.sum(do, axis=0)
 
         total = common.tile_loop(0, tiles, visit, jnp.zeros((width,), jnp.float32))
         dead_dv_ref[...] = total / jnp.float32(n_res)
 
+    if live_end_ref is None:
+        pl.when(dead)(lambda: dead_row(True))
+        return
+    # The row's group starts before the batch element's last live row.
+    read = (pl.program_id(0) // rows_per_group) * rows_per_group < live_end_ref[...]
+    pl.when(dead & read)(lambda: dead_row(True))
+    pl.when(dead & jnp.logical_not(read))(lambda: dead_row(False))
+
 
 def backward_prologue(dout, gate, attention, means, row_max, row_log2_sum, key_end, *,
-                      do_dtype, interpret: bool):
+                      do_dtype, interpret: bool, live_rows_end=None, rows_per_group: int = 1):
     """`(do, dgate, stats, dead_dv)`: what the Mosaic backward kernels read
     of the output's cotangent (module docstring).
 
@@ -203,15 +224,25 @@ def backward_prologue(dout, gate, attention, means, row_max, row_log2_sum, key_e
       do_dtype: the dtype the kernels multiply `do` in (q's); without a
         gate, dout's.
       interpret: run in Pallas interpret mode (CPU).
+      live_rows_end: `[B]` int32 (with key_end), or None: each batch
+        element's last live row + 1 (`key_tiles.live_extents`). A dead row
+        in a group of `rows_per_group` rows (rows G*g to G*g + G - 1, as
+        the backward kernels serve them) that starts at or past it gets no
+        `do` and no statistics: no kernel reads them, and those elements
+        are left unwritten. None: every row's are written.
+      rows_per_group: the MSA rows a backward kernel's work item serves (a
+        common multiple of those of every kernel that reads `do`).
 
     Returns:
       do `[B, S, N, H, d]` in `do_dtype` (dout itself without a gate);
       dgate like gate (None without one); stats `[B, S, H, 3, N]` float32:
       row max, log2 row sum and delta; dead_dv `[B, S, H, d]` float32, a
       dead row's mean of `do` over the residues (its dv), 0 elsewhere (None
-      without key_end).
+      without key_end). The rows `live_rows_end` leaves out have no `do`
+      or stats.
     """
-    _check(dout, gate, attention, means, row_max, row_log2_sum, key_end, dout.shape[2])
+    _check(dout, gate, attention, means, row_max, row_log2_sum, key_end, live_rows_end,
+           dout.shape[2])
     if gate is None and jnp.dtype(do_dtype) != dout.dtype:
         raise ValueError(f"without a gate do is dout ({dout.dtype}); do_dtype {do_dtype}")
     batch, rows, n_res, heads, head_dim = dout.shape
@@ -243,19 +274,20 @@ def backward_prologue(dout, gate, attention, means, row_max, row_log2_sum, key_e
     ]
     kernel = functools.partial(
         _prologue_kernel, n_res=n_res, heads=program_heads, head_dim=head_dim, block=block,
-        do_dtype=jnp.dtype(do_dtype),
+        do_dtype=jnp.dtype(do_dtype), rows_per_group=rows_per_group,
     )
     do, dgate, stats, dead_dv = common.pallas_call(
         kernel, _LAUNCH, grid=(rows, batch, heads // program_heads),
         in_specs=[
             None if key_end is None else pl.BlockSpec((None, None), lambda s, b, c: (b, s)),
+            None if live_rows_end is None else pl.BlockSpec((None,), lambda s, b, c: (b,)),
             row_spec, None if gate is None else row_spec, row_spec,
             None if means is None else vector_spec,
             plane_spec(row_max), plane_spec(row_log2_sum),
         ],
         out_specs=out_specs, out_shape=out_shape, interpret=interpret,
         name="msa_backward_prologue",
-    )(key_end, as_rows(dout), None if gate is None else as_rows(gate), as_rows(attention),
+    )(key_end, live_rows_end, as_rows(dout), None if gate is None else as_rows(gate), as_rows(attention),
       means, row_max, row_log2_sum)
     if dead_dv is not None:
         dead_dv = dead_dv.reshape(batch, rows, heads, head_dim)

@@ -52,6 +52,9 @@ PAIRS = MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=2)
 ONE_ROW = MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=1)
 # The GPU tests' shapes (train-like, 16 MSA rows).
 GPU_SHAPES = {"N256": (1, 16, 256, 8, 32), "N333": (1, 16, 333, 8, 32), "d8": (1, 16, 256, 8, 8)}
+# Enough dead row groups (B·H·S/8 of them) that a persistent CTA (one per
+# SM) writes several, one after the other.
+MANY_DEAD_GROUPS = {"S256": (2, 256, 128, 8, 32), "S256-d8": (2, 256, 128, 8, 8)}
 KERNEL_OUTPUTS = {"dq": ("dq",), "dkdv": ("dk", "dv"), "dbias": ("dbias",)}
 # The skipping inputs every Mosaic kernel reads (`key_tiles.span_operands`).
 SPANS = ("key_from_first", "key_end", *key_tiles.EXTENT_NAMES)
@@ -369,12 +372,12 @@ def test_gpu_skipping_changes_nothing(shape, bias_dtype, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", list(GPU_SHAPES))
+@pytest.mark.parametrize("shape", [*GPU_SHAPES, *MANY_DEAD_GROUPS])
 def test_gpu_persistent_kernels_equal_one_cta_per_item(shape, seed):
     """The compiled persistent dq and dk/dv kernels (their default tiles,
     one CTA per SM) on the padded mask, whose last quarter of MSA rows is
     dead: bitwise the one-CTA-per-item kernels' gradients, skipping and not."""
-    dims = GPU_SHAPES[shape]
+    dims = {**GPU_SHAPES, **MANY_DEAD_GROUPS}[shape]
     inputs = inputs_with_keep(seed, benchmark_padded_keep(dims), *dims[3:], jnp.bfloat16,
                               jnp.float32)
     operands, scale = gpu_residuals(inputs)

@@ -7,7 +7,11 @@ them: the prologue must not read them (nor live rows' means, also NaN). The
 outputs start from fresh buffers, and every element is checked: an
 element left unwritten fails the comparison. Cases: N no whole number of
 tiles, one head per program, dead rows in the middle and at the end, a batch
-element all padding, no dead row, and the row planes wider than N.
+element all padding, no dead row, and the row planes wider than N. Told
+each batch element's last live row, the dead rows of the groups after it
+(which no backward kernel reads) get no `do` or statistics: every other
+element is still checked, among them dead rows that share a group with a
+live one.
 """
 
 from __future__ import annotations
@@ -92,11 +96,30 @@ def expected(args, dead, do_rounded):
     return do, dgate, stats, dead_dv
 
 
-def check(args, dead, *, interpret: bool, do_dtype=jnp.bfloat16):
+def live_rows_end(dead):
+    """`[B]` int32: each batch element's last live row + 1 (0: none)."""
+    rows = np.arange(1, dead.shape[1] + 1)
+    return jnp.asarray(np.where(dead, 0, rows).max(axis=1), jnp.int32)
+
+
+def check(args, dead, *, interpret: bool, do_dtype=jnp.bfloat16, rows_per_group=None):
+    """The prologue's results against float64; with `rows_per_group`, told
+    each batch element's last live row, the rows it must still write."""
+    told = {}
+    written = np.ones(dead.shape, bool)
+    if rows_per_group is not None:
+        told = {"live_rows_end": live_rows_end(dead), "rows_per_group": rows_per_group}
+        group_start = np.arange(dead.shape[1]) // rows_per_group * rows_per_group
+        written = ~dead | (group_start[None, :] < np.asarray(told["live_rows_end"])[:, None])
     do, dgate, stats, dead_dv = backward_prologue.backward_prologue(
-        *args, do_dtype=do_dtype, interpret=interpret
+        *args, do_dtype=do_dtype, interpret=interpret, **told
     )
-    want_do, want_dgate, want_stats, want_dv = expected(args, dead, do)
+    # The rows left out have no `do` of the kernel's: their dv against the
+    # float64 one, within its rounding to 16 bits.
+    rows_written = written[:, :, None, None, None]
+    want_do = expected(args, dead, do)[0]
+    do_made = np.where(rows_written, helpers.to_f64(do), want_do)
+    want_do, want_dgate, want_stats, want_dv = expected(args, dead, do_made)
     dout, gate = args[:2]
     batch, rows, n_res, heads, head_dim = dout.shape
     assert do.shape == dout.shape and do.dtype == jnp.dtype(do_dtype)
@@ -104,20 +127,22 @@ def check(args, dead, *, interpret: bool, do_dtype=jnp.bfloat16):
     assert dead_dv.shape == (batch, rows, heads, head_dim) and dead_dv.dtype == jnp.float32
     # 16-bit results: within their rounding of float64.
     tolerance = 2 ** -7
-    np.testing.assert_allclose(helpers.to_f64(do), want_do, rtol=tolerance, atol=1e-6)
+    np.testing.assert_allclose(helpers.to_f64(do)[written], want_do[written], rtol=tolerance,
+                               atol=1e-6)
     if gate is None:
         assert dgate is None and do is dout
     else:
         assert dgate.shape == gate.shape and dgate.dtype == gate.dtype
         np.testing.assert_allclose(helpers.to_f64(dgate), want_dgate, rtol=tolerance,
                                    atol=1e-6)
-    stats, dead_dv = np.asarray(stats), np.asarray(dead_dv)
+    stats, dead_dv = np.asarray(stats)[written], np.asarray(dead_dv)
+    want_stats = want_stats[written]
     assert np.isfinite(stats).all() and np.isfinite(dead_dv).all()
     # The copied statistics exactly; delta and the means as float32 sums.
-    np.testing.assert_array_equal(stats[:, :, :, :2], want_stats[:, :, :, :2].astype(np.float32))
-    np.testing.assert_allclose(stats[:, :, :, 2], want_stats[:, :, :, 2], rtol=1e-5,
-                               atol=1e-5)
-    np.testing.assert_allclose(dead_dv, want_dv, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(stats[:, :, :2], want_stats[:, :, :2].astype(np.float32))
+    np.testing.assert_allclose(stats[:, :, 2], want_stats[:, :, 2], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dead_dv[written], want_dv[written], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dead_dv[~written], want_dv[~written], rtol=0, atol=2 ** -8)
     assert not dead_dv[~dead].any()
 
 
@@ -125,6 +150,24 @@ def check(args, dead, *, interpret: bool, do_dtype=jnp.bfloat16):
 def test_prologue_against_float64(case, seed):
     args, dead = random_case(case, seed)
     check(args, dead, interpret=True)
+
+
+# (case, rows per group): dead rows left out at the end, of a batch element
+# all padding, and kept where they share a group with a live row.
+UNREAD_CASES = [("N37-H3-d8-middle-and-end", 1), ("N64-H8-d8-dead-batch", 2),
+                ("N100-H8-d32", 2)]
+
+
+@pytest.mark.parametrize("case,rows_per_group", UNREAD_CASES)
+def test_dead_rows_no_kernel_reads_get_no_do_or_statistics(case, rows_per_group, seed):
+    args, dead = random_case(case, seed)
+    # Each case leaves a dead row out or, the last, keeps one beside a live row.
+    check(args, dead, interpret=True, rows_per_group=rows_per_group)
+
+
+def test_without_a_gate_unread_dead_rows_get_their_dv(seed):
+    args, dead = random_case("N64-H8-d8-dead-batch", seed)
+    check((args[0], None, *args[2:]), dead, interpret=True, rows_per_group=1)
 
 
 def test_float32_gate_float16_do_and_wide_planes(seed):
@@ -186,6 +229,10 @@ def test_no_row_told_dead_reads_every_row(seed):
     with pytest.raises(ValueError, match="both"):
         backward_prologue.backward_prologue(*live[:6], key_end, do_dtype=jnp.bfloat16,
                                             interpret=True)
+    with pytest.raises(ValueError, match="live_rows_end"):
+        backward_prologue.backward_prologue(
+            *live, do_dtype=jnp.bfloat16, interpret=True,
+            live_rows_end=jnp.zeros(dout.shape[:1], jnp.int32))
 
 
 def test_rejects_what_it_does_not_take(seed):
@@ -201,15 +248,17 @@ def test_rejects_what_it_does_not_take(seed):
 @pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])
 def test_lowers_for_the_gpu(x64):
     """The kernel lowers to Triton for an H200 on this machine, with and
-    without `jax_enable_x64`, gated or not, dead rows told or not."""
+    without `jax_enable_x64`, gated or not, dead rows told or not, the
+    unread ones told or not."""
     shape = (1, 4, 200, 8, 8)
     rows = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
     attention = jax.ShapeDtypeStruct(shape, jnp.float32)
     means = jax.ShapeDtypeStruct((1, 4, 8, 8), jnp.float32)
     plane = jax.ShapeDtypeStruct((1, 4, 8, 256), jnp.float32)
     key_end = jax.ShapeDtypeStruct((1, 4), jnp.int32)
+    live_end = jax.ShapeDtypeStruct((1,), jnp.int32)
 
-    def kernels(dout, gate, attention, means, row_max, row_log2_sum, key_end):
+    def kernels(dout, gate, attention, means, row_max, row_log2_sum, key_end, live_end):
         gated = backward_prologue.backward_prologue(
             dout, gate, attention, means, row_max, row_log2_sum, key_end,
             do_dtype=jnp.bfloat16, interpret=False)
@@ -219,12 +268,15 @@ def test_lowers_for_the_gpu(x64):
         every_row = backward_prologue.backward_prologue(
             dout, gate, attention, None, row_max, row_log2_sum, None,
             do_dtype=jnp.bfloat16, interpret=False)
-        return gated, ungated[2:], every_row[:3]
+        unread_rows = backward_prologue.backward_prologue(
+            dout, gate, attention, means, row_max, row_log2_sum, key_end,
+            do_dtype=jnp.bfloat16, interpret=False, live_rows_end=live_end, rows_per_group=2)
+        return gated, ungated[2:], every_row[:3], unread_rows
 
     with jax.enable_x64(x64):
         text = mosaic_lowering.lowered_for_cuda(
-            kernels, rows, rows, attention, means, plane, plane, key_end)
-    assert text.count(exporting.TRITON_CUSTOM_CALL) == 3, text[:2000]
+            kernels, rows, rows, attention, means, plane, plane, key_end, live_end)
+    assert text.count(exporting.TRITON_CUSTOM_CALL) == 4, text[:2000]
 
 
 @pytest.mark.gpu
@@ -232,3 +284,10 @@ def test_lowers_for_the_gpu(x64):
 def test_gpu_prologue_against_float64(case, seed):
     args, dead = random_case(case, seed, plane_padding=3)
     check(args, dead, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,rows_per_group", UNREAD_CASES)
+def test_gpu_dead_rows_no_kernel_reads_get_no_do_or_statistics(case, rows_per_group, seed):
+    args, dead = random_case(case, seed, plane_padding=3)
+    check(args, dead, interpret=False, rows_per_group=rows_per_group)
