@@ -4,7 +4,8 @@
 its variants: the Triton or the Mosaic kernels forced, msa_pallas_skip, traced inside
 `msa_pallas.skipping_padding()` (where the dispatch picks the persistent Mosaic dq and
 dk/dv kernels), msa_pallas_persistent, those kernels without skipping,
-msa_pallas_skip_k64, skipping with 64-key forward and dk/dv tiles, msa_pallas_lean, every
+msa_pallas_skip_k64, skipping with 64-key forward and dk/dv tiles,
+msa_pallas_skip_k64_dbias, the bias gradient's 64-key too, msa_pallas_lean, every
 Mosaic kernel with `LEAN_OPTIONS` (a select per logit fewer), msa_pallas_skip_lean, both,
 msa_pallas_mask_with_select and msa_pallas_skip_mask_with_select, the backward
 kernels with the select that `MosaicTiles.mask_without_select` takes out,
@@ -119,17 +120,23 @@ def asked_block_config(q, bias, mask=None, gate=None, *, implementation=None,
 NARROW_KEYS = 64
 
 
-def narrow_key_tiles_config(config, plan):
-    """`config` with the plan's Mosaic forward and dk/dv tiles cut to `NARROW_KEYS` keys
-    (dq's and dbias's as planned); as it is where the plan's kernels are not Mosaic's.
-    With 25% of N = 256 residues padding, a 128-key tile holds live and padded keys
-    alike, and skipping saves nothing of it; 64-key tiles skip one in four."""
+def narrow_key_tiles_config(config, plan, kernels=("forward", "dkdv")):
+    """`config` with the plan's Mosaic tiles of `kernels` (of "forward", "dkdv" and
+    "dbias") cut to `NARROW_KEYS` keys (the others' as planned); as it is where the
+    plan's kernels are not Mosaic's. With 25% of N = 256 residues padding, a 128-key
+    tile holds live and padded keys alike, and skipping saves nothing of it; 64-key
+    tiles skip one in four."""
     if plan.forward != "mosaic" or plan.backward != "mosaic":
         return config
+    unknown = set(kernels) - {"forward", "dkdv", "dbias"}
+    if unknown:
+        raise ValueError(f"narrow_key_tiles_config: no such kernels {sorted(unknown)}")
+    forward = plan.forward_tiles
+    if "forward" in kernels:
+        forward = dataclasses.replace(forward, block_k=NARROW_KEYS)
+    narrow = {kernel: {"block_k": NARROW_KEYS} for kernel in kernels if kernel != "forward"}
     return dataclasses.replace(
-        config,
-        mosaic_forward=dataclasses.replace(plan.forward_tiles, block_k=NARROW_KEYS),
-        mosaic_backward=planned_backward_tiles(plan, dkdv={"block_k": NARROW_KEYS}),
+        config, mosaic_forward=forward, mosaic_backward=planned_backward_tiles(plan, **narrow),
     )
 
 
@@ -167,8 +174,10 @@ def kernel_options_config(config, plan, options: dict):
 
 
 def _msa_pallas_builder(implementation: str | None, skip_padding: bool = False,
-                        persistent_backward: bool = False, narrow_key_tiles: bool = False,
+                        persistent_backward: bool = False, narrow_key_tiles: tuple = (),
                         kernel_options: dict | None = None) -> Callable[[Case], Callables]:
+    """`narrow_key_tiles`: the Mosaic kernels whose tiles `narrow_key_tiles_config`
+    cuts to `NARROW_KEYS` keys (none: as planned)."""
     def build(case: Case) -> Callables:
         _, rows, n, heads, d = case.dims
         # Without a GPU the kernels run in their interpreters.
@@ -184,10 +193,10 @@ def _msa_pallas_builder(implementation: str | None, skip_padding: bool = False,
         if persistent_backward:
             config = persistent_backward_config(config, plan)
         if narrow_key_tiles:
-            config = narrow_key_tiles_config(config, plan)
+            config = narrow_key_tiles_config(config, plan, narrow_key_tiles)
         if kernel_options:
             config = kernel_options_config(config, plan, kernel_options)
-        changed = persistent_backward or narrow_key_tiles or kernel_options
+        changed = persistent_backward or bool(narrow_key_tiles) or kernel_options
         block_config = config if changed else None
 
         def op(q, k, v, bias, mask):
@@ -218,7 +227,12 @@ build_msa_pallas_skip = _msa_pallas_builder(None, skip_padding=True)
 build_msa_pallas_persistent = _msa_pallas_builder(None, persistent_backward=True)
 # Skipping with 64-key forward and dk/dv tiles (`narrow_key_tiles_config`): whether
 # the finer tiles pay at a short padded crop, and what they cost elsewhere.
-build_msa_pallas_skip_k64 = _msa_pallas_builder(None, skip_padding=True, narrow_key_tiles=True)
+build_msa_pallas_skip_k64 = _msa_pallas_builder(None, skip_padding=True,
+                                                narrow_key_tiles=("forward", "dkdv"))
+# ... and the bias gradient's tiles too: at the padded training crop every kernel but dq
+# plans 128-key tiles, so 64-key ones in all of them skip the padded quarter of the keys.
+build_msa_pallas_skip_k64_dbias = _msa_pallas_builder(
+    None, skip_padding=True, narrow_key_tiles=("forward", "dkdv", "dbias"))
 # Every Mosaic kernel with `LEAN_OPTIONS`: whether a select per logit fewer pays.
 build_msa_pallas_lean = _msa_pallas_builder(None, kernel_options=LEAN_OPTIONS)
 # ... and skipping padding: the padded shapes' cells of issue 36 with them.
@@ -450,6 +464,7 @@ IMPLEMENTATIONS: dict[str, Callable[[Case], Callables]] = {
     "msa_pallas_skip": build_msa_pallas_skip,
     "msa_pallas_persistent": build_msa_pallas_persistent,
     "msa_pallas_skip_k64": build_msa_pallas_skip_k64,
+    "msa_pallas_skip_k64_dbias": build_msa_pallas_skip_k64_dbias,
     "msa_pallas_lean": build_msa_pallas_lean,
     "msa_pallas_skip_lean": build_msa_pallas_skip_lean,
     "msa_pallas_mask_with_select": build_msa_pallas_mask_with_select,
@@ -469,7 +484,8 @@ IMPLEMENTATIONS: dict[str, Callable[[Case], Callables]] = {
 REFERENCE_POINTS = ("jax_mha_nobias",)
 # msa_pallas' own variants: checked, timed, never a yardstick.
 OWN_VARIANTS = ("msa_pallas_triton", "msa_pallas_mosaic", "msa_pallas_skip",
-                "msa_pallas_persistent", "msa_pallas_skip_k64", "msa_pallas_lean",
+                "msa_pallas_persistent", "msa_pallas_skip_k64", "msa_pallas_skip_k64_dbias",
+                "msa_pallas_lean",
                 "msa_pallas_skip_lean", "msa_pallas_mask_with_select",
                 "msa_pallas_skip_mask_with_select", "msa_pallas_prologue",
                 "msa_pallas_skip_xla_prologue", "msa_pallas_dpa")

@@ -444,7 +444,8 @@ def test_persistent_variant_makes_the_mosaic_dq_and_dkdv_tiles_persistent():
 
 def test_skip_k64_variant_cuts_the_forward_and_dkdv_key_tiles_of_the_skipping_plan():
     """msa_pallas_skip_k64: the skipping plan's tiles (dq and dk/dv persistent), the
-    forward's and dk/dv's cut to 64 keys; a plan on the Triton kernels keeps its config."""
+    forward's and dk/dv's cut to 64 keys; msa_pallas_skip_k64_dbias, the bias
+    gradient's too; a plan on the Triton kernels keeps its config."""
     q = jax.ShapeDtypeStruct((1, 8, 256, 8, 32), jnp.bfloat16)
     bias = jax.ShapeDtypeStruct((1, 8, 256, 256), jnp.bfloat16)
     mask = jax.ShapeDtypeStruct((1, 8, 256), jnp.bool_)
@@ -463,6 +464,20 @@ def test_skip_k64_variant_cuts_the_forward_and_dkdv_key_tiles_of_the_skipping_pl
     triton = msa_pallas.explain(q, q, q, bias, mask, implementation="triton")
     assert alternatives.narrow_key_tiles_config(config, triton) is config
     variant = "msa_pallas_skip_k64"
+    assert variant in alternatives.OWN_VARIANTS and variant in alternatives.IMPLEMENTATIONS
+    assert variant not in alternatives.TABLE_IMPLEMENTATIONS
+    # msa_pallas_skip_k64_dbias: the bias gradient's tiles cut too.
+    every = alternatives.narrow_key_tiles_config(config, plan, ("forward", "dkdv", "dbias"))
+    assert every.mosaic_forward == narrowed.mosaic_forward
+    assert every.mosaic_backward.dkdv == tiles.dkdv and every.mosaic_backward.dq == planned["dq"]
+    assert planned["dbias"].block_k == 128
+    assert every.mosaic_backward.dbias == dataclasses.replace(planned["dbias"], block_k=64)
+    backward_only = alternatives.narrow_key_tiles_config(config, plan, ("dbias",))
+    assert backward_only.mosaic_forward == plan.forward_tiles
+    assert backward_only.mosaic_backward.dkdv == planned["dkdv"]
+    with pytest.raises(ValueError, match="dq"):
+        alternatives.narrow_key_tiles_config(config, plan, ("dq",))
+    variant = "msa_pallas_skip_k64_dbias"
     assert variant in alternatives.OWN_VARIANTS and variant in alternatives.IMPLEMENTATIONS
     assert variant not in alternatives.TABLE_IMPLEMENTATIONS
 
