@@ -102,9 +102,9 @@ def _check(dout, gate, attention, means, row_max, row_log2_sum, key_end, live_ro
 
 
 def _prologue_kernel(
-    end_ref, live_end_ref, dout_ref, gate_ref, attention_ref, means_ref, row_max_ref, row_log2_sum_ref,
-    do_ref, dgate_ref, stats_ref, dead_dv_ref, *, n_res: int, heads: int, head_dim: int,
-    block: int, do_dtype, rows_per_group: int,
+    end_ref, live_end_ref, dout_ref, gate_ref, attention_ref, means_ref, row_max_ref,
+    row_log2_sum_ref, do_ref, dgate_ref, stats_ref, dead_dv_ref, *, n_res: int, heads: int,
+    head_dim: int, block: int, do_dtype, rows_per_group: int,
 ):
     """One MSA row's column slice (`heads` heads of `head_dim` columns):
     refs `[N, width]` (dout, gate, attention, do, dgate), `[width]` (means,
@@ -287,8 +287,8 @@ def backward_prologue(dout, gate, attention, means, row_max, row_log2_sum, key_e
         ],
         out_specs=out_specs, out_shape=out_shape, interpret=interpret,
         name="msa_backward_prologue",
-    )(key_end, live_rows_end, as_rows(dout), None if gate is None else as_rows(gate), as_rows(attention),
-      means, row_max, row_log2_sum)
+    )(key_end, live_rows_end, as_rows(dout), None if gate is None else as_rows(gate),
+      as_rows(attention), means, row_max, row_log2_sum)
     if dead_dv is not None:
         dead_dv = dead_dv.reshape(batch, rows, heads, head_dim)
     if gate is None:
