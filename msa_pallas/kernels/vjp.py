@@ -60,7 +60,7 @@ from msa_pallas.kernels.triton.backward import (
 )
 from msa_pallas.validation import check_mosaic_interpreter
 from msa_pallas.kernels.partitioning import (
-    BIAS, KEY_ROWS, MASK, QUERY_ROWS, ROW_VECTORS, ROWS, SEEDS, STACKED_STATS, STATS,
+    BIAS, KEY_ROWS, MASK, QUERY_ROWS, ROW_VECTORS, SEEDS, STACKED_STATS, STATS,
     partitioned_call,
 )
 
