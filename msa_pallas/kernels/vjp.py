@@ -276,20 +276,22 @@ def partitioned_prologue(dout, gate, attention, means, row_max, row_log2_sum, ma
     returned = slice(0 if gate is not None else 2, 4 if means is not None else 3)
 
     def prologue(dout, gate, attention, means, row_max, row_log2_sum, mask):
-        told = {}
+        key_end, unread_rows = None, {}
         if means is not None:
             # On this device's rows, as the kernels read their own bounds
             # (XLA computes the kernels' identical summaries once).
             spans = span_operands(mask, dout.shape[2])
-            told["key_end"] = spans["key_end"]
+            key_end = spans["key_end"]
             if row_group_tiles:
-                told["live_rows_end"] = spans["live_rows_end"]
-                told["rows_per_group"] = math.lcm(
-                    *(tiles.msa_rows_for(dout.shape[1]) for tiles in row_group_tiles)
-                )
+                unread_rows = {
+                    "live_rows_end": spans["live_rows_end"],
+                    "rows_per_group": math.lcm(
+                        *(tiles.msa_rows_for(dout.shape[1]) for tiles in row_group_tiles)
+                    ),
+                }
         return backward_prologue(
-            dout, gate, attention, means, row_max, row_log2_sum, told.pop("key_end", None),
-            do_dtype=do_dtype, interpret=interpret, **told,
+            dout, gate, attention, means, row_max, row_log2_sum, key_end,
+            do_dtype=do_dtype, interpret=interpret, **unread_rows,
         )[returned]
 
     results = partitioned_call(
