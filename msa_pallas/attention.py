@@ -60,6 +60,7 @@ def msa_row_attention(
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     round_bias: bool = False,
+    mask_queries: bool = False,
 ) -> jax.Array:
     """Row-wise gated self-attention over an MSA, with a pair bias.
 
@@ -102,6 +103,15 @@ def msa_row_attention(
         softmax and bias gradient stay float32, and the bias gradient comes
         back in the bias's own dtype. Default False: the kernels read the
         bias as given. No effect on the `"xla"` path or on float32 inputs.
+      mask_queries: the mask masks query residues too: `out[b, s, i] = 0`
+        wherever `mask[b, s, i]` is False, and no gradient flows from there
+        (a padding residue is padding as a key and as a query; a row of
+        padding gives zeros). Every other output, and every gradient at a
+        kept position, is the default's. Inside `msa_pallas.skipping_padding`
+        the Mosaic kernels then skip masked queries as they skip masked
+        keys, and padding rows cost only their zeros. Default False: a
+        masked residue's query attends as any other (SPEC §1). No effect
+        without a mask.
 
     Returns:
       `[*batch, S, N, H, d]` in q's dtype. Differentiable in q, k, v, bias and
@@ -116,7 +126,7 @@ def msa_row_attention(
     plan = plan_call(
         q, k, v, bias, mask, gate, scale=scale, implementation=implementation,
         block_config=block_config, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-        round_bias=round_bias,
+        round_bias=round_bias, mask_queries=mask_queries,
     )
     *batch_shape, rows, n_res, heads, _ = q.shape
     seeds = None
@@ -162,6 +172,9 @@ def run_plan(plan: CallPlan, q, k, v, bias, mask=None, gate=None, *, scale=None,
             None if mask is None else mask.astype(jnp.int8),
             gate, dropout_seeds, scale, plan,
         )[..., :head_dim]
+    if plan.masks_queries and not plan.kernels_mask_queries:
+        # The gradients follow the select: none flows from a masked query.
+        out = jnp.where(mask[..., None, None], out, jnp.zeros((), out.dtype))
     return out.reshape(*batch_shape, rows, n_res, heads, head_dim)
 
 

@@ -169,6 +169,8 @@ class CallPlan:
         removes (`kernels.key_tiles.skipping_padding`; a mask given). With
         dropout the forward and dk/dv visit the rows that keep no key.
       dropout_rate: attention dropout's rate (`msa_pallas.dropout`); 0 for none.
+      masks_queries: the mask masks queries too (the op's `mask_queries`; a
+        mask given): the output is 0 at a masked residue.
       prologue_kernel: the backward kernels' `do` and stacked statistics
         (and the gate's gradient, and skipping, the dead rows' dv) come from
         one Pallas kernel (`kernels.triton.backward_prologue`), not XLA's
@@ -196,6 +198,15 @@ class CallPlan:
     skips_padding: bool = False
     dropout_rate: float = 0.0
     prologue_kernel: bool = False
+    masks_queries: bool = False
+
+    @property
+    def kernels_mask_queries(self) -> bool:
+        """Whether the kernels give the masked queries their zeros (and
+        skip them): skipping padding on the Mosaic forward and backward with
+        the prologue kernel (no dropout). Elsewhere the op zeroes them after
+        the kernels (`attention.run_plan`), and the gradients follow."""
+        return self.masks_queries and self.skips_padding and self.prologue_kernel
 
     def tiles_of(self, kernel: str):
         """The tiles of backward kernel `kernel`, or None where it does not run."""
@@ -216,6 +227,10 @@ class CallPlan:
                              " by dq and dbias alone (dropout drops their uniform weights)")
             elif self.skips_padding:
                 lines.append("  padding: key tiles and MSA rows the mask removes are skipped")
+            if self.kernels_mask_queries:
+                lines.append("  masked queries: output 0, skipped by every kernel")
+            elif self.masks_queries:
+                lines.append("  masked queries: output 0, set after the kernels")
             if self.prologue_kernel:
                 lines.append("  backward prologue: do, the gate's gradient and the statistics"
                              " (skipping, dead rows' dv) in one Pallas kernel")
@@ -308,6 +323,7 @@ def plan_call(
     dropout_rate: float = 0.0,
     dropout_rng=None,
     round_bias: bool = False,
+    mask_queries: bool = False,
     target: Target | None = None,
 ) -> CallPlan:
     """The plan of `msa_row_attention(q, k, v, bias, mask, gate, **kwargs)`.
@@ -324,10 +340,11 @@ def plan_call(
     validate_block_config(block_config)
     *batch, rows, n_res, heads, head_dim = q.shape
     interpret = not target.gpu
+    masks_queries = mask is not None and bool(mask_queries)
     if implementation == "xla":
         return CallPlan(
             "xla", "xla", "xla", reason, target, head_dim, head_dim, head_dim,
-            interpret=interpret, dropout_rate=float(dropout_rate),
+            interpret=interpret, dropout_rate=float(dropout_rate), masks_queries=masks_queries,
         )
 
     # 2. The bias as the kernels read it, and the Triton tiles (the Triton
@@ -391,4 +408,5 @@ def plan_call(
         skips_padding=skipping,
         dropout_rate=float(dropout_rate),
         prologue_kernel=prologue_kernel,
+        masks_queries=masks_queries,
     )

@@ -52,6 +52,12 @@ rows. dq and the bias gradient skip dead rows with or without dropout:
 their part there is exactly 0 either way (the logits do not depend on q,
 k or the bias).
 
+Where the mask masks queries too (the op's `mask_queries`: a masked
+residue's output is 0, and no gradient flows from it), a row's span of kept
+keys is its span of kept queries, the same residues: the kernels then skip
+query tiles by the same summaries (`SpanReader.holds_queries`, the
+`queries` of `rows_of_key_tile`), and a dead row is all zeros.
+
 Skipping is off by default (`skipping_padding`): measured on the H200
 before the summary was shared, the bounds, the dead rows' means and the
 forward's fill (then XLA passes over every row) cost 3-11% on masked
@@ -174,13 +180,22 @@ def tile_span(row_spans, *, n_res: int, block_k: int, dead_rows_whole: bool = Fa
     return jnp.minimum(lax.div(n_res - from_first, jnp.int32(block_k)), upper), upper
 
 
-def rows_of_key_tile(extent, key_tile, block_k: int, *, rows: int, n_res: int):
+def rows_of_key_tile(extent, key_tile, block_k: int, *, rows: int, n_res: int,
+                     queries=None):
     """`(first, end)` int32: the rows first <= row < end of a batch element
     whose `live_extents` values are `extent` (four int32 scalars) hold every
     row that keeps a key of key tile `key_tile`: its live rows where the
-    tile meets the keys its rows keep, else (0, 0)."""
+    tile meets the keys its rows keep, else (0, 0). `queries`: None, or
+    `(start, size)`, a range of query residues where the mask masks queries
+    too (`mask_queries`): (0, 0) also where no row keeps one of them."""
     from_first_row, end_row, from_first_key, end_key = extent
-    hit = (key_tile * block_k < end_key) & ((key_tile + 1) * block_k > n_res - from_first_key)
+
+    def meets_kept(start, size):
+        return (start < end_key) & (start + size > n_res - from_first_key)
+
+    hit = meets_kept(key_tile * block_k, block_k)
+    if queries is not None:
+        hit &= meets_kept(*queries)
     return jnp.where(hit, rows - from_first_row, 0), jnp.where(hit, end_row, 0)
 
 
@@ -227,6 +242,14 @@ class SpanReader:
             n_res=self.n_res, block_k=block_k, dead_rows_whole=self.dead_rows_whole,
         )
 
+    def holds_queries(self, batch, row_group, query_tile, block_q: int):
+        """Whether query tile `query_tile` (of `block_q` residues) holds a
+        residue that a row of the group keeps: where the mask masks queries
+        too (`mask_queries`), an item of a tile that holds none has every
+        query masked, and its results are 0."""
+        first, end = self.key_tiles(batch, row_group, block_q)
+        return (first <= query_tile) & (query_tile < end)
+
     def live_row_groups(self, groups: int):
         """The row groups, of `groups`, up to the last that keeps a key in
         any batch element (all of them with `dead_rows_whole`): a kernel
@@ -245,13 +268,14 @@ class SpanReader:
             )
         return ceil_div(end, self.rows_per_group)
 
-    def rows_of_key_tile(self, batch, key_tile, block_k: int):
+    def rows_of_key_tile(self, batch, key_tile, block_k: int, queries=None):
         """`(first, end)`: the rows first <= row < end of batch element
         `batch` hold every row that keeps a key of key tile `key_tile`;
-        (0, 0) where no row does."""
+        (0, 0) where no row does (or, `queries` = (start, size) where the
+        mask masks queries too, where no row keeps one of those queries)."""
         extent = [part[batch] for part in self.extents]
         return rows_of_key_tile(extent, key_tile, block_k, rows=self.end.shape[1],
-                                n_res=self.n_res)
+                                n_res=self.n_res, queries=queries)
 
 
 def ceil_div(x, divisor: int):

@@ -33,6 +33,14 @@ Skipping padding, the forward then saves its residuals as its kernel left
 them, with the dead rows' means of v: the prologue reads a dead row's mean
 where XLA's select read its float32 row, and gives the dead rows' dv.
 
+Where the mask masks queries too and the kernels say so
+(`plan.kernels_mask_queries`: the op's `mask_queries`, skipping on the
+Mosaic kernels), the forward zeroes the masked queries' output and takes no
+dead rows' means; the prologue takes `dout` as 0 there and reads nothing of
+a dead row, and the backward kernels skip the query tiles that hold no kept
+residue (their `do` is 0). Elsewhere the op zeroes them after this function
+(`attention.run_plan`), and the gradients follow.
+
 Each kernel call (forward, dk/dv, dq, dbias, the prologue) goes through
 `partitioning.partitioned_call`: under `jax.jit` with inputs sharded over the
 batch, MSA-row or head axes, every device runs the kernel on its own shard
@@ -105,7 +113,11 @@ def _forward(q, k, v, bias, mask, gate, seeds, *, scale, plan, save_stats):
     mosaic = plan.forward == "mosaic"
     forward = mosaic_forward.attention_forward if mosaic else triton_forward.attention_forward
     skip = {"skip_masked" if mosaic else "skip_padding": plan.skips_padding}
-    dead_row_means = save_stats and plan.prologue_kernel and plan.skips_padding
+    if plan.kernels_mask_queries:
+        # Dead rows are rows of zeros: no means of v.
+        skip["mask_queries"] = True
+    dead_row_means = (save_stats and plan.prologue_kernel and plan.skips_padding
+                      and not plan.kernels_mask_queries)
     if dead_row_means:
         # The residuals of dead rows unselected, and their means of v, for
         # `backward_prologue`.
@@ -168,11 +180,12 @@ def _mosaic_backward(q, k, v, bias, mask, do, stats, seeds, *, scale, plan, dead
     operands, in_layouts, dropout = _with_dropout(
         (q, k, v, bias, mask, do, stats), _MOSAIC_BACKWARD_IN, plan, seeds,
     )
-    turns = {"ping_pong": plan.ping_pong}
+    queries = {"mask_queries": True} if plan.kernels_mask_queries else {}
+    turns = {"ping_pong": plan.ping_pong} | queries
     kernels = {
         "dkdv": (mosaic_backward.backward_dkdv, (KEY_ROWS, KEY_ROWS), turns),
         "dq": (mosaic_backward.backward_dq, (QUERY_ROWS,), turns),
-        "dbias": (mosaic_backward.backward_dbias, (BIAS,), {}),
+        "dbias": (mosaic_backward.backward_dbias, (BIAS,), queries),
     }
     grads = {}
     for name, tiles in plan.backward_tiles:
@@ -257,7 +270,8 @@ def _round_to(x32, dtype):
 
 
 def partitioned_prologue(dout, gate, attention, means, row_max, row_log2_sum, mask, *,
-                         do_dtype, interpret: bool, row_group_tiles=()):
+                         do_dtype, interpret: bool, row_group_tiles=(),
+                         mask_queries: bool = False):
     """`backward_prologue` as one SPMD-partitioned op (B, S and H may be
     sharded, as for the kernels): `(do, dgate, stats, dead_dv)`; without a
     gate `do` is dout itself and dgate None. `means`: the dead rows' means
@@ -265,42 +279,56 @@ def partitioned_prologue(dout, gate, attention, means, row_max, row_log2_sum, ma
     kernels': its rows' ends tell the dead rows); None, and dead_dv None,
     where the forward visited every row.
 
-    `row_group_tiles`: with the means, the tiles (`MosaicTiles`) of the
+    `mask_queries` (skipping, no means): the mask masks queries too (the
+    op's `mask_queries`), so `dout` counts as 0 at a masked residue: `do`
+    is written with its zeros there (with or without a gate), a dead row's
+    is 0 and its dv too (dead_dv None), and nothing of a dead row is read.
+
+    `row_group_tiles`: skipping, the tiles (`MosaicTiles`) of the
     backward kernels that read `do` and the statistics a group of rows at a
     time (dq, dk/dv; the bias gradient's reads end at the last live row):
     dead rows in groups after a batch element's last live row are then
     read by none of them and get no `do` or statistics. Empty: every
     row's are written."""
-    # The results of this call: without a gate `do` is dout itself and there
-    # is no dgate; without the means, no dead rows' dv.
-    returned = slice(0 if gate is not None else 2, 4 if means is not None else 3)
+    # The results of this call, of (do, dgate, stats, dead_dv): without a
+    # gate (and unmasked queries) `do` is dout itself and there is no dgate;
+    # without the means, no dead rows' dv.
+    returned = [index for index, made in enumerate(
+        (gate is not None or mask_queries, gate is not None, True, means is not None)
+    ) if made]
+    skipping = means is not None or mask_queries
 
     def prologue(dout, gate, attention, means, row_max, row_log2_sum, mask):
-        key_end, unread_rows = None, {}
-        if means is not None:
+        key_end, options = None, {}
+        if skipping:
             # On this device's rows, as the kernels read their own bounds
             # (XLA computes the kernels' identical summaries once).
             spans = span_operands(mask, dout.shape[2])
             key_end = spans["key_end"]
             if row_group_tiles:
-                unread_rows = {
+                options = {
                     "live_rows_end": spans["live_rows_end"],
                     "rows_per_group": math.lcm(
                         *(tiles.msa_rows_for(dout.shape[1]) for tiles in row_group_tiles)
                     ),
                 }
-        return backward_prologue(
+        if mask_queries:
+            options["query_mask"] = mask
+        results = backward_prologue(
             dout, gate, attention, means, row_max, row_log2_sum, key_end,
-            do_dtype=do_dtype, interpret=interpret, **unread_rows,
-        )[returned]
+            do_dtype=do_dtype, interpret=interpret, **options,
+        )
+        return tuple(results[index] for index in returned)
 
+    layouts = (QUERY_ROWS, QUERY_ROWS, STACKED_STATS, ROW_VECTORS)
     results = partitioned_call(
         prologue, (dout, gate, attention, means, row_max, row_log2_sum, mask),
         (QUERY_ROWS, QUERY_ROWS, QUERY_ROWS, ROW_VECTORS, STATS, STATS, MASK),
-        (QUERY_ROWS, QUERY_ROWS, STACKED_STATS, ROW_VECTORS)[returned],
+        tuple(layouts[index] for index in returned),
     )
     full = [dout, None, None, None]
-    full[returned] = results
+    for index, result in zip(returned, results):
+        full[index] = result
     return tuple(full)
 
 
@@ -316,6 +344,7 @@ def _prologue_backward(scale, plan, residuals, dout):
         dout, gate, attention, means, row_max, row_log2_sum, mask, do_dtype=q.dtype,
         interpret=plan.interpret,
         row_group_tiles=tuple(tiles for name, tiles in plan.backward_tiles if name != "dbias"),
+        mask_queries=plan.kernels_mask_queries,
     )
     # As in `_fused_attention_bwd`: what the kernels make of the bias is
     # made after this, when the float32 o is no longer live.

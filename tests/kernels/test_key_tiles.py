@@ -140,6 +140,30 @@ def test_key_tiles_rows(batch, rows, n_res, block_k, group, seed):
                 assert got[0] <= tight_first and tight_end <= got[1], (b, t)
 
 
+@pytest.mark.parametrize("batch, rows, n_res, block_k, group", CASES)
+def test_query_tiles_where_queries_are_masked(batch, rows, n_res, block_k, group, seed):
+    """Where the mask masks queries too, a query tile of a row group holds a kept
+    residue of its rows exactly when it lies between their first and last kept one
+    (`holds_queries`), and a key tile's rows for a range of queries are none where no
+    row of the batch element keeps one of those queries (the bias gradient's CTAs)."""
+    keep = random_padded_mask(np.random.default_rng(seed), batch, rows, n_res, group)
+    reader = span_reader(as_kernel_mask(keep), n_res, group)
+    block_q = block_k
+    query_tiles = -(-n_res // block_q)
+    for b in range(batch):
+        for g in range(rows // group):
+            first, end = bounds_of(keep[b, g * group:(g + 1) * group].any(0))
+            for t in range(query_tiles):
+                expected = end > 0 and t * block_q < end and (t + 1) * block_q > first
+                assert bool(reader.holds_queries(b, g, t, block_q)) == expected, (b, g, t)
+        live_rows = bounds_of(keep[b].any(-1))
+        first_key, end_key = bounds_of(keep[b].any(0))
+        for start, size in ((0, block_q), (first_key, 1), (end_key, 2 * block_q)):
+            got = ints(reader.rows_of_key_tile(b, 0, n_res, queries=(start, size)))
+            meets = end_key > 0 and start < end_key and start + size > first_key
+            assert got == (live_rows if meets else (0, 0)), (b, start, size)
+
+
 def test_end_padding_gives_the_tight_rows():
     """Padding at the end of a crop and of an alignment, or keys kept from a tile's
     start on (no holes): each key tile's rows are exactly the rows that keep a key of

@@ -42,7 +42,10 @@ keeps a key have items (`work_items`). The kernel's results for dead rows
 written in place by a small kernel that reads and writes those rows alone
 (`triton.dead_rows.fill_dead_rows`), their residuals are selects on its
 means of v. A dead row's CTA here would spend a work item's latency on a
-mean it need not compute.
+mean it need not compute. Where the mask masks queries too (`mask_queries`:
+out is 0 at a masked residue), an item whose query tile holds no kept
+residue visits no key tile either, and nothing is filled but zeros, at every
+masked residue (`triton.dead_rows.zero_masked_queries`).
 With `dropout_rate` > 0 the weights `dropout` drops (their words read from
 XLA's arrays, `dropout_words`) are zeroed after the row statistics, and the
 output scaled by 1 / (1 - rate). Skipping with dropout, a dead row's
@@ -83,7 +86,7 @@ from msa_pallas.kernels.mosaic.smem import (
 from msa_pallas.kernels.mosaic.support import check_kernel_inputs
 from msa_pallas.kernels.mosaic.tiles import MosaicTiles, forward_tiles
 from msa_pallas.kernels.mosaic.work_items import ForwardItems
-from msa_pallas.kernels.triton.dead_rows import fill_dead_rows
+from msa_pallas.kernels.triton.dead_rows import fill_dead_rows, zero_masked_queries
 
 
 # The tiles `attention_forward` takes by default (`tiles.forward_tiles`).
@@ -94,7 +97,7 @@ def _kernel(
     gmem, smem, produced, consumed, schedule, *, scale: float, n_res: int,
     tiles: MosaicTiles, msa_rows: int, heads: int, heads_per_tile: int, grid, dtype,
     interpret: bool, row_views: tuple[str, ...] = (), key_bounds=None, skips_masked=False,
-    dropout=None,
+    dropout=None, mask_queries=False,
 ):
     """`heads`: the heads of q, k and v as the kernel sees them, each
     `heads_per_tile` heads of the bias (2 for d = 8, `heads.pairs_heads`).
@@ -103,7 +106,9 @@ def _kernel(
     first, everything else through the second. `key_bounds`: as in
     `attention_forward`. `skips_masked`: gmem holds the mask's spans
     (`key_tiles.span_operands`); without dropout, dead rows' results are
-    not the op's (`attention_forward` replaces them).
+    not the op's (`attention_forward` replaces them). `mask_queries`
+    (with `skips_masked`): an item whose query tile holds no residue its
+    rows keep visits no key tile (its results are 0, as the op's there).
     `dropout` (`dropout_words.Dropout`): gmem holds "query_words", "key_words"."""
     smem_tma, smem = split_row_views(smem, row_views)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
@@ -132,8 +137,12 @@ def _kernel(
             return 0, key_tiles
         if key_bounds is not None:
             return key_bounds(work, key_tiles)
-        batch, _, row_group, _ = work
-        return spans.key_tiles(batch, row_group, block_k)
+        batch, _, row_group, q_start = work
+        lb, ub = spans.key_tiles(batch, row_group, block_k)
+        if mask_queries:
+            holds = spans.holds_queries(batch, row_group, lax.div(q_start, block_q), block_q)
+            ub = jnp.where(holds, ub, lb)
+        return lb, ub
 
     def load_own(name, work):
         """The consumer's copy of its q or gate tile for item `work`, on its
@@ -445,13 +454,13 @@ def _kernel(
     jax.jit,
     static_argnames=(
         "scale", "tiles", "interpret", "save_stats", "key_bounds", "skip_masked", "dropout_rate",
-        "dead_row_means",
+        "dead_row_means", "mask_queries",
     ),
 )
 def attention_forward(
     q, k, v, bias, mask, gate, dropout_seeds=None, *, scale: float, tiles: MosaicTiles,
     interpret: bool, save_stats: bool, key_bounds=None, skip_masked: bool = False,
-    dropout_rate: float = 0.0, dead_row_means: bool = False,
+    dropout_rate: float = 0.0, dead_row_means: bool = False, mask_queries: bool = False,
 ):
     """Runs the Mosaic GPU forward kernel; the contract of the Triton forward.
 
@@ -485,6 +494,14 @@ def attention_forward(
         had no item for them), and the dead rows' mean of v as a fifth
         result, for `triton.backward_prologue`, which reads those in their
         place.
+      mask_queries: skipping (a mask, no dropout): the mask masks queries
+        too, and out is 0 at the residues it masks in a row (the op's
+        `mask_queries`): an item whose query tile holds no kept residue
+        visits no key tile, dead rows are rows of zeros, and after the
+        kernel `triton.dead_rows.zero_masked_queries` writes the zeros in
+        place. The residuals are as the kernel left them (unwritten for the
+        row groups after the last live one): `triton.backward_prologue`
+        with the query mask reads a live row's alone.
 
     Returns:
       out `[B, S, N, H, d]` in q's dtype, and, if `save_stats`, the ungated
@@ -500,6 +517,9 @@ def attention_forward(
     pair = heads_per_tile(head_dim, heads)
     skips_masked = mask is not None and skip_masked and key_bounds is None
     dropout = check_dropout(dropout_seeds, dropout_rate, shape)
+    if mask_queries and not (skips_masked and dropout is None) or mask_queries and dead_row_means:
+        raise ValueError("mask_queries: only where dead rows are skipped (a mask, skip_masked, "
+                         "no dropout), without dead_row_means (their rows are zeros)")
     inputs, out_types = forward_operands(
         q, k, v, bias, mask, gate, None if dropout is None else dropout_seeds, scale=scale,
         tiles=tiles, msa_rows=msa_rows, pair=pair, skips_masked=skips_masked,
@@ -514,12 +534,15 @@ def attention_forward(
         _kernel, scale=scale, n_res=n_res, tiles=tiles, msa_rows=msa_rows,
         heads=heads // pair, heads_per_tile=pair, grid=kernel_plan.work_items, dtype=q.dtype,
         interpret=interpret, row_views=row_view_names(kernel_plan.smem), key_bounds=key_bounds,
-        skips_masked=skips_masked, dropout=dropout,
+        skips_masked=skips_masked, dropout=dropout, mask_queries=mask_queries,
     )
     outs = launch(body, kernel_plan, inputs=inputs, out_types=out_types, interpret=interpret)
     outs = tuple(x.reshape(shapes.get(name, x.shape)) for name, x in zip(out_types, outs))
     means = ()
-    if skips_masked and dropout is None:
+    if mask_queries:
+        out, *residuals = outs
+        outs = (zero_masked_queries(out, mask, n_res=n_res, interpret=interpret), *residuals)
+    elif skips_masked and dropout is None:
         outs = _with_dead_rows(outs, v, gate, mask, n_res, interpret,
                                selected=not (save_stats and dead_row_means))
         if save_stats and dead_row_means:

@@ -35,6 +35,17 @@ columns) and loops over the row's residues:
 Without a gate `do` is the cotangent itself (in q's dtype), not written
 again; only the statistics (and the dead rows' dv) are.
 
+Masking queries (`query_mask`: the key mask masks queries too, the op's
+output is 0 at a masked residue and no gradient flows from it), the
+cotangent is taken as 0 at a masked residue: a live row's there get do,
+dgate and delta 0, selected (their dout, gate and o are loaded but may
+hold anything), and `do` is written even without a gate, since it is no
+longer the cotangent. A dead row's queries are all masked: nothing of it
+is read (no means are made), its gate's gradient and, where a kernel reads
+them, its `do` are 0 and its statistics those of uniform weights with delta
+0; its dv is 0, so no dead rows' dv is made. Padding rows then cost only
+writes.
+
 The results are the XLA passes' up to the order of float32 sums (delta over
 d, the dead rows' mean over N) and the last bit of the sigmoid.
 """
@@ -72,7 +83,7 @@ def heads_per_program(heads: int, head_dim: int) -> int:
 
 
 def _check(dout, gate, attention, means, row_max, row_log2_sum, key_end, live_rows_end,
-           n_res):
+           n_res, query_mask=None):
     batch, rows, n_tokens, heads, head_dim = dout.shape
     if n_tokens != n_res or head_dim != next_power_of_2(head_dim):
         raise ValueError(
@@ -86,15 +97,28 @@ def _check(dout, gate, attention, means, row_max, row_log2_sum, key_end, live_ro
     for name, plane in (("row_max", row_max), ("row_log2_sum", row_log2_sum)):
         if plane.shape[:3] != (batch, rows, heads) or plane.shape[3] < n_res:
             raise ValueError(f"{name} {plane.shape}: expected [B, S, H, N' >= {n_res}]")
-    if (means is None) != (key_end is None):
-        raise ValueError("means and key_end: both (dead rows told apart) or neither (none)")
-    if means is None:
-        if live_rows_end is not None:
-            raise ValueError("live_rows_end tells dead rows apart: it needs means and key_end")
-        return
-    if means.shape != (batch, rows, heads, head_dim) or means.dtype != jnp.float32:
-        raise ValueError(f"means {means.shape} {means.dtype}: expected "
-                         f"{(batch, rows, heads, head_dim)} float32")
+    if query_mask is not None:
+        # A dead row's queries are all masked: nothing of it is read, its
+        # means least of all; key_end alone tells it apart.
+        if means is not None or key_end is None:
+            raise ValueError("query_mask: dead rows are told by key_end alone (means None, "
+                             "key_end given): nothing of them is read")
+        if (query_mask.ndim != 3 or query_mask.shape[:2] != (batch, rows)
+                or query_mask.shape[2] < n_res or query_mask.dtype != jnp.int8):
+            raise ValueError(f"query_mask {query_mask.shape} {query_mask.dtype}: expected "
+                             f"[B={batch}, S={rows}, N' >= {n_res}] int8")
+    else:
+        if (means is None) != (key_end is None):
+            raise ValueError(
+                "means and key_end: both (dead rows told apart) or neither (none)")
+        if means is None:
+            if live_rows_end is not None:
+                raise ValueError(
+                    "live_rows_end tells dead rows apart: it needs means and key_end")
+            return
+        if means.shape != (batch, rows, heads, head_dim) or means.dtype != jnp.float32:
+            raise ValueError(f"means {means.shape} {means.dtype}: expected "
+                             f"{(batch, rows, heads, head_dim)} float32")
     if key_end.shape != (batch, rows):
         raise ValueError(f"key_end {key_end.shape}: expected {(batch, rows)}")
     if live_rows_end is not None and live_rows_end.shape != (batch,):
@@ -103,16 +127,18 @@ def _check(dout, gate, attention, means, row_max, row_log2_sum, key_end, live_ro
 
 def _prologue_kernel(
     end_ref, live_end_ref, dout_ref, gate_ref, attention_ref, means_ref, row_max_ref,
-    row_log2_sum_ref, do_ref, dgate_ref, stats_ref, dead_dv_ref, *, n_res: int, heads: int,
-    head_dim: int, block: int, do_dtype, rows_per_group: int,
+    row_log2_sum_ref, query_mask_ref, do_ref, dgate_ref, stats_ref, dead_dv_ref, *, n_res: int,
+    heads: int, head_dim: int, block: int, do_dtype, rows_per_group: int,
 ):
     """One MSA row's column slice (`heads` heads of `head_dim` columns):
     refs `[N, width]` (dout, gate, attention, do, dgate), `[width]` (means,
-    dead_dv), `[heads, N']` (the row statistics), `[heads, 3, N]` (stats),
-    the scalar `end_ref` (the row's `key_tiles.key_spans` end: 0 for a dead
-    row), the scalar `live_end_ref` (the batch element's `live_rows_end`).
-    `gate_ref` and `do_ref` are None without a gate; `end_ref`,
-    `means_ref` and `dead_dv_ref` where no row is told dead; `live_end_ref`
+    dead_dv), `[heads, N']` (the row statistics), `[N']` int8 (query_mask),
+    `[heads, 3, N]` (stats), the scalar `end_ref` (the row's
+    `key_tiles.key_spans` end: 0 for a dead row), the scalar `live_end_ref`
+    (the batch element's `live_rows_end`). `gate_ref` is None without a
+    gate, `do_ref` without a gate or a query mask; `end_ref` where no row
+    is told dead; `means_ref` and `dead_dv_ref` where no row is told dead or
+    queries are masked; `query_mask_ref` where they are not; `live_end_ref`
     where every dead row is read."""
     width = heads * head_dim
     every_head = pl.ds(common.index(0), heads)
@@ -128,12 +154,26 @@ def _prologue_kernel(
         and, `store_do`, `do`; `ungated`: the tile's o, `[block, width]` or
         `[width]`."""
         dout = common.load_residues(dout_ref, (), start, block, n_res, width).astype(jnp.float32)
+        keep = None
+        if query_mask_ref is not None:
+            # No gradient flows from a masked query: its dout is 0. Its
+            # gate and o are selected to 0 too (not multiplied: a masked
+            # residue's may hold anything), so do, dgate and delta are 0.
+            keep = common.load_vector(query_mask_ref, (), start, block, n_res) != 0
+            keep = keep[:, None]
+            dout = jnp.where(keep, dout, 0.0)
+            ungated = jnp.where(keep, ungated, 0.0)
         if gate_ref is None:
             do = dout
+            if do_ref is not None:
+                # Masking queries: `do` is no longer the cotangent itself.
+                common.store_residues(do_ref, (), start, do, n_res, width)
         else:
-            gate = jax.nn.sigmoid(
-                common.load_residues(gate_ref, (), start, block, n_res, width).astype(jnp.float32)
-            )
+            logits = common.load_residues(gate_ref, (), start, block, n_res, width)
+            logits = logits.astype(jnp.float32)
+            if keep is not None:
+                logits = jnp.where(keep, logits, 0.0)
+            gate = jax.nn.sigmoid(logits)
             # The order of the products of the XLA pass (`vjp`).
             dgate = dout * ungated * gate * (1.0 - gate)
             common.store_residues(dgate_ref, (), start, dgate, n_res, width)
@@ -175,7 +215,30 @@ def _prologue_kernel(
     dead = end_ref[...] == 0
     pl.when(jnp.logical_not(dead))(live)
 
+    def dead_row_of_masked_queries(read: bool):
+        """A dead row's results, masking queries: every query masked, so
+        nothing is read and every result is a constant."""
+        zeros = jnp.zeros((block, width), jnp.float32)
+        uniform = (jnp.full((heads, block), MASKED_LOGIT_LOG2, jnp.float32),
+                   jnp.full((heads, block), math.log2(n_res), jnp.float32),
+                   jnp.zeros((heads, block), jnp.float32))
+
+        def visit(tile, carry):
+            start = tile * block
+            if dgate_ref is not None:
+                common.store_residues(dgate_ref, (), start, zeros, n_res, width)
+            if read:
+                common.store_residues(do_ref, (), start, zeros, n_res, width)
+                for plane, value in enumerate(uniform):
+                    store_stats(start, plane, value)
+            return carry
+
+        common.tile_loop(0, tiles, visit, jnp.int32(0))
+
     def dead_row(read: bool):
+        if query_mask_ref is not None:
+            dead_row_of_masked_queries(read)
+            return
         means = means_ref[...]
         uniform = (jnp.full((heads, block), MASKED_LOGIT_LOG2, jnp.float32),
                    jnp.full((heads, block), math.log2(n_res), jnp.float32))
@@ -203,7 +266,8 @@ def _prologue_kernel(
 
 
 def backward_prologue(dout, gate, attention, means, row_max, row_log2_sum, key_end, *,
-                      do_dtype, interpret: bool, live_rows_end=None, rows_per_group: int = 1):
+                      do_dtype, interpret: bool, live_rows_end=None, rows_per_group: int = 1,
+                      query_mask=None):
     """`(do, dgate, stats, dead_dv)`: what the Mosaic backward kernels read
     of the output's cotangent (module docstring).
 
@@ -216,11 +280,11 @@ def backward_prologue(dout, gate, attention, means, row_max, row_log2_sum, key_e
       means: `[B, S, H, d]` float32, the dead rows' mean of v
         (`dead_rows.fill_dead_rows`); live rows' are not read. None (with
         key_end): no row is told dead, every row's residuals are read (as
-        a forward that visits every row leaves them).
+        a forward that visits every row leaves them). None with query_mask.
       row_max, row_log2_sum: `[B, S, H, N']` float32 (N' >= N), the
         forward's row statistics (base 2); dead rows' are not read.
       key_end: `[B, S]` int32, `key_tiles.key_spans`' end (0: a dead row),
-        or None.
+        or None (not with query_mask).
       do_dtype: the dtype the kernels multiply `do` in (q's); without a
         gate, dout's.
       interpret: run in Pallas interpret mode (CPU).
@@ -232,17 +296,24 @@ def backward_prologue(dout, gate, attention, means, row_max, row_log2_sum, key_e
         are left unwritten. None: every row's are written.
       rows_per_group: the MSA rows a backward kernel's work item serves (a
         common multiple of those of every kernel that reads `do`).
+      query_mask: `[B, S, N']` int8 (N' >= N; nonzero keeps; columns past
+        N ignored), the kernels' mask (that key_end was made from), masking
+        queries too: the cotangent is taken as 0 at a masked residue, and a
+        dead row's dout, gate and attention are not read (module
+        docstring). Needs key_end, and means None. None: queries are not
+        masked.
 
     Returns:
-      do `[B, S, N, H, d]` in `do_dtype` (dout itself without a gate);
-      dgate like gate (None without one); stats `[B, S, H, 3, N]` float32:
-      row max, log2 row sum and delta; dead_dv `[B, S, H, d]` float32, a
-      dead row's mean of `do` over the residues (its dv), 0 elsewhere (None
-      without key_end). The rows `live_rows_end` leaves out have no `do`
-      or stats.
+      do `[B, S, N, H, d]` in `do_dtype` (dout itself without a gate or a
+      query mask; 0 at masked queries); dgate like gate (None without one);
+      stats `[B, S, H, 3, N]` float32: row max, log2 row sum and delta;
+      dead_dv `[B, S, H, d]` float32, a dead row's mean of `do` over the
+      residues (its dv), 0 elsewhere (None without means: no row told dead,
+      or queries masked, every dead row's dv then 0). The rows
+      `live_rows_end` leaves out have no `do` or stats.
     """
     _check(dout, gate, attention, means, row_max, row_log2_sum, key_end, live_rows_end,
-           dout.shape[2])
+           dout.shape[2], query_mask)
     if gate is None and jnp.dtype(do_dtype) != dout.dtype:
         raise ValueError(f"without a gate do is dout ({dout.dtype}); do_dtype {do_dtype}")
     batch, rows, n_res, heads, head_dim = dout.shape
@@ -258,19 +329,22 @@ def backward_prologue(dout, gate, attention, means, row_max, row_log2_sum, key_e
                             lambda s, b, c: (b, s, c, 0))
 
     rows_type = jax.ShapeDtypeStruct((batch, rows, n_res, heads * head_dim), do_dtype)
+    # `do` is the cotangent itself only without a gate and a query mask;
+    # dead rows' dv is made only where their means are given.
+    writes_do = gate is not None or query_mask is not None
     out_shape = [
-        None if gate is None else rows_type,
+        rows_type if writes_do else None,
         None if gate is None else jax.ShapeDtypeStruct(rows_type.shape, gate.dtype),
         jax.ShapeDtypeStruct((batch, rows, heads, 3, n_res), jnp.float32),
-        None if key_end is None else jax.ShapeDtypeStruct((batch, rows, heads * head_dim),
-                                                          jnp.float32),
+        None if means is None else jax.ShapeDtypeStruct((batch, rows, heads * head_dim),
+                                                        jnp.float32),
     ]
     if means is not None:
         means = means.reshape(batch, rows, heads * head_dim)
     out_specs = [
-        None if gate is None else row_spec, None if gate is None else row_spec,
+        row_spec if writes_do else None, None if gate is None else row_spec,
         pl.BlockSpec((None, None, program_heads, 3, n_res), lambda s, b, c: (b, s, c, 0, 0)),
-        None if key_end is None else vector_spec,
+        None if means is None else vector_spec,
     ]
     kernel = functools.partial(
         _prologue_kernel, n_res=n_res, heads=program_heads, head_dim=head_dim, block=block,
@@ -284,13 +358,14 @@ def backward_prologue(dout, gate, attention, means, row_max, row_log2_sum, key_e
             row_spec, None if gate is None else row_spec, row_spec,
             None if means is None else vector_spec,
             plane_spec(row_max), plane_spec(row_log2_sum),
+            None if query_mask is None else pl.BlockSpec((None, None, query_mask.shape[-1]),
+                                                         lambda s, b, c: (b, s, 0)),
         ],
         out_specs=out_specs, out_shape=out_shape, interpret=interpret,
         name="msa_backward_prologue",
     )(key_end, live_rows_end, as_rows(dout), None if gate is None else as_rows(gate),
-      as_rows(attention), means, row_max, row_log2_sum)
+      as_rows(attention), means, row_max, row_log2_sum, query_mask)
     if dead_dv is not None:
         dead_dv = dead_dv.reshape(batch, rows, heads, head_dim)
-    if gate is None:
-        return dout, None, stats, dead_dv
-    return do.reshape(dout.shape), dgate.reshape(dout.shape), stats, dead_dv
+    do = dout if do is None else do.reshape(dout.shape)
+    return do, None if gate is None else dgate.reshape(dout.shape), stats, dead_dv

@@ -22,6 +22,14 @@ is padded the kernels cost a launch and the mask's B·S·N bytes; XLA passes
 in their place read every row (at the padded extra MSA on an H200, v's and
 `do`'s means over every row took 14.6 and 15.2 us; 2026-12-04), and a
 select filling the output rewrote every row of it.
+
+`zero_masked_queries` serves the op's `mask_queries` mode, where the key
+mask masks queries too and a masked query's output is exactly 0: the
+Mosaic forward leaves arbitrary values there (or, in rows of padding at the
+end of the alignment, nothing at all), and this kernel zeroes them in place
+after it. It reads only the mask and writes only the masked residues: a
+tile of residues all kept costs its mask read alone, nothing of the output
+is read, and a dead row is one whose every residue is zeroed.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from msa_pallas.block_sizes import next_power_of_2
 from msa_pallas.kernels.triton import common
@@ -40,13 +49,16 @@ from msa_pallas.kernels.triton import common
 # slice a program serves (128 bytes of a bf16 row); the launch.
 _TILE_ELEMENTS = 4096
 _MAX_COLUMNS = 64
+# `zero_masked_queries`' widest column slice: it only stores, and wider
+# stores are fewer (512 bytes of a bf16 row, all of C = 256).
+_MAX_ZERO_COLUMNS = 256
 _LAUNCH = collections.namedtuple("Launch", "num_warps num_stages")(num_warps=4, num_stages=2)
 
 
-def _column_slice(columns: int) -> int:
+def _column_slice(columns: int, max_columns: int = _MAX_COLUMNS) -> int:
     """The columns of a program's slice: the largest power of two that
-    divides C, at most `_MAX_COLUMNS` (no slice runs past C)."""
-    return min(_MAX_COLUMNS, columns & -columns)
+    divides C, at most `max_columns` (no slice runs past C)."""
+    return min(max_columns, columns & -columns)
 
 
 def _residues_per_tile(width: int, n_res: int) -> int:
@@ -179,3 +191,55 @@ def fill_dead_rows(out, v, gate, mask, *, n_res: int, interpret: bool):
         interpret=interpret, name="msa_fill_dead_rows", input_output_aliases={read: 0},
     )(mask, _as_rows(v), None if gate is None else _as_rows(gate), out_rows)
     return filled.reshape(out.shape), means
+
+
+def _zero_kernel(mask_ref, out_in_ref, out_ref, *, n_res: int, width: int):
+    del out_in_ref  # the same buffer as out_ref, never read
+    block = _residues_per_tile(width, n_res)
+
+    def zero_tile(tile, carry):
+        start = tile * block
+        # Residues past N read as kept: nothing is stored there.
+        masked = common.load_vector(mask_ref, (), start, block, n_res, other=1) == 0
+
+        # A tile that keeps every residue stores nothing: a live row costs its
+        # mask reads alone.
+        @pl.when(jnp.sum(masked, dtype=jnp.int32) > 0)  # int32 under x64 too
+        def _():
+            view = out_ref.at[pl.ds(start, block), common.full_columns(out_ref)]
+            plgpu.store(view, jnp.zeros((block, width), out_ref.dtype),
+                        mask=jnp.broadcast_to(masked[:, None], (block, width)))
+
+        return carry
+
+    common.tile_loop(0, pl.cdiv(n_res, block), zero_tile, jnp.int32(0))
+
+
+def zero_masked_queries(out, mask, *, n_res: int, interpret: bool):
+    """`out` with every residue whose mask is 0 set to 0 (all of its C
+    columns), in place; every other element is left as it was, bit for bit.
+    Only the mask is read; a row all masked (dead) is zeroed whole.
+
+    Args:
+      out: `[B, S, N, ...]`, any float dtype; C is the product of the axes
+        after N.
+      mask: `[B, S, N']` int8 (N' >= N; nonzero keeps a residue; residues
+        past N are ignored).
+      n_res: N.
+      interpret: run in Pallas interpret mode (CPU).
+
+    Returns:
+      `[B, S, N, ...]` like out (its buffer, aliased).
+    """
+    out_rows = _as_rows(out)
+    batch, rows, _, columns = out_rows.shape
+    width = _column_slice(columns, _MAX_ZERO_COLUMNS)
+    specs = _row_specs(mask.shape[-1], n_res, width)
+    kernel = functools.partial(_zero_kernel, n_res=n_res, width=width)
+    zeroed = common.pallas_call(
+        kernel, _LAUNCH, grid=(rows, batch, columns // width),
+        in_specs=[specs["mask"], specs["rows"]], out_specs=specs["rows"],
+        out_shape=jax.ShapeDtypeStruct(out_rows.shape, out.dtype),
+        interpret=interpret, name="msa_zero_masked_queries", input_output_aliases={1: 0},
+    )(mask, out_rows)
+    return zeroed.reshape(out.shape)

@@ -65,7 +65,8 @@ def padded_keep(kind: str, batch: int, rows: int, n_res: int, rng) -> np.ndarray
     kept keys, and batch element 1 (where B > 1) all padding.
 
     kind: "end" (the last quarter of the residues masked in every row; the
-    last row and row 1 dead), "middle" (keys 64-127, a whole 64-key tile,
+    last row and row 1 dead), "start" (the first 64 residues masked in
+    every row, row 2 dead), "middle" (keys 64-127, a whole 64-key tile,
     masked in every row; row 1 dead) or "rows" (each row keeps a range of
     its own: row 0 from key 70, row 1 keys 64-89, row 2 the first 30, row
     3 none, the others every key).
@@ -74,6 +75,9 @@ def padded_keep(kind: str, batch: int, rows: int, n_res: int, rng) -> np.ndarray
     if kind == "end":
         keep[:, :, n_res - n_res // 4:] = False
         keep[:, [1, rows - 1]] = False
+    elif kind == "start":
+        keep[:, :, :64] = False
+        keep[:, 2] = False
     elif kind == "middle":
         keep[:, :, 64:128] = False
         keep[:, 1] = False
@@ -99,12 +103,14 @@ def inputs_with_keep(seed, keep, heads, head_dim, dtype, bias_dtype, gate=False)
 
 
 def run_kernels(operands, scale, tiles: MosaicBackwardTiles, kernels, *, skip: bool,
-                interpret: bool = True) -> dict:
+                interpret: bool = True, mask_queries: bool = False) -> dict:
     """The gradients by name of `kernels` (names of KERNEL_OUTPUTS)."""
     grads = {}
     for kernel in kernels:
         function = getattr(mosaic_backward, f"backward_{kernel}")
         extra = {} if kernel == "dbias" else {"ping_pong": tiles.ping_pong}
+        if mask_queries:
+            extra["mask_queries"] = True
         outs = function(
             *operands, scale=scale, tiles=getattr(tiles, kernel), interpret=interpret,
             skip_masked=skip, **extra,
@@ -234,6 +240,70 @@ def test_persistent_kernel_equals_one_cta_per_item(kernel, tiles, seed):
         for name in KERNEL_OUTPUTS[kernel]:
             np.testing.assert_array_equal(helpers.to_f64(got[name]), helpers.to_f64(expected[name]),
                                           err_msg=f"{name} skip={skip}")
+
+
+# With the first 64 residues padded in every row: dq's items of query tile 0 run no
+# loop, and the bias gradient's first CTA (two consumers' query tiles) holds kept
+# residues in its second half alone.
+MASKED_QUERY_CASES = {
+    "start-pairs-N136": ("start", 2, 4, 136, 1, 32, jnp.bfloat16, jnp.float32, PAIRS),
+}
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["per-item", "persistent"])
+@pytest.mark.parametrize(
+    "case", ["end-pairs-N72", "rows-N101", "end-d8-paired-heads", *MASKED_QUERY_CASES]
+)
+def test_masked_queries_skip_only_zeros(case, persistent, seed):
+    """With the queries masked too (the op's `mask_queries`), `do` is 0 at a
+    masked residue and a dead row is all zeros: the kernels told so
+    (`mask_queries`) skip query tiles that hold no kept residue (dk/dv's
+    loops past the last, dq's items, the bias gradient's CTAs) and read no dead row's `do`
+    for its dv. What they skip adds exactly 0: bitwise the kernels that
+    skip masked keys alone, every element written (the interpreter's NaN),
+    and a dead row's dv 0. Per item and persistent (the dead row groups'
+    stores)."""
+    kind, batch, rows, n_res, heads, head_dim, dtype, bias_dtype, tiles = (
+        CASES | MASKED_QUERY_CASES)[case]
+    keep = padded_keep(kind, batch, rows, n_res, np.random.default_rng(seed))
+    inputs = inputs_with_keep(seed, keep, heads, head_dim, dtype, bias_dtype)
+    inputs = inputs._replace(dout=inputs.dout * jnp.asarray(keep, inputs.dout.dtype)[..., None, None])
+    operands, scale = helpers.mosaic_backward_operands(inputs)
+    tiles = dataclasses.replace(tiles, persistent=persistent)
+    backward_tiles = MosaicBackwardTiles(dkdv=tiles, dq=tiles, dbias=tiles, ping_pong=True)
+    masked = run_kernels(operands, scale, backward_tiles, KERNEL_OUTPUTS, skip=True,
+                         mask_queries=True)
+    keys_only = run_kernels(operands, scale, backward_tiles, KERNEL_OUTPUTS, skip=True)
+    dead = ~keep.any(axis=-1)
+    assert dead.any() and not dead.all()
+    for name, got in masked.items():
+        helpers.assert_finite(got, name)
+        np.testing.assert_array_equal(helpers.to_f64(got), helpers.to_f64(keys_only[name]),
+                                      err_msg=name)
+    assert not helpers.to_f64(masked["dv"])[dead].any()
+    assert not helpers.to_f64(masked["dq"])[~keep].any()
+
+
+def test_mask_queries_needs_skipping():
+    """The kernels mask queries only where they skip padding (without
+    dropout, and dk/dv without a dead_dv of its own): else a clear error."""
+    shape = (1, 4, 96, 2, 32)
+    q = jnp.zeros(shape, jnp.bfloat16)
+    bias = jnp.zeros((1, 2, 96, 96), jnp.float32)
+    stats = jnp.zeros((1, 4, 2, 3, 96), jnp.float32)
+    mask = jnp.ones((1, 4, 96), jnp.int8)
+    for kernel in KERNEL_OUTPUTS:
+        function = getattr(mosaic_backward, f"backward_{kernel}")
+        with pytest.raises(ValueError, match="mask_queries"):
+            jax.eval_shape(lambda: function(  # noqa: B023
+                q, q, q, bias, mask, q, stats, scale=0.2, tiles=PAIRS, interpret=True,
+                skip_masked=False, mask_queries=True,
+            ))
+    with pytest.raises(ValueError, match="mask_queries"):
+        jax.eval_shape(lambda: mosaic_backward.backward_dkdv(
+            q, q, q, bias, mask, q, stats, scale=0.2, tiles=PAIRS, interpret=True,
+            skip_masked=True, mask_queries=True, dead_dv=jnp.zeros((1, 4, 2, 32), jnp.float32),
+        ))
 
 
 class _Launched(Exception):
@@ -410,3 +480,27 @@ def test_gpu_op_on_a_padded_batch(gate, seed):
         result, helpers.numpy_results(inputs), helpers.tolerance(jnp.bfloat16),
         f"gpu mosaic padded gate={gate}",
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [*GPU_SHAPES, *MANY_DEAD_GROUPS])
+def test_gpu_masked_queries_skip_only_zeros(shape, seed):
+    """`test_masked_queries_skip_only_zeros` compiled, with the tiles the
+    dispatch takes skipping padding (persistent dq and dk/dv) on the padded
+    mask: told to mask queries, the kernels equal bitwise those that skip
+    masked keys alone on the same `do` (0 at masked residues)."""
+    dims = {**GPU_SHAPES, **MANY_DEAD_GROUPS}[shape]
+    keep = benchmark_padded_keep(dims)
+    inputs = inputs_with_keep(seed, keep, *dims[3:], jnp.bfloat16, jnp.float32)
+    inputs = inputs._replace(dout=inputs.dout * jnp.asarray(keep, inputs.dout.dtype)[..., None, None])
+    operands, scale = gpu_residuals(inputs)
+    tiles = mosaic_backward.default_tiles(inputs.q.shape, jnp.bfloat16, jnp.float32,
+                                          persistent=True)
+    masked = run_kernels(operands, scale, tiles, KERNEL_OUTPUTS, skip=True, interpret=False,
+                         mask_queries=True)
+    keys_only = run_kernels(operands, scale, tiles, KERNEL_OUTPUTS, skip=True, interpret=False)
+    for name, got in masked.items():
+        helpers.assert_finite(got, name)
+        np.testing.assert_array_equal(helpers.to_f64(got), helpers.to_f64(keys_only[name]),
+                                      err_msg=name)
+    assert not helpers.to_f64(masked["dq"])[~keep].any()

@@ -12,6 +12,11 @@ each batch element's last live row, the dead rows of the groups after it
 (which no backward kernel reads) get no `do` or statistics: every other
 element is still checked, among them dead rows that share a group with a
 live one.
+
+Masking queries (`query_mask`, the rows' key mask): every masked residue's
+dout, gate and attention hold NaN (a dead row's all of them), proving them
+read as 0 or not at all; where no gradient flows (masked residues, dead
+rows) do, dgate and delta must be exactly 0.
 """
 
 from __future__ import annotations
@@ -39,17 +44,26 @@ CASES = {
 }
 
 
-def random_case(case, seed, *, gate_dtype=jnp.bfloat16, plane_padding=0):
+def case_keep(case, seed, middle=None):
+    """`[B, S, N]` bool: the case's key mask (`helpers.padded_mask`), keys
+    `middle` also masked in the odd rows."""
+    shape, dead_rows, dead_batch = CASES[case]
+    batch, rows, n_res = shape[:3]
+    return helpers.padded_mask(batch, rows, n_res, seed, middle=middle, dead=dead_rows,
+                               dead_batch=dead_batch)
+
+
+def random_case(case, seed, *, gate_dtype=jnp.bfloat16, plane_padding=0, middle=None):
     """The prologue's arguments `(dout, gate, attention, means, row_max,
     row_log2_sum, key_end)` and the dead rows `[B, S]`. Dead rows' residuals
     and live rows' means are NaN; the row planes are `plane_padding` wider
-    than N (NaN there)."""
-    shape, dead_rows, dead_batch = CASES[case]
+    than N (NaN there); the key mask is `case_keep(case, seed, middle)`."""
+    shape = CASES[case][0]
     batch, rows, n_res, heads, head_dim = shape
     rng = np.random.default_rng(seed)
     dout = jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
     gate = jnp.asarray(rng.standard_normal(shape), gate_dtype)
-    keep = helpers.padded_mask(batch, rows, n_res, seed, dead=dead_rows, dead_batch=dead_batch)
+    keep = case_keep(case, seed, middle)
     dead = ~keep.any(axis=-1)
     attention = rng.standard_normal(shape).astype(np.float32)
     attention[dead] = np.nan
@@ -245,6 +259,149 @@ def test_rejects_what_it_does_not_take(seed):
                                             do_dtype=jnp.bfloat16, interpret=True)
 
 
+def masked_case(case, seed, *, mask_padding=5, plane_padding=0):
+    """Masking queries: the prologue's arguments `(dout, gate, attention,
+    None, row_max, row_log2_sum, key_end)`, the query mask `[B, S, N +
+    mask_padding]` int8 (1 past N: ignored), the keep `[B, S, N]` (keys
+    masked in the middle of the odd rows too) and the dead rows `[B, S]`.
+    Every masked residue's dout, gate and attention are NaN."""
+    middle = (3, 9)
+    args, dead = random_case(case, seed, middle=middle, plane_padding=plane_padding)
+    keep = case_keep(case, seed, middle)
+    dout, gate, attention, _, row_max, row_log2_sum, key_end = args
+    masked = ~keep[..., None, None]
+    dout, gate, attention = (jnp.where(masked, jnp.nan, x).astype(x.dtype)
+                             for x in (dout, gate, attention))
+    batch, rows, n_res = keep.shape
+    query_mask = np.ones((batch, rows, n_res + mask_padding), np.int8)
+    query_mask[..., :n_res] = keep
+    args = (dout, gate, attention, None, row_max, row_log2_sum, key_end)
+    return args, jnp.asarray(query_mask), keep, dead
+
+
+def expected_masked(args, keep, do_rounded):
+    """float64 NumPy, masking queries: `(do, dgate, stats)`, dout, gate and
+    o taken as 0 at masked residues (whatever they hold: NaN here), delta
+    from `do_rounded` (the kernel's do, checked against `do`) at kept ones."""
+    dout, gate, attention, _, row_max, row_log2_sum, _ = args
+    n_res = dout.shape[2]
+    kept = keep[..., None, None]
+    dout = np.where(kept, helpers.to_f64(dout), 0.0)
+    ungated = np.where(kept, helpers.to_f64(attention), 0.0)
+    if gate is None:
+        do, dgate = dout, None
+    else:
+        sigmoid = 1 / (1 + np.exp(-np.where(kept, helpers.to_f64(gate), 0.0)))
+        do = dout * sigmoid
+        dgate = dout * ungated * sigmoid * (1 - sigmoid)
+    do_rounded = np.where(kept, helpers.to_f64(do_rounded), 0.0)
+    delta = np.swapaxes((do_rounded * ungated).sum(axis=-1), 2, 3)
+    dead_planes = ~keep.any(axis=-1)[:, :, None, None]
+    stats = np.stack([
+        np.where(dead_planes, MASKED_LOGIT_LOG2, np.asarray(row_max)[..., :n_res]),
+        np.where(dead_planes, math.log2(n_res), np.asarray(row_log2_sum)[..., :n_res]),
+        np.where(dead_planes, 0.0, delta),
+    ], axis=3)
+    return do, dgate, stats
+
+
+def check_masked(args, query_mask, keep, dead, *, interpret: bool, do_dtype=jnp.bfloat16,
+                 rows_per_group=None):
+    """The prologue's results masking queries against float64; with
+    `rows_per_group`, told each batch element's last live row. Interpreted,
+    the rows no kernel reads must be left unwritten (NaN: interpret mode's
+    fresh buffers)."""
+    told = {}
+    written = np.ones(dead.shape, bool)
+    if rows_per_group is not None:
+        told = {"live_rows_end": live_rows_end(dead), "rows_per_group": rows_per_group}
+        group_start = np.arange(dead.shape[1]) // rows_per_group * rows_per_group
+        written = ~dead | (group_start[None, :] < np.asarray(told["live_rows_end"])[:, None])
+    do_made, dgate, stats, dead_dv = backward_prologue.backward_prologue(
+        *args, do_dtype=do_dtype, interpret=interpret, query_mask=query_mask, **told
+    )
+    dout, gate = args[:2]
+    batch, rows, n_res, heads, head_dim = dout.shape
+    # Every dead row's dv is 0: none is made. `do` is written even without a gate.
+    assert dead_dv is None
+    assert do_made is not dout
+    assert do_made.shape == dout.shape and do_made.dtype == jnp.dtype(do_dtype)
+    assert stats.shape == (batch, rows, heads, 3, n_res) and stats.dtype == jnp.float32
+    want_do, want_dgate, want_stats = expected_masked(args, keep, do_made)
+    do, stats = helpers.to_f64(do_made), np.asarray(stats)
+    # No gradient flows from a masked query: exactly 0 (dead rows' too,
+    # where written), whatever its inputs held.
+    masked = ~keep & written[:, :, None]
+    assert (do[masked] == 0).all()
+    assert (np.swapaxes(stats[:, :, :, 2], 2, 3)[masked] == 0).all()
+    tolerance = 2 ** -7
+    np.testing.assert_allclose(do[written], want_do[written], rtol=tolerance, atol=1e-6)
+    if gate is None:
+        assert dgate is None
+    else:
+        assert dgate.shape == gate.shape and dgate.dtype == gate.dtype
+        dgate = helpers.to_f64(dgate)
+        assert (dgate[~keep] == 0).all()
+        np.testing.assert_allclose(dgate, want_dgate, rtol=tolerance, atol=1e-6)
+    assert np.isfinite(stats[written]).all()
+    np.testing.assert_array_equal(stats[written][:, :, :2],
+                                  want_stats[written][:, :, :2].astype(np.float32))
+    np.testing.assert_allclose(stats[written][:, :, 2], want_stats[written][:, :, 2],
+                               rtol=1e-5, atol=1e-5)
+    if interpret:
+        assert np.isnan(do[~written]).all() and np.isnan(stats[~written]).all()
+
+
+# (case, gated, rows per group or None: every dead row read).
+MASKED_CASES = [
+    ("N37-H3-d8-middle-and-end", True, None),
+    ("N37-H3-d8-middle-and-end", False, 1),
+    ("N64-H8-d8-dead-batch", True, 2),
+    ("N64-H8-d8-dead-batch", False, None),
+    ("N100-H8-d32", True, 1),
+    ("N40-H2-d128-no-dead-row", False, None),
+]
+
+
+def masked_id(case, gated, rows_per_group):
+    told = "all-read" if rows_per_group is None else f"groups-of-{rows_per_group}"
+    return f"{case}-{'gated' if gated else 'no-gate'}-{told}"
+
+
+@pytest.mark.parametrize("case,gated,rows_per_group", MASKED_CASES,
+                         ids=[masked_id(*c) for c in MASKED_CASES])
+def test_query_mask_against_float64(case, gated, rows_per_group, seed):
+    args, query_mask, keep, dead = masked_case(case, seed)
+    if not gated:
+        args = (args[0], None, *args[2:])
+    check_masked(args, query_mask, keep, dead, interpret=True, rows_per_group=rows_per_group)
+
+
+def test_query_mask_float32_gate_float16_do_and_wide_planes(seed):
+    args, query_mask, keep, dead = masked_case("N37-H3-d8-middle-and-end", seed,
+                                               mask_padding=0, plane_padding=11)
+    args = (args[0], args[1].astype(jnp.float32), *args[2:])
+    check_masked(args, query_mask, keep, dead, interpret=True, do_dtype=jnp.float16)
+
+
+def test_query_mask_rejects_what_it_does_not_take(seed):
+    args, query_mask, _, _ = masked_case("N37-H3-d8-middle-and-end", seed)
+    means = jnp.zeros(args[0].shape[:2] + args[0].shape[3:], jnp.float32)
+
+    def prologue(*arguments, mask=query_mask):
+        return backward_prologue.backward_prologue(*arguments, do_dtype=jnp.bfloat16,
+                                                   interpret=True, query_mask=mask)
+
+    with pytest.raises(ValueError, match="query_mask: dead rows are told by key_end alone"):
+        prologue(*args[:3], means, *args[4:])
+    with pytest.raises(ValueError, match="query_mask: dead rows are told by key_end alone"):
+        prologue(*args[:6], None)
+    for bad in (query_mask[..., :36], query_mask[:1], query_mask.astype(jnp.int32),
+                query_mask[..., None]):
+        with pytest.raises(ValueError, match=r"query_mask .*int8"):
+            prologue(*args, mask=bad)
+
+
 @pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])
 def test_lowers_for_the_gpu(x64):
     """The kernel lowers to Triton for an H200 on this machine, with and
@@ -279,6 +436,32 @@ def test_lowers_for_the_gpu(x64):
     assert text.count(exporting.TRITON_CUSTOM_CALL) == 4, text[:2000]
 
 
+def test_query_mask_lowers_for_the_gpu():
+    """Masking queries, the kernel lowers to Triton, gated and not, the
+    unread rows told and not."""
+    shape = (1, 4, 200, 8, 8)
+    rows = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    attention = jax.ShapeDtypeStruct(shape, jnp.float32)
+    plane = jax.ShapeDtypeStruct((1, 4, 8, 256), jnp.float32)
+    key_end = jax.ShapeDtypeStruct((1, 4), jnp.int32)
+    live_end = jax.ShapeDtypeStruct((1,), jnp.int32)
+    query_mask = jax.ShapeDtypeStruct((1, 4, 256), jnp.int8)
+
+    def kernels(dout, gate, attention, row_max, row_log2_sum, key_end, live_end, query_mask):
+        gated = backward_prologue.backward_prologue(
+            dout, gate, attention, None, row_max, row_log2_sum, key_end,
+            do_dtype=jnp.bfloat16, interpret=False, live_rows_end=live_end, rows_per_group=2,
+            query_mask=query_mask)
+        ungated = backward_prologue.backward_prologue(
+            dout, None, attention, None, row_max, row_log2_sum, key_end,
+            do_dtype=jnp.bfloat16, interpret=False, query_mask=query_mask)
+        return gated[:3], (ungated[0], ungated[2])
+
+    text = mosaic_lowering.lowered_for_cuda(
+        kernels, rows, rows, attention, plane, plane, key_end, live_end, query_mask)
+    assert text.count(exporting.TRITON_CUSTOM_CALL) == 2, text[:2000]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(CASES))
 def test_gpu_prologue_against_float64(case, seed):
@@ -291,3 +474,13 @@ def test_gpu_prologue_against_float64(case, seed):
 def test_gpu_dead_rows_no_kernel_reads_get_no_do_or_statistics(case, rows_per_group, seed):
     args, dead = random_case(case, seed, plane_padding=3)
     check(args, dead, interpret=False, rows_per_group=rows_per_group)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,gated,rows_per_group", MASKED_CASES[:3],
+                         ids=[masked_id(*c) for c in MASKED_CASES[:3]])
+def test_gpu_query_mask_against_float64(case, gated, rows_per_group, seed):
+    args, query_mask, keep, dead = masked_case(case, seed, plane_padding=3)
+    if not gated:
+        args = (args[0], None, *args[2:])
+    check_masked(args, query_mask, keep, dead, interpret=False, rows_per_group=rows_per_group)

@@ -9,6 +9,12 @@ NaN, and every live row must come back NaN, bit for bit the buffer it was
 number of tiles, C = H·d no power of two, a mask wider than N whose keys
 past N are kept (ignored), dead rows in the middle and at the end, a batch
 element all padding, and no dead row at all.
+
+`zero_masked_queries` starts from random outputs, NaN at the masked
+residues (nothing of the output may be read): masked residues must come
+back +0, every other element bit for bit what it was. Masks pad residues at
+the end and in the middle, differently in each row, keep with any nonzero
+value, and carry junk (zeros included) past N, to be ignored.
 """
 
 from __future__ import annotations
@@ -130,3 +136,78 @@ def test_gpu_dead_row_kernels(case, seed):
     v, gate, do, mask, dead = random_case(case, seed)
     check_means(do, mask, dead, interpret=False)
     check_fill(v, gate, mask, dead, interpret=False)
+
+
+# (B, S, N, H, d, the rows made dead, the batch elements made all padding, the
+# residues masked in the odd rows (or None), whether any residue is masked)
+ZERO_CASES = {
+    "N37-C24-middle-and-end": ((2, 5, 37, 3, 8), (1, 4), (), (10, 15), True),
+    "N100-C256-dead-batch": ((2, 3, 100, 8, 32), (0,), (1,), (40, 52), True),
+    "N64-C256-2x128-first": ((1, 4, 64, 2, 128), (), (), (0, 9), True),
+    "N100-C24-none-masked": ((1, 3, 100, 3, 8), (), (), None, False),
+}
+
+
+def zero_case(case, seed, dtype):
+    """(out, the keep mask `[B, S, N]` bool, the mask handed to the kernel):
+    out random in `dtype`, NaN at the masked residues; the kernel's mask
+    int8, keeping with random nonzero values, 5 keys wider than N, those
+    random (zeros included: ignored)."""
+    shape, dead, dead_batch, middle, masks_any = ZERO_CASES[case]
+    batch, rows, n_res = shape[:3]
+    rng = np.random.default_rng(seed)
+    if masks_any:
+        keep = helpers.padded_mask(batch, rows, n_res, seed, middle=middle, dead=dead,
+                                   dead_batch=dead_batch)
+    else:
+        keep = np.ones((batch, rows, n_res), bool)
+    values = rng.choice(np.array([1, 2, -1, 127, -128], np.int8), keep.shape)
+    junk = rng.integers(-128, 128, (batch, rows, 5)).astype(np.int8)
+    mask = np.concatenate([np.where(keep, values, 0).astype(np.int8), junk], axis=-1)
+    x = rng.standard_normal(shape)
+    x[~keep] = np.nan
+    return jnp.asarray(x, dtype), keep, jnp.asarray(mask)
+
+
+def bits(x) -> np.ndarray:
+    x = np.asarray(x)
+    return x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
+
+
+def check_zero(out, keep, mask, *, interpret: bool):
+    before = bits(out)  # read first: the kernel writes into a buffer aliased to out
+    zeroed = dead_rows.zero_masked_queries(out, mask, n_res=out.shape[2], interpret=interpret)
+    assert zeroed.shape == before.shape and zeroed.dtype == out.dtype
+    after = bits(zeroed)
+    assert not after[~keep].any(), "a masked residue is not +0"
+    np.testing.assert_array_equal(after[keep], before[keep], "a kept residue was written")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("case", list(ZERO_CASES))
+def test_zero_masked_queries(case, dtype, seed):
+    check_zero(*zero_case(case, seed, dtype), interpret=True)
+
+
+@pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])
+def test_zero_masked_queries_lowers_for_the_gpu_in_place(x64):
+    """The zeroing lowers to Triton for an H200 on this machine, with and
+    without `jax_enable_x64`, its result aliased to the output it takes."""
+    out = jax.ShapeDtypeStruct((1, 4, 200, 2, 128), jnp.bfloat16)
+    mask = jax.ShapeDtypeStruct((1, 4, 208), jnp.int8)
+
+    def kernel(out, mask):
+        return dead_rows.zero_masked_queries(out, mask, n_res=200, interpret=False)
+
+    with jax.enable_x64(x64):
+        text = mosaic_lowering.lowered_for_cuda(kernel, out, mask)
+    assert text.count(exporting.TRITON_CUSTOM_CALL) == 1, text[:2000]
+    call = next(line for line in text.splitlines() if "msa_zero_masked_queries" in line)
+    assert call.count("output_operand_alias<") == 1 and "operand_index = 1" in call, call[-800:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("case", list(ZERO_CASES))
+def test_gpu_zero_masked_queries(case, dtype, seed):
+    check_zero(*zero_case(case, seed, dtype), interpret=False)

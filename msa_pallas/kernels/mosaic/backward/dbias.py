@@ -51,6 +51,7 @@ def _dbias_kernel(
     gmem, smem, produced, consumed, *, scale: float, tiles: MosaicTiles, consumers: int,
     chunks: int, rows_per_chunk: int, batch_heads: int, heads: int, heads_per_tile: int,
     n_res: int, interpret: bool, row_views: tuple[str, ...] = (), dropout=None,
+    mask_queries: bool = False,
 ):
     """`heads`, `heads_per_tile` and `row_views` as in `dkdv._dkdv_kernel`: with
     two heads per tile the CTA sums one head's gradient over the chunk's
@@ -61,7 +62,10 @@ def _dbias_kernel(
     keys; the rows left out add exactly 0. `dropout`
     (`dropout_words.Dropout`): gmem holds "query_words" and "key_words"
     (`dropout_words.word_operands`); each step's row and head has its own
-    words, which the producer copies into the step's slot."""
+    words, which the producer copies into the step's slot. `mask_queries`
+    (with the spans): the mask masks queries too (`do` is 0 at a masked
+    residue), and a CTA whose query tile holds no residue any row keeps
+    visits no row either."""
     smem_tma, smem = split_row_views(smem, row_views)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair = heads_per_tile
@@ -82,7 +86,8 @@ def _dbias_kernel(
         # among the chunks: padding rows at the end of the alignment would
         # otherwise leave the chunks that hold them idle while the others do
         # every live row.
-        first, end = spans.rows_of_key_tile(batch, key_tile, block_k)
+        queries = (cta_queries, block_q * consumers) if mask_queries else None
+        first, end = spans.rows_of_key_tile(batch, key_tile, block_k, queries)
         live_rows = end - first
         first_row = first + lax.div(live_rows * chunk, chunks)
         visited_rows = first + lax.div(live_rows * (chunk + 1), chunks) - first_row
@@ -212,11 +217,13 @@ def _dbias_kernel(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "tiles", "interpret", "skip_masked", "dropout_rate")
+    jax.jit,
+    static_argnames=("scale", "tiles", "interpret", "skip_masked", "dropout_rate", "mask_queries"),
 )
 def backward_dbias(
     q, k, v, bias, mask, do, stats, dropout_seeds=None, *, scale: float, tiles: MosaicTiles,
     interpret: bool, skip_masked: bool = False, dropout_rate: float = 0.0,
+    mask_queries: bool = False,
 ):
     """dbias `[B, H, N, N]` float32, summed over the S MSA rows (arguments as
     in `kernels.mosaic.backward`'s docstring; q, k, v and do may also be float32).
@@ -242,6 +249,11 @@ def backward_dbias(
     `dropout_seeds`, `dropout_rate`: attention dropout, as in
     `backward_dkdv`; skipping, dead rows are left out with dropout too
     (their part is 0 whatever is dropped).
+
+    `mask_queries`: skipping, the mask masks queries too (the op's
+    `mask_queries`: `do` is 0 at a masked residue): a CTA whose query tile
+    holds no residue that a row of its batch element keeps visits no row,
+    and its gradient tile is 0.
     """
     check_kernel_inputs(q, bias, float32=True, paired_heads=q.dtype != jnp.float32)
     batch, rows, n_res, heads, _ = q.shape
@@ -262,7 +274,10 @@ def backward_dbias(
         # The CTA's query tile is its consumers' tiles side by side.
         length = word_length(n_res, tiles.block_q * consumers, tiles.block_k)
         inputs |= word_operands(dropout_seeds, length)
-    if mask is not None and skip_masked:
+    skips = mask is not None and skip_masked
+    if mask_queries and not skips:
+        raise ValueError("mask_queries: only where padding is skipped (a mask, skip_masked)")
+    if skips:
         inputs |= key_tiles.span_operands(mask, n_res)
     # Rows of whole 8-row tiles and columns of a whole TMA stride, sliced
     # back to N below.
@@ -275,7 +290,7 @@ def backward_dbias(
         _dbias_kernel, scale=scale, tiles=tiles, consumers=consumers,
         chunks=chunks, rows_per_chunk=rows // chunks, batch_heads=batch * heads // pair,
         heads=heads // pair, heads_per_tile=pair, n_res=n_res, interpret=interpret,
-        row_views=row_view_names(kernel_plan.smem), dropout=dropout,
+        row_views=row_view_names(kernel_plan.smem), dropout=dropout, mask_queries=mask_queries,
     )
     (partial_sums,) = launch(
         body, kernel_plan, inputs=inputs, out_types=out_types, interpret=interpret

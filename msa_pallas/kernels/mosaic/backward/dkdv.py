@@ -52,6 +52,7 @@ def _dkdv_kernel(
     gmem, smem, produced, consumed, schedule, *, scale: float, n_res: int, tiles: MosaicTiles,
     msa_rows: int, heads: int, heads_per_tile: int, dtype, ping_pong: bool, interpret: bool,
     row_views: tuple[str, ...] = (), tile_bounds=None, dropout=None, work_items=None,
+    mask_queries: bool = False,
 ):
     """`heads`: the heads of q, k and v as the kernel sees them, each
     `heads_per_tile` heads of the bias and statistics (2 for d = 8).
@@ -68,7 +69,10 @@ def _dkdv_kernel(
     With `tiles.persistent`, `work_items` = (B * H', key tiles, row groups),
     which the CTAs share out (`work_items.BackwardItems`): skipping
     padding, the row groups after the last that keeps a key take no loop,
-    only their dk = 0 and dv = the mean of their `do` ("dead_dv")."""
+    only their dk = 0 and dv = the mean of their `do` ("dead_dv").
+    `mask_queries` (with the spans, no "dead_dv"): the mask masks queries
+    too, so `do` is 0 at a masked residue: an item's loop ends with the
+    query tile of its rows' last kept residue, and a dead row's dv is 0."""
     smem_tma, smem = split_row_views(smem, row_views)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair = heads_per_tile
@@ -109,6 +113,13 @@ def _dkdv_kernel(
         if spans is not None:
             first, end = spans.key_tiles(batch, row_group, block_k)
             visited = (first <= key_tile) & (key_tile < end)
+            if mask_queries:
+                # The queries' span is the keys' (the same residues), in query
+                # tiles; the loop from tile 0 all the same (padding is at the
+                # end, and a bound known when tracing keeps the ring's slots
+                # cheap to compute).
+                _, end_query = spans.key_tiles(batch, row_group, block_q)
+                return jnp.int32(0), jnp.where(visited, end_query, 0)
             # An int32 lower bound, not a Python 0: the producer's first
             # steps' query tiles then stay unknown at trace time, where a
             # tile past N would fail the slice's bounds check.
@@ -259,8 +270,28 @@ def _dkdv_kernel(
     def dead_groups(items):
         """A dead row group's dk is 0 and each key's dv its row's mean of do:
         per group one load of that mean, then the same two tiles stored for
-        every key tile (the last item's stores have read the tiles)."""
+        every key tile (the last item's stores have read the tiles). Where
+        the mask masks queries too, its dv is 0 as well: one tile of zeros,
+        stored as both."""
         store_row_tile(row_tile_at(smem[dk_name], wg), zeros((block_k, tile_dim)).astype(dtype))
+        if "dead_dv" not in gmem:
+            plgpu.commit_smem()
+
+            @items.for_each_dead_group
+            def _(batch, head, row_group):
+                row = row_group * msa_rows + wg
+
+                def store(key_tile):
+                    keys = pl.ds(key_tile * block_k, block_k)
+                    for name in ("dk", "dv"):
+                        copy_row_tile_to_gmem(
+                            row_tile_at(smem_tma[dk_name], wg), gmem[name].at[batch, row, keys, head]
+                        )
+
+                store_every_tile(pl.cdiv(n_res, block_k), store)
+
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            return
 
         @items.for_each_dead_group
         def _(batch, head, row_group):
@@ -286,7 +317,7 @@ def _dkdv_kernel(
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     # Dead row groups only where a persistent kernel skips padding (without
-    # dropout, so with "dead_dv"), as in dq.
+    # dropout, so with "dead_dv" or with the queries masked), as in dq.
     serve_items(
         consume_item, produce_item, query_tiles_of, consumers=msa_rows, heads=heads,
         persistent=tiles.persistent, tile_axis="key_tiles", work_items=work_items,
@@ -300,12 +331,13 @@ def _dkdv_kernel(
     jax.jit,
     static_argnames=(
         "scale", "tiles", "interpret", "ping_pong", "tile_bounds", "skip_masked", "dropout_rate",
+        "mask_queries",
     ),
 )
 def backward_dkdv(
     q, k, v, bias, mask, do, stats, dropout_seeds=None, *, scale: float, tiles: MosaicTiles,
     interpret: bool, ping_pong: bool = True, tile_bounds=None, skip_masked: bool = False,
-    dropout_rate: float = 0.0, dead_dv=None,
+    dropout_rate: float = 0.0, dead_dv=None, mask_queries: bool = False,
 ):
     """dk, dv `[B, S, N, H, d]` in q's dtype (arguments as in
     `kernels.mosaic.backward`'s docstring; float32 q, k, v and do as in
@@ -347,6 +379,10 @@ def backward_dkdv(
         float32, each dead row's mean of `do` over the residues and 0 for
         the other rows, where the caller has it (`triton.backward_prologue`);
         None: computed here (`triton.dead_rows.dead_row_means`).
+      mask_queries: skipping without dropout, the mask masks queries too
+        (the op's `mask_queries`: `do` is 0 at a masked residue, a dead
+        row's everywhere): each loop ends with the query tile of its rows'
+        last kept residue, and a dead row's dv is 0 (no `dead_dv`).
     """
     check_kernel_inputs(q, bias, float32=True, paired_heads=q.dtype != jnp.float32)
     batch, rows, n_res, heads = q.shape[:4]
@@ -359,7 +395,10 @@ def backward_dkdv(
     # With dropout a dead row's dv has no shortcut (its uniform weights are
     # dropped too): its query loops run, as a row keeping every key's would.
     skips_dead_rows = skips and dropout is None
-    if not skips_dead_rows:
+    if mask_queries and (not skips_dead_rows or dead_dv is not None):
+        raise ValueError("mask_queries: only where dead rows are skipped (a mask, skip_masked, "
+                         "no dropout), without dead_dv (a dead row's dv is 0)")
+    if not skips_dead_rows or mask_queries:
         dead_dv = None
     elif dead_dv is None:
         # `do` as the kernels multiply it, in q's dtype, read in dead rows alone.
@@ -376,20 +415,21 @@ def backward_dkdv(
         inputs |= word_operands(dropout_seeds, word_length(n_res, tiles.block_q, tiles.block_k))
     if skips:
         inputs |= key_tiles.span_operands(mask, n_res)
-        if skips_dead_rows:
+        if dead_dv is not None:
             inputs["dead_dv"] = dead_dv
     out_types = {"dk": jax.ShapeDtypeStruct(k.shape[pieces > 1:], q.dtype),
                  "dv": jax.ShapeDtypeStruct(k.shape[pieces > 1:], q.dtype)}
     kernel_plan = dkdv_plan(
         q.shape, q.dtype, bias.dtype, tiles,
         mask_dtype=None if mask is None else mask.dtype, interpret=interpret,
-        dead_rows=skips_dead_rows, dropout=dropout is not None,
+        dead_rows=dead_dv is not None, dropout=dropout is not None,
     )
     body = functools.partial(
         _dkdv_kernel, scale=scale, n_res=n_res, tiles=tiles,
         msa_rows=msa_rows, heads=heads // pair, heads_per_tile=pair, dtype=q.dtype,
         ping_pong=ping_pong, interpret=interpret, row_views=row_view_names(kernel_plan.smem),
         tile_bounds=tile_bounds, dropout=dropout, work_items=kernel_plan.work_items,
+        mask_queries=mask_queries,
     )
     dk, dv = launch(body, kernel_plan, inputs=inputs, out_types=out_types, interpret=interpret)
     return dk.reshape(q.shape), dv.reshape(q.shape)

@@ -100,6 +100,7 @@ def _dq_kernel(
     gmem, smem, produced, consumed, schedule, *, scale: float, n_res: int, tiles: MosaicTiles,
     msa_rows: int, heads: int, heads_per_tile: int, dtype, ping_pong: bool, interpret: bool,
     row_views: tuple[str, ...] = (), tile_bounds=None, dropout=None, work_items=None,
+    mask_queries: bool = False,
 ):
     """`heads`, `heads_per_tile`, `row_views` and `dropout` as in
     `dkdv._dkdv_kernel` (here the queries' words are the consumer's for
@@ -108,7 +109,9 @@ def _dq_kernel(
     `work_items` = (B * H', query tiles, row groups), which the CTAs share
     out (`work_items.BackwardItems`): skipping padding, the row groups
     after the last that keeps a key (`key_tiles.SpanReader`) take no loop,
-    only their dq = 0."""
+    only their dq = 0. `mask_queries` (with the spans): an item whose query
+    tile holds no residue its rows keep takes no loop either (its queries'
+    `do` is 0)."""
     smem_tma, smem = split_row_views(smem, row_views)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair = heads_per_tile
@@ -131,7 +134,10 @@ def _dq_kernel(
         if tile_bounds is not None:
             return tile_bounds((batch, head, row_group, query_tile * block_q), key_tile_count)
         if spans is not None:
-            return spans.key_tiles(batch, row_group, block_k)
+            lb, ub = spans.key_tiles(batch, row_group, block_k)
+            if mask_queries:
+                ub = jnp.where(spans.holds_queries(batch, row_group, query_tile, block_q), ub, lb)
+            return lb, ub
         return 0, key_tile_count
 
     def load_queries(batch, head, row_group, query_tile):
@@ -269,12 +275,13 @@ def _dq_kernel(
     jax.jit,
     static_argnames=(
         "scale", "tiles", "interpret", "ping_pong", "tile_bounds", "skip_masked", "dropout_rate",
+        "mask_queries",
     ),
 )
 def backward_dq(
     q, k, v, bias, mask, do, stats, dropout_seeds=None, *, scale: float, tiles: MosaicTiles,
     interpret: bool, ping_pong: bool = True, tile_bounds=None, skip_masked: bool = False,
-    dropout_rate: float = 0.0,
+    dropout_rate: float = 0.0, mask_queries: bool = False,
 ):
     """dq `[B, S, N, H, d]` in q's dtype (arguments as in
     `kernels.mosaic.backward`'s docstring; float32 q, k, v and do as in
@@ -301,6 +308,9 @@ def backward_dq(
         default; the op skips inside `skipping_padding`). Dead rows are
         skipped with dropout too: their dq is 0 whatever is dropped.
       dropout_seeds, dropout_rate: attention dropout, as in `backward_dkdv`.
+      mask_queries: skipping, the mask masks queries too (the op's
+        `mask_queries`: `do` is 0 at a masked residue): an item whose query
+        tile holds no residue its rows keep runs no loop, and its dq is 0.
     """
     check_kernel_inputs(q, bias, float32=True, paired_heads=q.dtype != jnp.float32)
     rows, n_res, heads = q.shape[1], q.shape[2], q.shape[3]
@@ -315,7 +325,10 @@ def backward_dq(
         inputs |= word_operands(dropout_seeds, word_length(n_res, tiles.block_q, tiles.block_k))
     if tiles.persistent and dropout is not None:
         raise ValueError("the persistent dq kernel (tiles.persistent) takes no dropout")
-    if mask is not None and skip_masked and tile_bounds is None:
+    skips = mask is not None and skip_masked and tile_bounds is None
+    if mask_queries and not skips:
+        raise ValueError("mask_queries: only where padding is skipped (a mask, skip_masked)")
+    if skips:
         inputs |= key_tiles.span_operands(mask, n_res)
     out_types = {"dq": jax.ShapeDtypeStruct(k.shape[pieces > 1:], q.dtype)}
     kernel_plan = dq_plan(
@@ -328,6 +341,7 @@ def backward_dq(
         msa_rows=msa_rows, heads=heads // pair, heads_per_tile=pair, dtype=q.dtype,
         ping_pong=ping_pong, interpret=interpret, row_views=row_view_names(kernel_plan.smem),
         tile_bounds=tile_bounds, dropout=dropout, work_items=kernel_plan.work_items,
+        mask_queries=mask_queries,
     )
     (dq,) = launch(body, kernel_plan, inputs=inputs, out_types=out_types, interpret=interpret)
     return dq.reshape(q.shape)
