@@ -5,7 +5,8 @@ its variants: the Triton or the Mosaic kernels forced, msa_pallas_skip, traced i
 `msa_pallas.skipping_padding()` (where the dispatch picks the persistent Mosaic dq and
 dk/dv kernels), msa_pallas_persistent, those kernels without skipping,
 msa_pallas_skip_k64, skipping with 64-key forward and dk/dv tiles,
-msa_pallas_skip_k64_dbias, the bias gradient's 64-key too, msa_pallas_lean, every
+msa_pallas_skip_k64_dbias, the bias gradient's 64-key too, msa_pallas_skip_mask_queries,
+skipping with the op's `mask_queries` (masked residues' outputs 0), msa_pallas_lean, every
 Mosaic kernel with `LEAN_OPTIONS` (a select per logit fewer), msa_pallas_skip_lean, both,
 msa_pallas_mask_with_select and msa_pallas_skip_mask_with_select, the backward
 kernels with the select that `MosaicTiles.mask_without_select` takes out,
@@ -175,9 +176,12 @@ def kernel_options_config(config, plan, options: dict):
 
 def _msa_pallas_builder(implementation: str | None, skip_padding: bool = False,
                         persistent_backward: bool = False, narrow_key_tiles: tuple = (),
-                        kernel_options: dict | None = None) -> Callable[[Case], Callables]:
+                        kernel_options: dict | None = None,
+                        mask_queries: bool = False) -> Callable[[Case], Callables]:
     """`narrow_key_tiles`: the Mosaic kernels whose tiles `narrow_key_tiles_config`
-    cuts to `NARROW_KEYS` keys (none: as planned)."""
+    cuts to `NARROW_KEYS` keys (none: as planned). `mask_queries`: the op's option of
+    that name (a masked residue's output is 0; `info["masks_queries"]` says so, and
+    `python -m benchmarks check` compares with the xla path taking it too)."""
     def build(case: Case) -> Callables:
         _, rows, n, heads, d = case.dims
         # Without a GPU the kernels run in their interpreters.
@@ -204,12 +208,14 @@ def _msa_pallas_builder(implementation: str | None, skip_padding: bool = False,
             with msa_pallas.skipping_padding(skip_padding):
                 return msa_pallas.msa_row_attention(
                     q, k, v, bias, mask, scale=case.scale, implementation=chosen,
-                    block_config=block_config,
+                    block_config=block_config, mask_queries=mask_queries,
                 )
 
         info = {"interpret": plan.interpret, "implementation": plan.implementation,
                 "forward_kernel": plan.forward, "skips_padding": skip_padding,
                 "block_config": dataclasses.asdict(config)}
+        if mask_queries:
+            info["masks_queries"] = True
         return jitted_pair(op, info)
 
     return build
@@ -233,6 +239,12 @@ build_msa_pallas_skip_k64 = _msa_pallas_builder(None, skip_padding=True,
 # plans 128-key tiles, so 64-key ones in all of them skip the padded quarter of the keys.
 build_msa_pallas_skip_k64_dbias = _msa_pallas_builder(
     None, skip_padding=True, narrow_key_tiles=("forward", "dkdv", "dbias"))
+# Skipping with the mask masking queries too (the op's `mask_queries`: a padding
+# residue's output is 0): the kernels then skip masked query tiles and read nothing of
+# padding rows. It computes a different output at masked residues: a variant, never
+# the subject the alternatives are held to.
+build_msa_pallas_skip_mask_queries = _msa_pallas_builder(None, skip_padding=True,
+                                                         mask_queries=True)
 # Every Mosaic kernel with `LEAN_OPTIONS`: whether a select per logit fewer pays.
 build_msa_pallas_lean = _msa_pallas_builder(None, kernel_options=LEAN_OPTIONS)
 # ... and skipping padding: the padded shapes' cells of issue 36 with them.
@@ -279,12 +291,15 @@ def build_msa_pallas_dpa(case: Case) -> Callables:
     return jitted_pair(op, {"layout": "tokamax's: bias [B,1,H,N,N], mask [B,S,1,1,N]"})
 
 
-def build_xla(case: Case) -> Callables:
-    """msa_pallas' plain-jnp path (materialises [B, S, H, N, N] logits)."""
+def build_xla(case: Case, mask_queries: bool = False) -> Callables:
+    """msa_pallas' plain-jnp path (materialises [B, S, H, N, N] logits);
+    `mask_queries`: the op's option of that name (the reference of the variants
+    that take it)."""
 
     def op(q, k, v, bias, mask):
         return msa_pallas.msa_row_attention(
-            q, k, v, bias, mask, scale=case.scale, implementation="xla"
+            q, k, v, bias, mask, scale=case.scale, implementation="xla",
+            mask_queries=mask_queries,
         )
 
     return jitted_pair(op)
@@ -465,6 +480,7 @@ IMPLEMENTATIONS: dict[str, Callable[[Case], Callables]] = {
     "msa_pallas_persistent": build_msa_pallas_persistent,
     "msa_pallas_skip_k64": build_msa_pallas_skip_k64,
     "msa_pallas_skip_k64_dbias": build_msa_pallas_skip_k64_dbias,
+    "msa_pallas_skip_mask_queries": build_msa_pallas_skip_mask_queries,
     "msa_pallas_lean": build_msa_pallas_lean,
     "msa_pallas_skip_lean": build_msa_pallas_skip_lean,
     "msa_pallas_mask_with_select": build_msa_pallas_mask_with_select,
@@ -485,7 +501,7 @@ REFERENCE_POINTS = ("jax_mha_nobias",)
 # msa_pallas' own variants: checked, timed, never a yardstick.
 OWN_VARIANTS = ("msa_pallas_triton", "msa_pallas_mosaic", "msa_pallas_skip",
                 "msa_pallas_persistent", "msa_pallas_skip_k64", "msa_pallas_skip_k64_dbias",
-                "msa_pallas_lean",
+                "msa_pallas_skip_mask_queries", "msa_pallas_lean",
                 "msa_pallas_skip_lean", "msa_pallas_mask_with_select",
                 "msa_pallas_skip_mask_with_select", "msa_pallas_prologue",
                 "msa_pallas_skip_xla_prologue", "msa_pallas_dpa")

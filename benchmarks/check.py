@@ -90,12 +90,14 @@ def reference_op(name: str, case: shapes.Case):
     raise Unavailable(f"no reference path for {name}")
 
 
-def run_reference(case: shapes.Case, inputs: tuple, all_masked: jax.Array):
-    """Float32 output, gradients and all-masked-row output of msa_pallas' xla path."""
+def run_reference(case: shapes.Case, inputs: tuple, all_masked: jax.Array,
+                  mask_queries: bool = False):
+    """Float32 output, gradients and all-masked-row output of msa_pallas' xla path
+    (with the op's `mask_queries`, for the variants that take it)."""
     case32 = shapes.Case(case.shape, "f32", "f32")
     f32 = tuple(x.astype(jnp.float32) if x.dtype != jnp.bool_ else x for x in inputs)
     with jax.default_matmul_precision("highest"):
-        built = build_xla(case32)
+        built = build_xla(case32, mask_queries)
         out = built.fwd(*f32[:5])
         grads = built.fwd_bwd(*f32)
         masked_out = built.fwd(*f32[:4], all_masked)
@@ -108,8 +110,15 @@ def check_case(case: shapes.Case, names: list[str], mode: str,
     inputs = measure.make_input_set(case, measure.input_key(seed))
     q, k, v, bias, mask, ct = inputs
     all_masked = mask.at[0, 0, :].set(False)  # one row (b=0, s=0) with every key masked
-    ref_out, ref_grads, ref_masked = run_reference(case, inputs, all_masked)
-    references = dict(zip(QUANTITIES, (ref_out, *ref_grads)))
+    reference_runs = {}
+
+    def references_for(mask_queries: bool):
+        """The xla path's results by quantity, and its all-masked row's output."""
+        if mask_queries not in reference_runs:
+            out, grads, masked = run_reference(case, inputs, all_masked, mask_queries)
+            reference_runs[mask_queries] = dict(zip(QUANTITIES, (out, *grads))), masked
+        return reference_runs[mask_queries]
+
     tolerance = TOLERANCE.get(case.dtype_name, F32_TOLERANCE[mode])
     rows, passed = [], True
     for name in names:
@@ -122,6 +131,7 @@ def check_case(case: shapes.Case, names: list[str], mode: str,
             grads = built.fwd_bwd(q, k, v, bias, mask, ct)
             masked_out = built.fwd(q, k, v, bias, all_masked)
             out, grads, masked_out = jax.block_until_ready((out, grads, masked_out))
+            references, ref_masked = references_for(built.info.get("masks_queries", False))
         except Unavailable as why:
             rows.append((name, f"skipped: {why}", {}))
             continue

@@ -21,6 +21,9 @@ from benchmarks.shapes import HALF_DTYPES, TRIANGLE_SHAPES
 SUBJECT = "msa_pallas"  # the implementation the speed-ups, floor fractions and targets are about
 # msa_pallas inside `msa_pallas.skipping_padding()`: judged too on the padded shapes.
 SKIPPING_SUBJECT = "msa_pallas_skip"
+# ... with the op's `mask_queries` too (a masked residue's output 0, its query skipped):
+# judged on the padded shapes beside it.
+MASKED_QUERIES_SUBJECT = "msa_pallas_skip_mask_queries"
 
 # The targets, all read as ratios measured in one run on one GPU (ratio = the
 # other's time or memory / the subject's, so above 1 is better):
@@ -159,7 +162,8 @@ def padding_lines(results: dict) -> list[str]:
     judged against the padding targets: that ratio at most PADDING_PROPORTION_SLACK times
     the kept fraction, and PADDING_TARGET_SPEEDUP times the fastest alternative's speed.
     Where the results hold SKIPPING_SUBJECT (the op inside `msa_pallas.skipping_padding()`),
-    it is judged the same way, against the subject's time on the unpadded shape."""
+    or MASKED_QUERIES_SUBJECT (that, with `mask_queries`), each is judged the same way,
+    against the subject's time on the unpadded shape."""
     lines = []
     for case in results["cases"]:
         if case.get("mask", "random") != "padded":
@@ -172,7 +176,7 @@ def padding_lines(results: dict) -> list[str]:
         full = next((c for c in results["cases"] if c.get("mask", "random") == "random"
                      and c["dims"] == case["dims"] and c["dtype"] == case["dtype"]
                      and bias_dtype(c) == bias_dtype(case)), None)
-        for subject in (SUBJECT, SKIPPING_SUBJECT):
+        for subject in (SUBJECT, SKIPPING_SUBJECT, MASKED_QUERIES_SUBJECT):
             if subject in results["metadata"]["impls"]:
                 text += _padding_verdict(case, full, subject, kept)
         lines.append(text)

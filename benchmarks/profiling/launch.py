@@ -10,6 +10,7 @@ Mosaic GPU kernels' PTX is written to DIR as they compile (their SASS too with
     python -m benchmarks profile launch --shape extra_padded --skip --persistent-backward
     python -m benchmarks profile launch --shape extra_padded --skip \
         --kernel-options prologue_kernel=0,mask_without_select=0
+    python -m benchmarks profile launch --shape train_padded --skip --mask-queries
     python -m benchmarks profile launch --shape finetune --dropout-rate 0.1
     python -m benchmarks profile launch --layer reference --shape train --dropout-rate 0.1
 
@@ -41,8 +42,9 @@ def layer_step_call(args):
     """The layer's training step (`args.layer`'s preset, bf16 compute): a call without
     arguments that runs it, the compiled program, and a line saying what it runs."""
     if (args.no_gate or args.bias_dtype != "input" or args.persistent_backward
-            or args.kernel_options):
-        raise ValueError("--no-gate, --bias-dtype, --persistent-backward and --kernel-options "
+            or args.kernel_options or args.mask_queries):
+        raise ValueError("--no-gate, --bias-dtype, --persistent-backward, --kernel-options "
+                         "and --mask-queries "
                          "are the op's: the layer has its gate, and its bias takes the "
                          "compute dtype")
     options = core_options(args.implementation)
@@ -77,6 +79,7 @@ def op_call(args):
             q, k, v, bias, mask != 0, gate, implementation=implementation,
             block_config=block_config, dropout_rate=args.dropout_rate,
             dropout_rng=jax.random.key(2) if args.dropout_rate else None,
+            mask_queries=args.mask_queries,
         )
         return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32))
 
@@ -88,7 +91,8 @@ def op_call(args):
         + (" skipping padding" if args.skip else "")
         + (", persistent dq and dk/dv" if args.persistent_backward else "")
         + (f", kernel options {args.kernel_options}" if args.kernel_options else "")
-        + (f", dropout {args.dropout_rate}" if args.dropout_rate else ""))
+        + (f", dropout {args.dropout_rate}" if args.dropout_rate else "")
+        + (", queries masked" if args.mask_queries else ""))
 
 
 def make_parser(prog: str | None = None, description: str | None = None) -> argparse.ArgumentParser:
@@ -109,6 +113,8 @@ def make_parser(prog: str | None = None, description: str | None = None) -> argp
                              "and MosaicBackwardTiles' prologue_kernel")
     parser.add_argument("--dropout-rate", type=float, default=0.0,
                         help="attention dropout's rate (0: none)")
+    parser.add_argument("--mask-queries", action="store_true",
+                        help="msa_row_attention's mask_queries (the mask masks queries too)")
     parser.add_argument("--layer", choices=PRESETS, default=None,
                         help="run the layer's training step (this preset) instead of the op's")
     return parser

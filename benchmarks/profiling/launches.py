@@ -254,6 +254,7 @@ def compile_op(args, mesh):
                 q, k, v, bias, mask, None if args.no_gate else gate,
                 implementation=implementation, block_config=config,
                 dropout_rate=args.dropout_rate, dropout_rng=key if args.dropout_rate else None,
+                mask_queries=args.mask_queries,
             )
 
         def loss(*operands):
@@ -305,6 +306,8 @@ def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--skip", action="store_true",
                         help="trace inside msa_pallas.skipping_padding()")
     parser.add_argument("--dropout-rate", type=float, default=0.0)
+    parser.add_argument("--mask-queries", action="store_true",
+                        help="msa_row_attention's mask_queries (the mask masks queries too)")
     parser.add_argument("--persistent-backward", action="store_true",
                         help="the Mosaic dq and dk/dv kernels persistent (one CTA per SM)")
     parser.add_argument("--kernel-options", default="",
@@ -335,6 +338,8 @@ def compiled_what(args, mesh) -> str:
     """What `compile_op` compiled for `args`, and for which device: a heading's words."""
     what = "forward" if args.forward_only else "forward+backward"
     flags = [f"skip={args.skip}", f"dropout={args.dropout_rate}", f"gate={not args.no_gate}"]
+    if args.mask_queries:
+        flags.append("mask_queries")
     if args.kernel_options:
         flags.append(f"kernel options {args.kernel_options}")
     return (f"{what} at {args.shape} {args.dtype}, bias {args.bias_dtype}, "
