@@ -6,7 +6,8 @@ its variants: the Triton or the Mosaic kernels forced, msa_pallas_skip, traced i
 dk/dv kernels), msa_pallas_persistent, those kernels without skipping,
 msa_pallas_skip_k64, skipping with 64-key forward and dk/dv tiles,
 msa_pallas_skip_k64_dbias, the bias gradient's 64-key too, msa_pallas_skip_mask_queries,
-skipping with the op's `mask_queries` (masked residues' outputs 0), msa_pallas_lean, every
+skipping with the op's `mask_queries` (masked residues' outputs 0),
+msa_pallas_skip_mask_queries_q64, that with 64-query forward and dq tiles, msa_pallas_lean, every
 Mosaic kernel with `LEAN_OPTIONS` (a select per logit fewer), msa_pallas_skip_lean, both,
 msa_pallas_mask_with_select and msa_pallas_skip_mask_with_select, the backward
 kernels with the select that `MosaicTiles.mask_without_select` takes out,
@@ -117,28 +118,47 @@ def asked_block_config(q, bias, mask=None, gate=None, *, implementation=None,
     return config
 
 
-# Keys per tile of `narrow_key_tiles_config`.
+# Keys per tile of `narrow_key_tiles_config`, queries per tile of
+# `narrow_query_tiles_config`.
 NARROW_KEYS = 64
+NARROW_QUERIES = 64
+
+
+def _narrow_tiles_config(config, plan, kernels, field: str, size: int, allowed, name: str):
+    """`config` with the plan's Mosaic tiles of `kernels` (of `allowed`) given
+    `field` = `size` (the others' as planned); as it is where the plan's kernels are
+    not Mosaic's. `name`: the caller's, for the error."""
+    if plan.forward != "mosaic" or plan.backward != "mosaic":
+        return config
+    unknown = set(kernels) - set(allowed)
+    if unknown:
+        raise ValueError(f"{name}: no such kernels {sorted(unknown)} (of {sorted(allowed)})")
+    forward = plan.forward_tiles
+    if "forward" in kernels:
+        forward = dataclasses.replace(forward, **{field: size})
+    narrow = {kernel: {field: size} for kernel in kernels if kernel != "forward"}
+    return dataclasses.replace(
+        config, mosaic_forward=forward, mosaic_backward=planned_backward_tiles(plan, **narrow),
+    )
 
 
 def narrow_key_tiles_config(config, plan, kernels=("forward", "dkdv")):
     """`config` with the plan's Mosaic tiles of `kernels` (of "forward", "dkdv" and
-    "dbias") cut to `NARROW_KEYS` keys (the others' as planned); as it is where the
-    plan's kernels are not Mosaic's. With 25% of N = 256 residues padding, a 128-key
-    tile holds live and padded keys alike, and skipping saves nothing of it; 64-key
-    tiles skip one in four."""
-    if plan.forward != "mosaic" or plan.backward != "mosaic":
-        return config
-    unknown = set(kernels) - {"forward", "dkdv", "dbias"}
-    if unknown:
-        raise ValueError(f"narrow_key_tiles_config: no such kernels {sorted(unknown)}")
-    forward = plan.forward_tiles
-    if "forward" in kernels:
-        forward = dataclasses.replace(forward, block_k=NARROW_KEYS)
-    narrow = {kernel: {"block_k": NARROW_KEYS} for kernel in kernels if kernel != "forward"}
-    return dataclasses.replace(
-        config, mosaic_forward=forward, mosaic_backward=planned_backward_tiles(plan, **narrow),
-    )
+    "dbias") cut to `NARROW_KEYS` keys. With 25% of N = 256 residues padding, a
+    128-key tile holds live and padded keys alike, and skipping saves nothing of it;
+    64-key tiles skip one in four."""
+    return _narrow_tiles_config(config, plan, kernels, "block_k", NARROW_KEYS,
+                                ("forward", "dkdv", "dbias"), "narrow_key_tiles_config")
+
+
+def narrow_query_tiles_config(config, plan, kernels=("forward", "dq")):
+    """`config` with the plan's Mosaic tiles of `kernels` (of "forward" and "dq") cut
+    to `NARROW_QUERIES` queries per consumer. With the queries masked too
+    (`mask_queries`) and 25% of N = 256 residues padding, the forward's and dq's
+    128-query tiles hold live and padded queries alike; 64-query tiles skip one in
+    four."""
+    return _narrow_tiles_config(config, plan, kernels, "block_q", NARROW_QUERIES,
+                                ("forward", "dq"), "narrow_query_tiles_config")
 
 
 # The Mosaic kernels' leaner ways, fields of `MosaicTiles`: a float32 bias read lane by
@@ -176,10 +196,11 @@ def kernel_options_config(config, plan, options: dict):
 
 def _msa_pallas_builder(implementation: str | None, skip_padding: bool = False,
                         persistent_backward: bool = False, narrow_key_tiles: tuple = (),
-                        kernel_options: dict | None = None,
-                        mask_queries: bool = False) -> Callable[[Case], Callables]:
+                        kernel_options: dict | None = None, mask_queries: bool = False,
+                        narrow_query_tiles: tuple = ()) -> Callable[[Case], Callables]:
     """`narrow_key_tiles`: the Mosaic kernels whose tiles `narrow_key_tiles_config`
-    cuts to `NARROW_KEYS` keys (none: as planned). `mask_queries`: the op's option of
+    cuts to `NARROW_KEYS` keys (none: as planned); `narrow_query_tiles`, those
+    `narrow_query_tiles_config` cuts to `NARROW_QUERIES` queries. `mask_queries`: the op's option of
     that name (a masked residue's output is 0; `info["masks_queries"]` says so, and
     `python -m benchmarks check` compares with the xla path taking it too)."""
     def build(case: Case) -> Callables:
@@ -198,9 +219,12 @@ def _msa_pallas_builder(implementation: str | None, skip_padding: bool = False,
             config = persistent_backward_config(config, plan)
         if narrow_key_tiles:
             config = narrow_key_tiles_config(config, plan, narrow_key_tiles)
+        if narrow_query_tiles:
+            config = narrow_query_tiles_config(config, plan, narrow_query_tiles)
         if kernel_options:
             config = kernel_options_config(config, plan, kernel_options)
-        changed = persistent_backward or bool(narrow_key_tiles) or kernel_options
+        changed = (persistent_backward or bool(narrow_key_tiles) or bool(narrow_query_tiles)
+                   or kernel_options)
         block_config = config if changed else None
 
         def op(q, k, v, bias, mask):
@@ -245,6 +269,10 @@ build_msa_pallas_skip_k64_dbias = _msa_pallas_builder(
 # the subject the alternatives are held to.
 build_msa_pallas_skip_mask_queries = _msa_pallas_builder(None, skip_padding=True,
                                                          mask_queries=True)
+# ... with 64-query forward and dq tiles (`narrow_query_tiles_config`): at the padded
+# training crop the planned 128-query tiles hold live and padded queries alike.
+build_msa_pallas_skip_mask_queries_q64 = _msa_pallas_builder(
+    None, skip_padding=True, mask_queries=True, narrow_query_tiles=("forward", "dq"))
 # Every Mosaic kernel with `LEAN_OPTIONS`: whether a select per logit fewer pays.
 build_msa_pallas_lean = _msa_pallas_builder(None, kernel_options=LEAN_OPTIONS)
 # ... and skipping padding: the padded shapes' cells of issue 36 with them.
@@ -481,6 +509,7 @@ IMPLEMENTATIONS: dict[str, Callable[[Case], Callables]] = {
     "msa_pallas_skip_k64": build_msa_pallas_skip_k64,
     "msa_pallas_skip_k64_dbias": build_msa_pallas_skip_k64_dbias,
     "msa_pallas_skip_mask_queries": build_msa_pallas_skip_mask_queries,
+    "msa_pallas_skip_mask_queries_q64": build_msa_pallas_skip_mask_queries_q64,
     "msa_pallas_lean": build_msa_pallas_lean,
     "msa_pallas_skip_lean": build_msa_pallas_skip_lean,
     "msa_pallas_mask_with_select": build_msa_pallas_mask_with_select,
@@ -501,7 +530,8 @@ REFERENCE_POINTS = ("jax_mha_nobias",)
 # msa_pallas' own variants: checked, timed, never a yardstick.
 OWN_VARIANTS = ("msa_pallas_triton", "msa_pallas_mosaic", "msa_pallas_skip",
                 "msa_pallas_persistent", "msa_pallas_skip_k64", "msa_pallas_skip_k64_dbias",
-                "msa_pallas_skip_mask_queries", "msa_pallas_lean",
+                "msa_pallas_skip_mask_queries", "msa_pallas_skip_mask_queries_q64",
+                "msa_pallas_lean",
                 "msa_pallas_skip_lean", "msa_pallas_mask_with_select",
                 "msa_pallas_skip_mask_with_select", "msa_pallas_prologue",
                 "msa_pallas_skip_xla_prologue", "msa_pallas_dpa")

@@ -482,6 +482,38 @@ def test_skip_k64_variant_cuts_the_forward_and_dkdv_key_tiles_of_the_skipping_pl
     assert variant not in alternatives.TABLE_IMPLEMENTATIONS
 
 
+def test_mask_queries_variants():
+    """msa_pallas_skip_mask_queries: the op with `mask_queries` inside
+    `skipping_padding()`, its info saying so (the check's reference takes it too);
+    msa_pallas_skip_mask_queries_q64: the skipping plan's forward and dq tiles cut to
+    64 queries, the others as planned; a plan on the Triton kernels keeps its config."""
+    q = jax.ShapeDtypeStruct((1, 8, 256, 8, 32), jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((1, 8, 256, 256), jnp.float32)
+    mask = jax.ShapeDtypeStruct((1, 8, 256), jnp.bool_)
+    config = msa_pallas.default_block_config(256, 32, jnp.bfloat16, jnp.float32)
+    with msa_pallas.skipping_padding():
+        plan = msa_pallas.dispatch.plan_call(q, q, q, bias, mask, implementation="mosaic",
+                                             target=msa_pallas.dispatch.Target("gpu", 90))
+    planned = dict(plan.backward_tiles)
+    assert plan.forward_tiles.block_q == 128 and planned["dq"].block_q == 128
+    narrowed = alternatives.narrow_query_tiles_config(config, plan)
+    assert narrowed.mosaic_forward == dataclasses.replace(plan.forward_tiles, block_q=64)
+    tiles = narrowed.mosaic_backward
+    assert tiles.dq == dataclasses.replace(planned["dq"], block_q=64) and tiles.dq.persistent
+    assert tiles.dkdv == planned["dkdv"] and tiles.dbias == planned["dbias"]
+    assert tiles.prologue_kernel == plan.prologue_kernel
+    triton = msa_pallas.explain(q, q, q, bias, mask, implementation="triton")
+    assert alternatives.narrow_query_tiles_config(config, triton) is config
+    with pytest.raises(ValueError, match="dkdv"):
+        alternatives.narrow_query_tiles_config(config, plan, ("dkdv",))
+    case = shapes.Case(shapes.parse_shape("1x4x64x2x16:padded"), "bf16", "f32")
+    built = alternatives.IMPLEMENTATIONS["msa_pallas_skip_mask_queries"](case)
+    assert built.info["masks_queries"] and built.info["skips_padding"]
+    for variant in ("msa_pallas_skip_mask_queries", "msa_pallas_skip_mask_queries_q64"):
+        assert variant in alternatives.OWN_VARIANTS and variant not in \
+            alternatives.TABLE_IMPLEMENTATIONS
+
+
 def test_lean_variant_sets_the_options_in_every_planned_mosaic_kernel():
     """msa_pallas_lean: the plan's own tiles, each Mosaic kernel's with
     `LEAN_OPTIONS` set; a plan on the Triton kernels keeps its config."""
