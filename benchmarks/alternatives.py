@@ -7,7 +7,9 @@ dk/dv kernels), msa_pallas_persistent, those kernels without skipping,
 msa_pallas_skip_k64, skipping with 64-key forward and dk/dv tiles,
 msa_pallas_skip_k64_dbias, the bias gradient's 64-key too, msa_pallas_skip_mask_queries,
 skipping with the op's `mask_queries` (masked residues' outputs 0),
-msa_pallas_skip_mask_queries_q64, that with 64-query forward and dq tiles, msa_pallas_lean, every
+msa_pallas_skip_mask_queries_q64, that with 64-query forward and dq tiles,
+msa_pallas_skip_mask_queries_narrow, those and 64-key forward, dk/dv and bias-gradient
+tiles, msa_pallas_lean, every
 Mosaic kernel with `LEAN_OPTIONS` (a select per logit fewer), msa_pallas_skip_lean, both,
 msa_pallas_mask_with_select and msa_pallas_skip_mask_with_select, the backward
 kernels with the select that `MosaicTiles.mask_without_select` takes out,
@@ -133,13 +135,15 @@ def _narrow_tiles_config(config, plan, kernels, field: str, size: int, allowed, 
     unknown = set(kernels) - set(allowed)
     if unknown:
         raise ValueError(f"{name}: no such kernels {sorted(unknown)} (of {sorted(allowed)})")
-    forward = plan.forward_tiles
+    # From the tiles `config` sets (another narrowing's), else the plan's.
+    forward = config.mosaic_forward or plan.forward_tiles
     if "forward" in kernels:
         forward = dataclasses.replace(forward, **{field: size})
-    narrow = {kernel: {field: size} for kernel in kernels if kernel != "forward"}
-    return dataclasses.replace(
-        config, mosaic_forward=forward, mosaic_backward=planned_backward_tiles(plan, **narrow),
-    )
+    backward = config.mosaic_backward or planned_backward_tiles(plan)
+    backward = dataclasses.replace(backward, **{
+        kernel: dataclasses.replace(getattr(backward, kernel), **{field: size})
+        for kernel in kernels if kernel != "forward"})
+    return dataclasses.replace(config, mosaic_forward=forward, mosaic_backward=backward)
 
 
 def narrow_key_tiles_config(config, plan, kernels=("forward", "dkdv")):
@@ -273,6 +277,11 @@ build_msa_pallas_skip_mask_queries = _msa_pallas_builder(None, skip_padding=True
 # training crop the planned 128-query tiles hold live and padded queries alike.
 build_msa_pallas_skip_mask_queries_q64 = _msa_pallas_builder(
     None, skip_padding=True, mask_queries=True, narrow_query_tiles=("forward", "dq"))
+# ... and 64-key forward, dk/dv and bias-gradient tiles: every tile of every kernel
+# either all padding or all live at the padded training crop.
+build_msa_pallas_skip_mask_queries_narrow = _msa_pallas_builder(
+    None, skip_padding=True, mask_queries=True, narrow_query_tiles=("forward", "dq"),
+    narrow_key_tiles=("forward", "dkdv", "dbias"))
 # Every Mosaic kernel with `LEAN_OPTIONS`: whether a select per logit fewer pays.
 build_msa_pallas_lean = _msa_pallas_builder(None, kernel_options=LEAN_OPTIONS)
 # ... and skipping padding: the padded shapes' cells of issue 36 with them.
@@ -510,6 +519,7 @@ IMPLEMENTATIONS: dict[str, Callable[[Case], Callables]] = {
     "msa_pallas_skip_k64_dbias": build_msa_pallas_skip_k64_dbias,
     "msa_pallas_skip_mask_queries": build_msa_pallas_skip_mask_queries,
     "msa_pallas_skip_mask_queries_q64": build_msa_pallas_skip_mask_queries_q64,
+    "msa_pallas_skip_mask_queries_narrow": build_msa_pallas_skip_mask_queries_narrow,
     "msa_pallas_lean": build_msa_pallas_lean,
     "msa_pallas_skip_lean": build_msa_pallas_skip_lean,
     "msa_pallas_mask_with_select": build_msa_pallas_mask_with_select,
@@ -531,6 +541,7 @@ REFERENCE_POINTS = ("jax_mha_nobias",)
 OWN_VARIANTS = ("msa_pallas_triton", "msa_pallas_mosaic", "msa_pallas_skip",
                 "msa_pallas_persistent", "msa_pallas_skip_k64", "msa_pallas_skip_k64_dbias",
                 "msa_pallas_skip_mask_queries", "msa_pallas_skip_mask_queries_q64",
+                "msa_pallas_skip_mask_queries_narrow",
                 "msa_pallas_lean",
                 "msa_pallas_skip_lean", "msa_pallas_mask_with_select",
                 "msa_pallas_skip_mask_with_select", "msa_pallas_prologue",

@@ -506,10 +506,19 @@ def test_mask_queries_variants():
     assert alternatives.narrow_query_tiles_config(config, triton) is config
     with pytest.raises(ValueError, match="dkdv"):
         alternatives.narrow_query_tiles_config(config, plan, ("dkdv",))
+    # msa_pallas_skip_mask_queries_narrow: both narrowings, the second on the first's.
+    both = alternatives.narrow_query_tiles_config(
+        alternatives.narrow_key_tiles_config(config, plan, ("forward", "dkdv", "dbias")), plan)
+    assert both.mosaic_forward == dataclasses.replace(plan.forward_tiles, block_q=64, block_k=64)
+    assert both.mosaic_backward.dq == tiles.dq
+    for kernel in ("dkdv", "dbias"):
+        assert getattr(both.mosaic_backward, kernel) == dataclasses.replace(
+            planned[kernel], block_k=64)
     case = shapes.Case(shapes.parse_shape("1x4x64x2x16:padded"), "bf16", "f32")
     built = alternatives.IMPLEMENTATIONS["msa_pallas_skip_mask_queries"](case)
     assert built.info["masks_queries"] and built.info["skips_padding"]
-    for variant in ("msa_pallas_skip_mask_queries", "msa_pallas_skip_mask_queries_q64"):
+    for variant in ("msa_pallas_skip_mask_queries", "msa_pallas_skip_mask_queries_q64",
+                    "msa_pallas_skip_mask_queries_narrow"):
         assert variant in alternatives.OWN_VARIANTS and variant not in \
             alternatives.TABLE_IMPLEMENTATIONS
 
