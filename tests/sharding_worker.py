@@ -262,17 +262,22 @@ def run_case(implementation, axis_type, spec_axes, options) -> dict:
 
 # The backward's prologue kernel alone (`vjp.partitioned_prologue`: the
 # Mosaic kernels around it run only on a GPU), gated or not, B and S or B
-# and H sharded: id -> (specs kwargs, gated).
+# and H sharded, the queries masked too or not: id -> (specs kwargs, gated,
+# mask_queries).
 PROLOGUE_CASES = {
-    "prologue-batch-rows": (dict(batch_axis="data", row_axis="rows"), True),
-    "prologue-batch-heads-no-gate": (dict(batch_axis="data", head_axis="rows"), False),
+    "prologue-batch-rows": (dict(batch_axis="data", row_axis="rows"), True, False),
+    "prologue-batch-heads-no-gate": (dict(batch_axis="data", head_axis="rows"), False, False),
+    "prologue-batch-rows-mask-queries": (dict(batch_axis="data", row_axis="rows"), True, True),
+    "prologue-batch-heads-no-gate-mask-queries": (
+        dict(batch_axis="data", head_axis="rows"), False, True),
 }
 
 
-def run_prologue_case(spec_axes, gated: bool) -> dict:
+def run_prologue_case(spec_axes, gated: bool, mask_queries: bool = False) -> dict:
     """The prologue on sharded operands against one device: a dead row in
     each batch element, NaN in what it must not read (dead rows'
-    residuals, live rows' means)."""
+    residuals, live rows' means; with the queries masked, no means, and a
+    dead row's cotangent and gate NaN too)."""
     from msa_pallas.kernels import vjp
 
     B, S, N, H, d = SHAPE
@@ -283,14 +288,18 @@ def run_prologue_case(spec_axes, gated: bool) -> dict:
     dead = ~keep.any(axis=-1)
     rows = lambda dtype: jnp.asarray(rng.standard_normal((B, S, N, H, d)), dtype)  # noqa: E731
     dout, gate = rows(jnp.bfloat16), rows(jnp.bfloat16) if gated else None
+    if mask_queries:
+        dout = dout.at[dead].set(jnp.nan)
+        gate = None if gate is None else gate.at[dead].set(jnp.nan)
     attention = np.asarray(rng.standard_normal((B, S, N, H, d)), np.float32)
     attention[dead] = np.nan
     means = rng.standard_normal((B, S, H, d)).astype(np.float32)
     means[~dead] = np.nan
+    means = None if mask_queries else jnp.asarray(means)
     planes = [rng.standard_normal((B, S, H, N)).astype(np.float32) for _ in range(2)]
     for plane in planes:
         plane[dead] = np.nan
-    args = [dout, gate, jnp.asarray(attention), jnp.asarray(means), *map(jnp.asarray, planes),
+    args = [dout, gate, jnp.asarray(attention), means, *map(jnp.asarray, planes),
             jnp.asarray(keep, jnp.int8)]
     specs = msa_partition_specs(**spec_axes)
     vectors = P(*specs.rows[:2], specs.rows[3], None)
@@ -299,7 +308,8 @@ def run_prologue_case(spec_axes, gated: bool) -> dict:
                  specs.mask]
 
     def prologue(*args):
-        return vjp.partitioned_prologue(*args, do_dtype=jnp.bfloat16, interpret=True)
+        return vjp.partitioned_prologue(*args, do_dtype=jnp.bfloat16, interpret=True,
+                                        mask_queries=mask_queries)
 
     place = lambda x, spec: x if x is None else jax.device_put(x, NamedSharding(mesh, spec))
     compiled = jax.jit(prologue).lower(*[place(x, s) for x, s in zip(args, placement)]).compile()
