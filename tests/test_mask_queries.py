@@ -160,3 +160,22 @@ def test_gpu_masked_queries(case, seed):
         for skip_padding in (True, False):
             result = _fwd_bwd(implementation, skip_padding)(*inputs.args)
             _check(result, inputs, f"{case} {implementation} skip={skip_padding}")
+
+
+@pytest.mark.parametrize("implementation", ["mosaic", "triton"])
+def test_masked_queries_under_x64_equal_the_plain_run(implementation):
+    """`jax_enable_x64` (set globally: the Mosaic interpreter reads the global
+    flag) changes nothing in the kernels that mask queries, skipping: the
+    int32 bounds and summaries stay int32."""
+    inputs = _inputs("end-dead-rows", 3)
+    plain = jax.tree.map(np.asarray, _fwd_bwd(implementation, True)(*inputs.args))
+    before = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        result = jax.tree.map(np.asarray, _fwd_bwd(implementation, True)(*inputs.args))
+    finally:
+        jax.config.update("jax_enable_x64", before)
+    for name, got, want in zip(helpers.RESULT_NAMES, jax.tree.leaves(result),
+                               jax.tree.leaves(plain)):
+        assert got.dtype == want.dtype, name
+        np.testing.assert_array_equal(got, want, err_msg=name)
