@@ -103,12 +103,15 @@ def persistent_backward_config(config, plan):
 
 def asked_block_config(q, bias, mask=None, gate=None, *, implementation=None,
                        skip: bool = False, persistent_backward: bool = False,
-                       kernel_options: dict | None = None):
+                       kernel_options: dict | None = None, narrow_key_tiles: tuple = (),
+                       narrow_query_tiles: tuple = ()):
     """The block config a profiling command asks for on q `[B, S, N, H, d]`, `bias`
     (arrays or `jax.ShapeDtypeStruct`s): None (the op's own) unless
-    `persistent_backward` (`persistent_backward_config`) or `kernel_options`
-    (`kernel_options_config`, on the plan the call makes, skipping padding or not)."""
-    if not persistent_backward and not kernel_options:
+    `persistent_backward` (`persistent_backward_config`), `kernel_options`
+    (`kernel_options_config`), `narrow_key_tiles` (`narrow_key_tiles_config`) or
+    `narrow_query_tiles` (`narrow_query_tiles_config`), on the plan the call makes,
+    skipping padding or not."""
+    if not (persistent_backward or kernel_options or narrow_key_tiles or narrow_query_tiles):
         return None
     with msa_pallas.skipping_padding(skip):  # the plan skipping makes
         plan = msa_pallas.explain(q, q, q, bias, mask, gate, implementation=implementation)
@@ -117,6 +120,10 @@ def asked_block_config(q, bias, mask=None, gate=None, *, implementation=None,
         config = persistent_backward_config(config, plan)
     if kernel_options:
         config = kernel_options_config(config, plan, kernel_options)
+    if narrow_key_tiles:
+        config = narrow_key_tiles_config(config, plan, narrow_key_tiles)
+    if narrow_query_tiles:
+        config = narrow_query_tiles_config(config, plan, narrow_query_tiles)
     return config
 
 

@@ -34,7 +34,9 @@ from benchmarks.profiling.forward import parse_shape
 from benchmarks.profiling.kernels import make_inputs
 from benchmarks.shapes import DTYPES, SHAPES, make_mask
 from benchmarks.alternatives import asked_block_config
-from benchmarks.profiling.launches import parse_kernel_options
+from benchmarks.profiling.launches import (
+    add_narrow_arguments, parse_kernel_options, split_kernels,
+)
 from msa_pallas import msa_row_attention, skipping_padding
 
 
@@ -42,9 +44,10 @@ def layer_step_call(args):
     """The layer's training step (`args.layer`'s preset, bf16 compute): a call without
     arguments that runs it, the compiled program, and a line saying what it runs."""
     if (args.no_gate or args.bias_dtype != "input" or args.persistent_backward
-            or args.kernel_options or args.mask_queries):
-        raise ValueError("--no-gate, --bias-dtype, --persistent-backward, --kernel-options "
-                         "and --mask-queries "
+            or args.kernel_options or args.mask_queries or args.narrow_keys
+            or args.narrow_queries):
+        raise ValueError("--no-gate, --bias-dtype, --persistent-backward, --kernel-options, "
+                         "--mask-queries and --narrow-keys/--narrow-queries "
                          "are the op's: the layer has its gate, and its bias takes the "
                          "compute dtype")
     options = core_options(args.implementation)
@@ -72,6 +75,8 @@ def op_call(args):
         q, bias, mask != 0, gate, implementation=implementation, skip=args.skip,
         persistent_backward=args.persistent_backward,
         kernel_options=parse_kernel_options(args.kernel_options),
+        narrow_key_tiles=split_kernels(args.narrow_keys),
+        narrow_query_tiles=split_kernels(args.narrow_queries),
     )
 
     def loss(q, k, v, bias, gate):
@@ -92,7 +97,9 @@ def op_call(args):
         + (", persistent dq and dk/dv" if args.persistent_backward else "")
         + (f", kernel options {args.kernel_options}" if args.kernel_options else "")
         + (f", dropout {args.dropout_rate}" if args.dropout_rate else "")
-        + (", queries masked" if args.mask_queries else ""))
+        + (", queries masked" if args.mask_queries else "")
+        + (f", 64-key tiles of {args.narrow_keys}" if args.narrow_keys else "")
+        + (f", 64-query tiles of {args.narrow_queries}" if args.narrow_queries else ""))
 
 
 def make_parser(prog: str | None = None, description: str | None = None) -> argparse.ArgumentParser:
@@ -115,6 +122,7 @@ def make_parser(prog: str | None = None, description: str | None = None) -> argp
                         help="attention dropout's rate (0: none)")
     parser.add_argument("--mask-queries", action="store_true",
                         help="msa_row_attention's mask_queries (the mask masks queries too)")
+    add_narrow_arguments(parser)
     parser.add_argument("--layer", choices=PRESETS, default=None,
                         help="run the layer's training step (this preset) instead of the op's")
     return parser

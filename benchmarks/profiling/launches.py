@@ -247,6 +247,8 @@ def compile_op(args, mesh):
             rows_like, bias, mask, rows_like, implementation=implementation, skip=args.skip,
             persistent_backward=args.persistent_backward,
             kernel_options=parse_kernel_options(args.kernel_options),
+            narrow_key_tiles=split_kernels(args.narrow_keys),
+            narrow_query_tiles=split_kernels(args.narrow_queries),
         )
 
         def op(q, k, v, bias, gate, mask, key):
@@ -296,6 +298,21 @@ def parse_kernel_options(text: str, op_options: bool = True) -> dict[str, bool]:
     return options
 
 
+def split_kernels(text: str) -> tuple[str, ...]:
+    """`"forward,dq"` -> ("forward", "dq") (kernels of `--narrow-keys`/`--narrow-queries`)."""
+    return tuple(filter(None, text.split(",")))
+
+
+def add_narrow_arguments(parser) -> None:
+    """`--narrow-keys` and `--narrow-queries` (the tiles of the benchmark variants
+    `alternatives.narrow_key_tiles_config` and `narrow_query_tiles_config` make)."""
+    parser.add_argument("--narrow-keys", default="",
+                        help="KERNEL,...: the skipping plan's Mosaic tiles of these kernels "
+                             "(forward, dkdv, dbias) cut to 64 keys")
+    parser.add_argument("--narrow-queries", default="",
+                        help="KERNEL,...: those of these (forward, dq) cut to 64 queries")
+
+
 def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="train", help="a name of shapes.py or BxSxNxHxd")
@@ -308,6 +325,7 @@ def make_parser(prog: str | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--dropout-rate", type=float, default=0.0)
     parser.add_argument("--mask-queries", action="store_true",
                         help="msa_row_attention's mask_queries (the mask masks queries too)")
+    add_narrow_arguments(parser)
     parser.add_argument("--persistent-backward", action="store_true",
                         help="the Mosaic dq and dk/dv kernels persistent (one CTA per SM)")
     parser.add_argument("--kernel-options", default="",
@@ -340,6 +358,9 @@ def compiled_what(args, mesh) -> str:
     flags = [f"skip={args.skip}", f"dropout={args.dropout_rate}", f"gate={not args.no_gate}"]
     if args.mask_queries:
         flags.append("mask_queries")
+    if args.narrow_keys or args.narrow_queries:
+        flags.append(f"64-key tiles of {args.narrow_keys or 'none'}, 64-query tiles of "
+                     f"{args.narrow_queries or 'none'}")
     if args.kernel_options:
         flags.append(f"kernel options {args.kernel_options}")
     return (f"{what} at {args.shape} {args.dtype}, bias {args.bias_dtype}, "

@@ -514,6 +514,14 @@ def test_mask_queries_variants():
     for kernel in ("dkdv", "dbias"):
         assert getattr(both.mosaic_backward, kernel) == dataclasses.replace(
             planned[kernel], block_k=64)
+    # The profiling commands' --narrow-keys / --narrow-queries ask for the same tiles.
+    asked = alternatives.asked_block_config(
+        q, bias, mask, implementation="mosaic", skip=True,
+        narrow_key_tiles=("forward", "dkdv", "dbias"), narrow_query_tiles=("forward", "dq"))
+    interpreted = msa_pallas.dispatch.plan_call(q, q, q, bias, mask, implementation="mosaic")
+    assert asked.mosaic_forward == dataclasses.replace(
+        interpreted.forward_tiles, block_q=64, block_k=64)
+    assert asked.mosaic_backward.dq.block_q == 64 and asked.mosaic_backward.dbias.block_k == 64
     case = shapes.Case(shapes.parse_shape("1x4x64x2x16:padded"), "bf16", "f32")
     built = alternatives.IMPLEMENTATIONS["msa_pallas_skip_mask_queries"](case)
     assert built.info["masks_queries"] and built.info["skips_padding"]
