@@ -35,13 +35,26 @@ CASES = {
     # Over half the residues padded: whole query tiles of every kernel masked
     # in every row (the forward's and dq's 128 queries among them).
     "half-padded": ((1, 4, 256, 2, 16), jnp.bfloat16, dict(end_padding=0.55, dead=(2,))),
+    # Rows of their own spans: rows 2 and 3 keep residues 140-199 alone (their
+    # first query tiles all padding, visited by the kernels that serve rows 0 and
+    # 1 beside them or loop from query tile 0).
+    "spans-of-their-own": ((1, 4, 256, 2, 16), jnp.bfloat16,
+                           dict(spans=((0, 250), (0, 250), (140, 200), (140, 200)))),
 }
 
 
 def _inputs(case, seed):
     (batch, rows, n_res, heads, head_dim), dtype, mask = CASES[case]
     inputs = helpers.random_inputs(seed, batch, rows, n_res, heads, head_dim, dtype)
-    return inputs._replace(mask=jnp.asarray(helpers.padded_mask(batch, rows, n_res, seed, **mask)))
+    if "spans" in mask:
+        # Each row keeps 90% of its span's residues, at random.
+        keep = np.random.default_rng(seed).random((batch, rows, n_res)) >= 0.1
+        for row, (start, end) in enumerate(mask["spans"]):
+            keep[:, row, :start] = False
+            keep[:, row, end:] = False
+    else:
+        keep = helpers.padded_mask(batch, rows, n_res, seed, **mask)
+    return inputs._replace(mask=jnp.asarray(keep))
 
 
 @functools.lru_cache(maxsize=None)
@@ -150,7 +163,7 @@ def test_without_mask_queries_nothing_changes(implementation, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["end-dead-rows", "middle-all-padding-d8"])
+@pytest.mark.parametrize("case", ["end-dead-rows", "middle-all-padding-d8", "spans-of-their-own"])
 def test_gpu_masked_queries(case, seed):
     """On the GPU: every backend's op with the queries masked, skipping and
     visiting, against float64 (the compiled Mosaic kernels, persistent grid

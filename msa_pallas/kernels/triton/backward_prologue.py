@@ -39,8 +39,11 @@ Masking queries (`query_mask`: the key mask masks queries too, the op's
 output is 0 at a masked residue and no gradient flows from it), the
 cotangent is taken as 0 at a masked residue: a live row's there get do,
 dgate and delta 0, selected (their dout, gate and o are loaded but may
-hold anything), and `do` is written even without a gate, since it is no
-longer the cotangent. A dead row's queries are all masked: nothing of it
+hold anything), a row max above every logit and a log2 sum of 0 (the
+forward may have skipped the residue's query tile and left it no
+statistics: with these its weights are 0 in every kernel that visits it),
+and `do` is written even without a gate, since it is no longer the
+cotangent. A dead row's queries are all masked: nothing of it
 is read (no means are made), its gate's gradient and, where a kernel reads
 them, its `do` are 0 and its statistics those of uniform weights with delta
 0; its dv is 0, so no dead rows' dv is made. Padding rows then cost only
@@ -62,7 +65,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from msa_pallas.block_sizes import next_power_of_2
-from msa_pallas.kernels.constants import MASKED_LOGIT_LOG2
+from msa_pallas.kernels.constants import MASKED_LOGIT_LOG2, MASKED_QUERY_ROW_MAX_LOG2
 from msa_pallas.kernels.triton import common
 
 # Elements of a `[residues, columns]` tile a program loads at once; the
@@ -200,8 +203,18 @@ def _prologue_kernel(
             start = tile * block
             attention = common.load_residues(attention_ref, (), start, block, n_res, width)
             _, delta = gate_backward(start, attention)
-            store_stats(start, 0, load_stats(row_max_ref, start))
-            store_stats(start, 1, load_stats(row_log2_sum_ref, start))
+            row_max = load_stats(row_max_ref, start)
+            row_log2_sum = load_stats(row_log2_sum_ref, start)
+            if query_mask_ref is not None:
+                # A masked query's statistics may be none of the forward's (it
+                # skipped the query's tile): a row max above every logit makes
+                # its weights 0 in every kernel that visits it.
+                keep = common.load_vector(query_mask_ref, (), start, block, n_res) != 0
+                keep = jnp.broadcast_to(keep[None, :], (heads, block))
+                row_max = jnp.where(keep, row_max, MASKED_QUERY_ROW_MAX_LOG2)
+                row_log2_sum = jnp.where(keep, row_log2_sum, 0.0)
+            store_stats(start, 0, row_max)
+            store_stats(start, 1, row_log2_sum)
             store_stats(start, 2, delta)
             return carry
 

@@ -32,7 +32,7 @@ import helpers
 import mosaic_lowering
 from msa_pallas import exporting
 from msa_pallas.kernels import key_tiles
-from msa_pallas.kernels.constants import MASKED_LOGIT_LOG2
+from msa_pallas.kernels.constants import MASKED_LOGIT_LOG2, MASKED_QUERY_ROW_MAX_LOG2
 from msa_pallas.kernels.triton import backward_prologue
 
 # (B, S, N, H, d, the rows made dead, the batch elements made all padding)
@@ -282,7 +282,9 @@ def masked_case(case, seed, *, mask_padding=5, plane_padding=0):
 def expected_masked(args, keep, do_rounded):
     """float64 NumPy, masking queries: `(do, dgate, stats)`, dout, gate and
     o taken as 0 at masked residues (whatever they hold: NaN here), delta
-    from `do_rounded` (the kernel's do, checked against `do`) at kept ones."""
+    from `do_rounded` (the kernel's do, checked against `do`) at kept ones;
+    a live row's masked residues' row max `MASKED_QUERY_ROW_MAX_LOG2` and
+    log2 sum 0 (their weights 0 wherever a kernel visits them)."""
     dout, gate, attention, _, row_max, row_log2_sum, _ = args
     n_res = dout.shape[2]
     kept = keep[..., None, None]
@@ -297,9 +299,12 @@ def expected_masked(args, keep, do_rounded):
     do_rounded = np.where(kept, helpers.to_f64(do_rounded), 0.0)
     delta = np.swapaxes((do_rounded * ungated).sum(axis=-1), 2, 3)
     dead_planes = ~keep.any(axis=-1)[:, :, None, None]
+    masked_planes = ~keep[:, :, None, :]
     stats = np.stack([
-        np.where(dead_planes, MASKED_LOGIT_LOG2, np.asarray(row_max)[..., :n_res]),
-        np.where(dead_planes, math.log2(n_res), np.asarray(row_log2_sum)[..., :n_res]),
+        np.where(dead_planes, MASKED_LOGIT_LOG2, np.where(
+            masked_planes, MASKED_QUERY_ROW_MAX_LOG2, np.asarray(row_max)[..., :n_res])),
+        np.where(dead_planes, math.log2(n_res), np.where(
+            masked_planes, 0.0, np.asarray(row_log2_sum)[..., :n_res])),
         np.where(dead_planes, 0.0, delta),
     ], axis=3)
     return do, dgate, stats
