@@ -66,6 +66,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from msa_pallas.block_sizes import next_power_of_2
 from msa_pallas.kernels.constants import MASKED_LOGIT_LOG2, MASKED_QUERY_ROW_MAX_LOG2
+from msa_pallas.kernels.key_tiles import ceil_div
 from msa_pallas.kernels.triton import common
 
 # Elements of a `[residues, columns]` tile a program loads at once; the
@@ -203,24 +204,45 @@ def _prologue_kernel(
             start = tile * block
             attention = common.load_residues(attention_ref, (), start, block, n_res, width)
             _, delta = gate_backward(start, attention)
-            row_max = load_stats(row_max_ref, start)
-            row_log2_sum = load_stats(row_log2_sum_ref, start)
-            if query_mask_ref is not None:
+            if query_mask_ref is None:
+                store_stats(start, 0, load_stats(row_max_ref, start))
+                store_stats(start, 1, load_stats(row_log2_sum_ref, start))
+            else:
                 # A masked query's statistics may be none of the forward's (it
                 # skipped the query's tile): a row max above every logit makes
                 # its weights 0 in every kernel that visits it.
                 keep = common.load_vector(query_mask_ref, (), start, block, n_res) != 0
                 keep = jnp.broadcast_to(keep[None, :], (heads, block))
-                row_max = jnp.where(keep, row_max, MASKED_QUERY_ROW_MAX_LOG2)
-                row_log2_sum = jnp.where(keep, row_log2_sum, 0.0)
-            store_stats(start, 0, row_max)
-            store_stats(start, 1, row_log2_sum)
+                store_stats(start, 0, jnp.where(keep, load_stats(row_max_ref, start),
+                                                MASKED_QUERY_ROW_MAX_LOG2))
+                store_stats(start, 1, jnp.where(keep, load_stats(row_log2_sum_ref, start), 0.0))
             store_stats(start, 2, delta)
             return carry
 
-        common.tile_loop(0, tiles, visit, jnp.int32(0))
+        if query_mask_ref is None:
+            common.tile_loop(0, tiles, visit, jnp.int32(0))
+        else:
+            # The tiles past the row's last kept residue hold masked queries
+            # alone: their results are constants, and nothing of them is read.
+            kept_tiles = ceil_div(end_ref[...], block)
+            common.tile_loop(0, kept_tiles, visit, jnp.int32(0))
+            common.tile_loop(kept_tiles, tiles, masked_tile, jnp.int32(0))
         if dead_dv_ref is not None:
             dead_dv_ref[...] = jnp.zeros((width,), jnp.float32)
+
+    def masked_tile(tile, carry):
+        """A tile of a live row's masked queries: do and the gate's gradient
+        0, the statistics of weights 0."""
+        start = tile * block
+        zeros = jnp.zeros((block, width), jnp.float32)
+        if dgate_ref is not None:
+            common.store_residues(dgate_ref, (), start, zeros, n_res, width)
+        common.store_residues(do_ref, (), start, zeros, n_res, width)
+        masked = (jnp.full((heads, block), MASKED_QUERY_ROW_MAX_LOG2, jnp.float32),
+                  jnp.zeros((heads, block), jnp.float32), jnp.zeros((heads, block), jnp.float32))
+        for plane, value in enumerate(masked):
+            store_stats(start, plane, value)
+        return carry
 
     if end_ref is None:
         live()
