@@ -22,16 +22,12 @@ import pytest
 import helpers
 import msa_pallas
 import numpy_reference
-
-TOLERANCE = {jnp.dtype(jnp.float32): 1e-4, jnp.dtype(jnp.bfloat16): 3e-2}
+from test_padding import CASES as PADDING_CASES, TOLERANCE
 
 CASES = {
-    # (B, S, N, H, d), dtype, mask: the last 25% of residues padded in every
-    # row, and below, the rows (or batch elements) all padding.
-    "end-dead-rows": ((1, 6, 256, 1, 32), jnp.bfloat16, dict(dead=(1, 4, 5))),
-    "middle-all-padding-d8": ((2, 4, 136, 4, 8), jnp.bfloat16,
-                              dict(middle=(64, 128), dead_batch=(1,))),
-    "float32": ((1, 4, 130, 2, 16), jnp.float32, dict(dead=(3,), middle=(10, 90))),
+    # test_padding.py's: the last 25% of residues padded in every row, rows
+    # (or a batch element) all padding, residues in the middle; and below.
+    **PADDING_CASES,
     # Over half the residues padded: whole query tiles of every kernel masked
     # in every row (the forward's and dq's 128 queries among them).
     "half-padded": ((1, 4, 256, 2, 16), jnp.bfloat16, dict(end_padding=0.55, dead=(2,))),

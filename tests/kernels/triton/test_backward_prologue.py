@@ -116,15 +116,21 @@ def live_rows_end(dead):
     return jnp.asarray(np.where(dead, 0, rows).max(axis=1), jnp.int32)
 
 
+def told_rows(dead, rows_per_group):
+    """`(told, written)`: the prologue's keywords telling it each batch
+    element's last live row (none for `rows_per_group` None), and `[B, S]`
+    bool, the rows whose `do` and statistics it must still write."""
+    if rows_per_group is None:
+        return {}, np.ones(dead.shape, bool)
+    told = {"live_rows_end": live_rows_end(dead), "rows_per_group": rows_per_group}
+    group_start = np.arange(dead.shape[1]) // rows_per_group * rows_per_group
+    return told, ~dead | (group_start[None, :] < np.asarray(told["live_rows_end"])[:, None])
+
+
 def check(args, dead, *, interpret: bool, do_dtype=jnp.bfloat16, rows_per_group=None):
     """The prologue's results against float64; with `rows_per_group`, told
     each batch element's last live row, the rows it must still write."""
-    told = {}
-    written = np.ones(dead.shape, bool)
-    if rows_per_group is not None:
-        told = {"live_rows_end": live_rows_end(dead), "rows_per_group": rows_per_group}
-        group_start = np.arange(dead.shape[1]) // rows_per_group * rows_per_group
-        written = ~dead | (group_start[None, :] < np.asarray(told["live_rows_end"])[:, None])
+    told, written = told_rows(dead, rows_per_group)
     do, dgate, stats, dead_dv = backward_prologue.backward_prologue(
         *args, do_dtype=do_dtype, interpret=interpret, **told
     )
@@ -316,12 +322,7 @@ def check_masked(args, query_mask, keep, dead, *, interpret: bool, do_dtype=jnp.
     `rows_per_group`, told each batch element's last live row. Interpreted,
     the rows no kernel reads must be left unwritten (NaN: interpret mode's
     fresh buffers)."""
-    told = {}
-    written = np.ones(dead.shape, bool)
-    if rows_per_group is not None:
-        told = {"live_rows_end": live_rows_end(dead), "rows_per_group": rows_per_group}
-        group_start = np.arange(dead.shape[1]) // rows_per_group * rows_per_group
-        written = ~dead | (group_start[None, :] < np.asarray(told["live_rows_end"])[:, None])
+    told, written = told_rows(dead, rows_per_group)
     do_made, dgate, stats, dead_dv = backward_prologue.backward_prologue(
         *args, do_dtype=do_dtype, interpret=interpret, query_mask=query_mask, **told
     )
