@@ -442,17 +442,25 @@ def test_persistent_variant_makes_the_mosaic_dq_and_dkdv_tiles_persistent():
     assert variant not in alternatives.TABLE_IMPLEMENTATIONS
 
 
+def _skipping_plan_at_n256(bias_dtype):
+    """`(q, bias, mask, config, plan)` at B, S, N, H, d = 1, 8, 256, 8, 32, bf16 q and
+    a `bias_dtype` bias: the default block config and the Mosaic plan skipping padding
+    makes for an sm90 GPU."""
+    q = jax.ShapeDtypeStruct((1, 8, 256, 8, 32), jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((1, 8, 256, 256), bias_dtype)
+    mask = jax.ShapeDtypeStruct((1, 8, 256), jnp.bool_)
+    config = msa_pallas.default_block_config(256, 32, jnp.bfloat16, bias_dtype)
+    with msa_pallas.skipping_padding():
+        plan = msa_pallas.dispatch.plan_call(q, q, q, bias, mask, implementation="mosaic",
+                                             target=msa_pallas.dispatch.Target("gpu", 90))
+    return q, bias, mask, config, plan
+
+
 def test_skip_k64_variant_cuts_the_forward_and_dkdv_key_tiles_of_the_skipping_plan():
     """msa_pallas_skip_k64: the skipping plan's tiles (dq and dk/dv persistent), the
     forward's and dk/dv's cut to 64 keys; msa_pallas_skip_k64_dbias, the bias
     gradient's too; a plan on the Triton kernels keeps its config."""
-    q = jax.ShapeDtypeStruct((1, 8, 256, 8, 32), jnp.bfloat16)
-    bias = jax.ShapeDtypeStruct((1, 8, 256, 256), jnp.bfloat16)
-    mask = jax.ShapeDtypeStruct((1, 8, 256), jnp.bool_)
-    config = msa_pallas.default_block_config(256, 32, jnp.bfloat16, jnp.bfloat16)
-    with msa_pallas.skipping_padding():
-        plan = msa_pallas.dispatch.plan_call(q, q, q, bias, mask, implementation="mosaic",
-                                             target=msa_pallas.dispatch.Target("gpu", 90))
+    q, bias, mask, config, plan = _skipping_plan_at_n256(jnp.bfloat16)
     planned = dict(plan.backward_tiles)
     assert plan.forward_tiles.block_k == 128 and planned["dkdv"].block_k == 128
     narrowed = alternatives.narrow_key_tiles_config(config, plan)
@@ -487,13 +495,7 @@ def test_mask_queries_variants():
     `skipping_padding()`, its info saying so (the check's reference takes it too);
     msa_pallas_skip_mask_queries_q64: the skipping plan's forward and dq tiles cut to
     64 queries, the others as planned; a plan on the Triton kernels keeps its config."""
-    q = jax.ShapeDtypeStruct((1, 8, 256, 8, 32), jnp.bfloat16)
-    bias = jax.ShapeDtypeStruct((1, 8, 256, 256), jnp.float32)
-    mask = jax.ShapeDtypeStruct((1, 8, 256), jnp.bool_)
-    config = msa_pallas.default_block_config(256, 32, jnp.bfloat16, jnp.float32)
-    with msa_pallas.skipping_padding():
-        plan = msa_pallas.dispatch.plan_call(q, q, q, bias, mask, implementation="mosaic",
-                                             target=msa_pallas.dispatch.Target("gpu", 90))
+    q, bias, mask, config, plan = _skipping_plan_at_n256(jnp.float32)
     planned = dict(plan.backward_tiles)
     assert plan.forward_tiles.block_q == 128 and planned["dq"].block_q == 128
     narrowed = alternatives.narrow_query_tiles_config(config, plan)
