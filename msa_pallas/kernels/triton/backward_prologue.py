@@ -230,18 +230,21 @@ def _prologue_kernel(
         if dead_dv_ref is not None:
             dead_dv_ref[...] = jnp.zeros((width,), jnp.float32)
 
-    def masked_tile(tile, carry):
-        """A tile of a live row's masked queries: do and the gate's gradient
-        0, the statistics of weights 0."""
-        start = tile * block
+    def store_masked_queries(start, row_max, row_log2_sum, read: bool = True):
+        """The tile at `start` of masked queries alone, read from nothing:
+        the gate's gradient 0 and, `read`, `do` 0 and the statistics
+        (`row_max`, `row_log2_sum`, delta 0)."""
         zeros = jnp.zeros((block, width), jnp.float32)
         if dgate_ref is not None:
             common.store_residues(dgate_ref, (), start, zeros, n_res, width)
-        common.store_residues(do_ref, (), start, zeros, n_res, width)
-        masked = (jnp.full((heads, block), MASKED_QUERY_ROW_MAX_LOG2, jnp.float32),
-                  jnp.zeros((heads, block), jnp.float32), jnp.zeros((heads, block), jnp.float32))
-        for plane, value in enumerate(masked):
-            store_stats(start, plane, value)
+        if read:
+            common.store_residues(do_ref, (), start, zeros, n_res, width)
+            for plane, value in enumerate((row_max, row_log2_sum, 0.0)):
+                store_stats(start, plane, jnp.full((heads, block), value, jnp.float32))
+
+    def masked_tile(tile, carry):
+        """A tile of a live row's masked queries: weights 0 wherever visited."""
+        store_masked_queries(tile * block, MASKED_QUERY_ROW_MAX_LOG2, 0.0)
         return carry
 
     if end_ref is None:
@@ -252,20 +255,11 @@ def _prologue_kernel(
 
     def dead_row_of_masked_queries(read: bool):
         """A dead row's results, masking queries: every query masked, so
-        nothing is read and every result is a constant."""
-        zeros = jnp.zeros((block, width), jnp.float32)
-        uniform = (jnp.full((heads, block), MASKED_LOGIT_LOG2, jnp.float32),
-                   jnp.full((heads, block), math.log2(n_res), jnp.float32),
-                   jnp.zeros((heads, block), jnp.float32))
+        nothing is read and every result is a constant (the statistics of
+        uniform weights, as without the query mask)."""
 
         def visit(tile, carry):
-            start = tile * block
-            if dgate_ref is not None:
-                common.store_residues(dgate_ref, (), start, zeros, n_res, width)
-            if read:
-                common.store_residues(do_ref, (), start, zeros, n_res, width)
-                for plane, value in enumerate(uniform):
-                    store_stats(start, plane, value)
+            store_masked_queries(tile * block, MASKED_LOGIT_LOG2, math.log2(n_res), read)
             return carry
 
         common.tile_loop(0, tiles, visit, jnp.int32(0))
