@@ -10,14 +10,12 @@ Compile time. On CPU the suite's time is almost all XLA compiling the
 interpret-mode kernels (the programs run in milliseconds), so a CPU-only run
 (no JAX GPU plugin installed, or JAX_PLATFORMS=cpu), serial or parallel:
 
-- uses JAX's persistent compilation cache only where JAX_COMPILATION_CACHE_DIR
-  names one (every program cached, shared by the pytest-xdist workers and by
-  the subprocesses that tests start, and left in place: a warm cache makes a
-  rerun several times faster). Not by default: in full parallel runs on
-  2026-12-05 a worker died of a segmentation fault while the cache serialised
-  a small program (`executable.serialize()`, in a different test each time:
-  four runs of four with a cache made for the run; the one run without it
-  passed, in 746 s on 2 cores);
+- uses one JAX persistent compilation cache: a temporary folder made for the
+  run and removed after it, shared by the pytest-xdist workers and by the
+  subprocesses that tests start. A program that two tests compile alike
+  through different `jax.jit` objects, in one process or in two workers, is
+  compiled once. With JAX_COMPILATION_CACHE_DIR set, that cache is used
+  instead and left in place (a warm cache makes a rerun several times faster);
 - compiles with LLVM's optimisations off (`--xla_backend_optimization_level=0
   --xla_llvm_disable_expensive_passes=true` added to XLA_FLAGS, inherited by
   the workers and subprocesses): about a quarter less compile time. The
@@ -34,7 +32,17 @@ interpret-mode kernels (the programs run in milliseconds), so a CPU-only run
 - runs the Mosaic GPU interpreter's host callbacks without copying their
   arguments, and compiles each simulated thread's program once instead of at
   every kernel launch (`interpreter_callbacks.py`): two thirds of the time of
-  its tests, and the suite's 13 minutes on 2 cores down to under 10.
+  its tests, and the suite's 13 minutes on 2 cores down to under 10;
+- drops JAX's in-memory caches after each test module (`jax.clear_caches()`;
+  the persistent cache keeps the compiles). Each XLA:CPU executable held
+  about three memory mappings until then, and a worker's count grew with
+  every module it ran (14,046 after three minutes of three Mosaic
+  interpreter modules in one process), towards Linux's limit of 65,530 a
+  process (`vm.max_map_count`). Full parallel runs then died, nine of twelve on
+  2026-12-05 and 2026-12-06 and in CI, of a segmentation fault or an abort
+  inside XLA's compile or serialisation of some later program. Dropped per
+  module, no worker held more than 15,708 mappings, and the run passed in
+  605 s (2026-12-06).
 
 With a GPU plugin installed, nothing of this applies: GPU runs compile as they
 always did.
@@ -48,9 +56,12 @@ workers finish together.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import pathlib
+import shutil
+import tempfile
 import zlib
 
 import interpreter_callbacks
@@ -84,13 +95,33 @@ def pytest_configure(config):
         flags = f"{flags} {INTERPRETER_SCHEDULE_FLAG}"
     os.environ["XLA_FLAGS"] = flags.strip()
     if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        return
+        path = tempfile.mkdtemp(prefix="msa_pallas_jax_cache_")
+        config._msa_pallas_jax_cache = path
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+        # This process imported JAX above and has compiled nothing yet.
+        jax.config.update("jax_compilation_cache_dir", path)
     # Interpret-mode compiles of the kernels take 0.1-3 s each: cache them all.
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     jax.config.update(
         "jax_persistent_cache_min_compile_time_secs",
         float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]),
     )
+
+
+def pytest_runtest_teardown(item, nextitem):
+    # Each XLA:CPU executable holds about three memory mappings until JAX's
+    # caches drop it: a worker keeping every program of its modules heads for
+    # Linux's 65,530 mappings a process (vm.max_map_count), where XLA dies in
+    # a later compile (the module docstring says more).
+    if _cpu_only() and (nextitem is None or nextitem.path != item.path):
+        jax.clear_caches()
+        gc.collect()
+
+
+def pytest_unconfigure(config):
+    path = getattr(config, "_msa_pallas_jax_cache", None)
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 # The modules that take longest on a CPU, longest first (measured on
