@@ -36,8 +36,9 @@ interpret-mode kernels (the programs run in milliseconds), so a CPU-only run
 - drops JAX's in-memory caches after each test module (`jax.clear_caches()`;
   the persistent cache keeps the compiles). Each XLA:CPU executable held
   about three memory mappings until then, and a worker's count grew with
-  every module it ran (14,046 after three minutes of three Mosaic
-  interpreter modules in one process), towards Linux's limit of 65,530 a
+  every module it ran (14,046 after three minutes of the padded kernels'
+  Mosaic backward, Mosaic forward and Triton prologue test modules in one
+  process), towards Linux's limit of 65,530 a
   process (`vm.max_map_count`). Full parallel runs then died, nine of twelve on
   2026-12-05 and 2026-12-06 and in CI, of a segmentation fault or an abort
   inside XLA's compile or serialisation of some later program. Dropped per
