@@ -11,6 +11,10 @@
 # MSA_PALLAS_TEST_WORKERS sets the number of workers (at most the number of
 # cores; 0 = serial). With a GPU (nvidia-smi lists one) the default is serial:
 # worker processes would each claim the GPU's memory and share its timings.
+#
+# The run is stopped after MSA_PALLAS_TEST_TIMEOUT seconds (default 2700; 0:
+# no limit), exit status 124: after a worker crash xdist's replacement worker
+# can hang, and a hung run should fail at once rather than at CI's own limit.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/env.sh
@@ -31,4 +35,10 @@ if [ "$workers" != auto ]; then
     fi
     [ "$workers" -gt "$cores" ] && workers="$cores"
 fi
-exec "$PY" -m pytest -q -n "$workers" --dist loadfile "$@"
+limit="${MSA_PALLAS_TEST_TIMEOUT:-2700}"
+if ! [[ "$limit" =~ ^[0-9]+$ ]]; then
+    echo "test.sh: MSA_PALLAS_TEST_TIMEOUT=$limit: expected a number of seconds" >&2
+    exit 2
+fi
+# On TERM pytest's xdist controller stops its workers; KILL a minute later.
+exec timeout --kill-after=60 "$limit" "$PY" -m pytest -q -n "$workers" --dist loadfile "$@"
