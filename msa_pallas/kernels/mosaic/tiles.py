@@ -15,9 +15,8 @@ from msa_pallas.kernels.mosaic.smem import MAX_SHARED_MEMORY
 from msa_pallas.kernels.mosaic.support import FLOAT32_MAX_HEAD_DIM, kernel_head_dim
 
 
-def _largest_divisor_at_most(rows: int, limit: int) -> int:
-    """The largest divisor of `rows` that is <= `limit` (at least 1)."""
-    return max(r for r in range(1, min(limit, rows) + 1) if rows % r == 0)
+# The largest N at which the forward takes four MSA rows per CTA (`forward_tiles`).
+FOUR_ROWS_MAX_N = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +28,10 @@ class MosaicTiles:
       block_k: keys per pipeline stage (a multiple of 64).
       num_stages: depth of the shared-memory ring of K, V and bias tiles.
       msa_rows: consumer warpgroups per CTA, one MSA row each, sharing every
-        bias tile (1 or 2; used as the largest divisor of S not above it).
+        bias tile (1, 2 or 4; used as the largest of those dividing S, not
+        above it). Four consumers share the registers four ways (104 a
+        thread, `pipeline.consumer_register_budget`): 64 x 64 tiles, no
+        turns; the forward's alone (the backward tiles take 1 or 2).
       ping_pong: with two consumers, the forward's consumers take turns
         (`kernels.mosaic.pipeline.PingPong`). The backward kernels follow
         `MosaicBackwardTiles.ping_pong` instead.
@@ -73,12 +75,16 @@ class MosaicTiles:
             raise ValueError(f"block_k={self.block_k}; expected 64, 128, 192 or 256.")
         if self.num_stages < 2:
             raise ValueError(f"num_stages={self.num_stages}; expected >= 2.")
-        if self.msa_rows not in (1, 2):
-            raise ValueError(f"msa_rows={self.msa_rows}; expected 1 or 2.")
+        if self.msa_rows not in (1, 2, 4):
+            raise ValueError(f"msa_rows={self.msa_rows}; expected 1, 2 or 4.")
+        if self.msa_rows == 4 and (self.block_q, self.block_k) != (64, 64):
+            raise ValueError("msa_rows=4: four consumers' registers (104 a thread) hold "
+                             "64 x 64 tiles alone; expected block_q = block_k = 64.")
 
     def msa_rows_for(self, rows: int) -> int:
-        """MSA rows per CTA for S = `rows`: the largest divisor of S <= msa_rows."""
-        return _largest_divisor_at_most(rows, self.msa_rows)
+        """MSA rows per CTA for S = `rows`: the largest of 1, 2 and 4 that
+        divides S and is <= msa_rows."""
+        return max(r for r in (1, 2, 4) if r <= self.msa_rows and rows % r == 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,17 +116,35 @@ class MosaicBackwardTiles:
     ping_pong: bool = True
     prologue_kernel: bool = False
 
+    def __post_init__(self):
+        for kernel in ("dkdv", "dq", "dbias"):
+            if getattr(self, kernel).msa_rows > 2:
+                raise ValueError(f"{kernel}: msa_rows={getattr(self, kernel).msa_rows}; the "
+                                 "backward kernels take 1 or 2 MSA rows per CTA.")
+
 
 def forward_tiles(
     q_shape, q_dtype, bias_dtype, save_stats: bool, has_gate: bool = True,
     persistent: bool = True, dropout: bool = False,
 ):
-    """The fastest configuration measured on an H200 that fits in shared memory.
+    """The fastest configuration measured that fits in shared memory.
 
-    128-query tiles per warpgroup and 2 MSA rows per CTA win at every N
-    (benchmarks/RESULTS.md); 128-key stages where they fit (a 16-bit bias),
-    else 64-key stages; one MSA row per CTA only for head dims too large for
-    two. The persistent grid (with the residuals 2-22% faster at the SPEC
+    128-query tiles per warpgroup and 2 MSA rows per CTA win from N = 384 up
+    (benchmarks/RESULTS.md, an H200); 128-key stages where they fit (a
+    16-bit bias), else 64-key stages; one MSA row per CTA only for head dims
+    too large for two.
+
+    Up to N = `FOUR_ROWS_MAX_N` (S a multiple of 4, d <= 32, one head per
+    tile, no dropout), four MSA rows per CTA in 64 x 64 tiles: an item there
+    is a few key tiles long, and four consumers keep more warps issuing
+    through its waits; the 64-query tiles also let a padded crop's masked
+    queries skip whole tiles (`mask_queries`). On an H100 (2026-12-06, bf16
+    q/k/v, benchmarks/log/2026-12-06-02-four-msa-rows-per-cta-up-to-n-256.md),
+    forward / forward+backward: the training crop 6-12% / 2-4% faster, its
+    padded crop with `mask_queries` 15-21% / 5-8%; at N = 384 (finetune,
+    extra) four rows were up to 28% slower.
+
+    The persistent grid (with the residuals 2-22% faster at the SPEC
     shapes, within 1% at one) where its output tile fits beside them,
     unless `persistent` is False (the Mosaic GPU interpreter stalls on it
     on a machine with few cores). With d = 8 and an even H (two heads per
@@ -135,18 +159,22 @@ def forward_tiles(
     *_, heads, head_dim = q_shape
     pair = heads_per_tile(head_dim, heads)
     shapes = ((128, 128, 2, 2), (128, 64, 2, 2), (64, 64, 2, 2), (64, 64, 2, 1))
+    _, rows, n_res, *_ = q_shape
+    if (n_res <= FOUR_ROWS_MAX_N and rows % 4 == 0 and pair == 1 and head_dim <= 32
+            and not dropout):
+        shapes = ((64, 64, 2, 4),) + shapes
     if pair > 1 or dropout:
         # Two heads' logit tiles, or one and the dropout words, in
         # registers at once: 64 keys.
         shapes = tuple(shape for shape in shapes if shape[1] == 64)
     preferred = [
-        MosaicTiles(*shape, persistent=grid)
+        MosaicTiles(*shape, ping_pong=shape[3] != 4, persistent=grid)
         for shape in shapes
         for grid in ((True, False) if persistent else (False,))
     ]
     for tiles in preferred:
-        # Sized for the candidate's MSA rows, whatever S: the choice does
-        # not depend on S.
+        # Sized for the candidate's MSA rows: the shared memory does not
+        # depend on S.
         rows_shape = (q_shape[0], tiles.msa_rows, *q_shape[2:])
         kernel_plan = forward_plan(
             rows_shape, q_dtype, bias_dtype, tiles, mask_dtype=jnp.int8,

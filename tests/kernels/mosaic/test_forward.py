@@ -47,6 +47,7 @@ from msa_pallas.reference import MASKED_LOGIT
 # Forward-only tolerances of the output against float64 (the bar).
 OUT_TOLERANCE = {jnp.dtype(jnp.bfloat16): 2e-2, jnp.dtype(jnp.float16): 2e-3}
 SMALL_TILES = MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=2)
+FOUR_ROW_TILES = MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=4, ping_pong=False)
 
 
 def run_forward(inputs, tiles=SMALL_TILES, save_stats=True, kernel=mosaic_forward, scale=None):
@@ -94,6 +95,8 @@ CASES = {
     # N no multiple of 8 (`support.takes_any_n`): the bias rows padded to 8.
     "any-N37": (2, 2, 37, 32, jnp.bfloat16, jnp.float32, SMALL_TILES),
     "any-N100-odd-S-fp16": (1, 3, 100, 16, jnp.float16, jnp.float16, SMALL_TILES),
+    # Four consumers (MSA rows) per CTA, sharing each bias tile.
+    "four-rows-bf16": (1, 8, 128, 32, jnp.bfloat16, jnp.float32, FOUR_ROW_TILES),
 }
 HEADS = {"pairs-bf16": 3, "tails-N72": 2, "any-N37": 2}
 

@@ -180,19 +180,28 @@ def test_default_tiles_fit_shared_memory(head_dim, bias_dtype, save_stats):
     forward, args, plan = compiled_forward(256, head_dim, bias_dtype, save_stats=save_stats)
     used = mosaic_lowering.lowered_shared_memory(forward, *args)
     assert used == plan.shared_memory_bytes <= MAX_SHARED_MEMORY
-    tiles = mosaic_forward.default_tiles(
-        (1, 4, 256, 8, head_dim), jnp.bfloat16, bias_dtype, save_stats
-    )
-    if head_dim == 8:
-        assert tiles == MosaicTiles(128, 64, 2, 2, persistent=True)
-    # The preferred (largest) tiles are taken where they fit, persistent.
-    if 16 <= head_dim <= 32 and jnp.dtype(bias_dtype).itemsize == 2:
-        assert tiles == MosaicTiles(128, 128, 2, 2, persistent=True)
-    if head_dim == 32 and jnp.dtype(bias_dtype).itemsize == 4 and save_stats:
-        assert tiles == MosaicTiles(128, 64, 2, 2, persistent=True)
-    assert not mosaic_forward.default_tiles(
-        (1, 4, 256, 8, head_dim), jnp.bfloat16, bias_dtype, save_stats, persistent=False
-    ).persistent
+    def default(rows, n_res, **options):
+        return mosaic_forward.default_tiles(
+            (1, rows, n_res, 8, head_dim), jnp.bfloat16, bias_dtype, save_stats, **options
+        )
+
+    # Up to N = 256 four MSA rows per CTA where S allows and d <= 32 (one
+    # head per tile), in 64 x 64 tiles; else, and from N = 384 up, two.
+    for rows, n_res in ((4, 256), (8, 128)):
+        if 16 <= head_dim <= 32:
+            assert default(rows, n_res) == MosaicTiles(64, 64, 2, 4, ping_pong=False,
+                                                       persistent=True)
+    for rows, n_res in ((4, 384), (6, 256), (2, 256)):
+        tiles = default(rows, n_res)
+        if head_dim == 8:
+            assert tiles == MosaicTiles(128, 64, 2, 2, persistent=True)
+        # The preferred (largest) tiles are taken where they fit, persistent.
+        if 16 <= head_dim <= 32 and jnp.dtype(bias_dtype).itemsize == 2:
+            assert tiles == MosaicTiles(128, 128, 2, 2, persistent=True)
+        if head_dim == 32 and jnp.dtype(bias_dtype).itemsize == 4 and save_stats:
+            assert tiles == MosaicTiles(128, 64, 2, 2, persistent=True)
+    assert default(4, 256, dropout=True).msa_rows != 4
+    assert not default(4, 256, persistent=False).persistent
 
 
 @pytest.mark.parametrize(

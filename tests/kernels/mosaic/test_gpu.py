@@ -174,6 +174,38 @@ def test_persistent_forward_equals_one_cta_per_item(shape, bias_dtype, seed):
         )
 
 
+@pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "shape", [SHAPES["train"], (1, 8, 328, 4, 32), (2, 4, 200, 8, 16)],
+    ids=lambda s: "x".join(map(str, s)),
+)
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "per-item"])
+def test_four_msa_rows_per_cta_equal_two(shape, bias_dtype, persistent, seed):
+    """Four consumers per CTA (`MosaicTiles.msa_rows` = 4, the default up
+    to N = 256) compute each row as two do with the same 64 x 64 tiles: the
+    outputs and residuals are bitwise equal, at the training crop, at N =
+    328 (six key tiles, the last past N) and with two batch elements and
+    d = 16."""
+    inputs = device_inputs(seed, shape, jnp.bfloat16, bias_dtype=bias_dtype)
+    q, k, v, bias, mask, gate, _ = inputs.args
+    two, four = [
+        mosaic_forward.attention_forward(
+            q, k, v, bias, mask.astype(jnp.int8), gate, scale=shape[-1] ** -0.5,
+            tiles=MosaicTiles(64, 64, 2, rows, ping_pong=rows == 2, persistent=persistent),
+            interpret=False, save_stats=True,
+        )
+        for rows in (2, 4)
+    ]
+    for name, expected, result in zip(("out", "attention", "row_max", "row_log2_sum"), two, four):
+        np.testing.assert_array_equal(
+            np.asarray(result.astype(jnp.float32)), np.asarray(expected.astype(jnp.float32)),
+            err_msg=name,
+        )
+    error = helpers.rel_err(four[0], helpers.jnp_reference_fwd_bwd(
+        inputs, chunk_rows=chunk_rows(shape))[0])
+    assert error <= OUT_TOLERANCE[jnp.dtype(jnp.bfloat16)], error
+
+
 @pytest.mark.parametrize("n_res", [37, 100, 64])
 def test_unaligned_row_tile_copies_any_n(n_res, seed):
     """`smem.unaligned_row_tile`, the building block for N % 8 != 0: q and

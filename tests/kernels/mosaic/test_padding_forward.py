@@ -85,6 +85,11 @@ CPU_CASES = {
     # Every row dead: no row group has a work item.
     "all-padding": dict(shape=(1, 4, 64, 2, 16), bias_dtype=jnp.float32,
                         mask=dict(dead=(0, 1, 2, 3))),
+    # Four rows per CTA: row 1 dead beside live rows, rows 4-7 (the second
+    # group) dead, rows 8-11 live; keys 64-127 masked in the odd rows.
+    "four-rows": dict(shape=(1, 12, 192, 1, 32), bias_dtype=jnp.float32,
+                      mask=dict(middle=(64, 128), dead=(1, 4, 5, 6, 7)),
+                      tiles=MosaicTiles(64, 64, 2, 4, ping_pong=False)),
 }
 
 
@@ -96,7 +101,7 @@ def test_skipping_matches_visiting_every_tile(case, seed):
         seed, batch, rows, n_res, heads, head_dim, jnp.bfloat16, bias_dtype=spec["bias_dtype"]
     )
     inputs = inputs._replace(mask=jnp.asarray(helpers.padded_mask(batch, rows, n_res, seed, **spec["mask"])))
-    check(inputs, TILES, interpret=True)
+    check(inputs, spec.get("tiles", TILES), interpret=True)
 
 
 def test_dead_row_means_hand_over_the_residuals_unselected(seed):
