@@ -360,6 +360,7 @@ def plan_call(
 
     # 3. The forward: the Mosaic forward takes 16-bit inputs; d = 8 with an
     # even H as it is (two heads per tile), other d < 16 zero-padded.
+    skipping = mask is not None and skips_padding()
     if implementation == "mosaic" and jnp.dtype(q.dtype).itemsize == 2:
         forward = "mosaic"
         forward_head_dim = head_dim if pairs_heads(head_dim, heads) else padded_head_dim
@@ -368,13 +369,15 @@ def plan_call(
             save_stats=True, has_gate=gate is not None,
             # The Mosaic GPU interpreter stalls on the persistent grid.
             persistent=not interpret, dropout=bool(dropout_rate),
+            # Its tiles where the kernels skip masked queries (step 4's
+            # prologue kernel, without dropout).
+            skips_masked_queries=masks_queries and skipping,
         )
     else:
         forward, forward_head_dim, forward_tiles = "triton", head_dim, config.forward
 
     # 4. The backward: the Mosaic kernels pad d < 16 where they do not read
     # two heads per tile (`tile_heads`; never in float32).
-    skipping = mask is not None and skips_padding()
     if implementation == "mosaic":
         backward = "mosaic"
         paired = mosaic_backward.tile_heads(kernel_shape, q.dtype) > 1

@@ -153,6 +153,14 @@ def test_skipping_padding_takes_the_persistent_dq_and_dkdv_and_the_prologue_kern
     assert not dense.tiles_of("dq").persistent and not dense.tiles_of("dkdv").persistent
     assert skipping.tiles_of("dbias") == dense.tiles_of("dbias")
     assert skipping.forward_tiles == dense.forward_tiles
+    # Skipping masked queries too, up to N = 256: four MSA rows per CTA in
+    # 64 x 64 forward tiles; the backward's tiles as without.
+    queries = planned(mask_queries=True)
+    assert queries.kernels_mask_queries
+    assert queries.forward_tiles == MosaicTiles(64, 64, 2, 4, ping_pong=False, persistent=True)
+    assert queries.backward_tiles == skipping.backward_tiles
+    assert plan_call(q, k, v, bias, mask, target=HOPPER, mask_queries=True).forward_tiles == (
+        dense.forward_tiles)
     assert skipping.prologue_kernel and "backward prologue" in str(skipping)
     assert not dense.prologue_kernel
     for other in (planned(mask=None), planned(dropout_rate=0.1, dropout_rng=rng),

@@ -15,7 +15,8 @@ from msa_pallas.kernels.mosaic.smem import MAX_SHARED_MEMORY
 from msa_pallas.kernels.mosaic.support import FLOAT32_MAX_HEAD_DIM, kernel_head_dim
 
 
-# The largest N at which the forward takes four MSA rows per CTA (`forward_tiles`).
+# The largest N at which the forward takes four MSA rows per CTA where masked
+# queries are skipped (`forward_tiles`).
 FOUR_ROWS_MAX_N = 256
 
 
@@ -125,7 +126,7 @@ class MosaicBackwardTiles:
 
 def forward_tiles(
     q_shape, q_dtype, bias_dtype, save_stats: bool, has_gate: bool = True,
-    persistent: bool = True, dropout: bool = False,
+    persistent: bool = True, dropout: bool = False, skips_masked_queries: bool = False,
 ):
     """The fastest configuration measured that fits in shared memory.
 
@@ -134,15 +135,18 @@ def forward_tiles(
     16-bit bias), else 64-key stages; one MSA row per CTA only for head dims
     too large for two.
 
-    Up to N = `FOUR_ROWS_MAX_N` (S a multiple of 4, d <= 32, one head per
-    tile, no dropout), four MSA rows per CTA in 64 x 64 tiles: an item there
-    is a few key tiles long, and four consumers keep more warps issuing
-    through its waits; the 64-query tiles also let a padded crop's masked
-    queries skip whole tiles (`mask_queries`). On an H100 (2026-12-06, bf16
-    q/k/v, benchmarks/log/2026-12-06-02-four-msa-rows-per-cta-up-to-n-256.md),
-    forward / forward+backward: the training crop 6-12% / 2-4% faster, its
-    padded crop with `mask_queries` 15-21% / 5-8%; at N = 384 (finetune,
-    extra) four rows were up to 28% slower.
+    Where the kernels skip masked queries (`skips_masked_queries`: padding
+    skipped, the op's `mask_queries`) up to N = `FOUR_ROWS_MAX_N` (S a
+    multiple of 4, d <= 32, one head per tile, no dropout): four MSA rows
+    per CTA in 64 x 64 tiles, whose 64-query tiles let a padded crop's
+    masked queries skip whole tiles. On an H100 (2026-12-06, bf16 q/k/v,
+    benchmarks/log/2026-12-06-02-four-msa-rows-per-cta-where-queries-are-skipped.md),
+    at the padded training crop with `mask_queries`, forward / forward+
+    backward: 0.053 -> 0.046 / 0.255 -> 0.246 ms with a bf16 bias, 0.050 ->
+    0.049 / 0.255 -> 0.252 ms with a float32 one. Not elsewhere: at the
+    unpadded training crop they took 0.059-0.060 against 0.053 ms forward
+    (bf16 bias; 0.063 against 0.059 with a float32 one), and at N = 384 up
+    to 28% longer.
 
     The persistent grid (with the residuals 2-22% faster at the SPEC
     shapes, within 1% at one) where its output tile fits beside them,
@@ -160,8 +164,8 @@ def forward_tiles(
     pair = heads_per_tile(head_dim, heads)
     shapes = ((128, 128, 2, 2), (128, 64, 2, 2), (64, 64, 2, 2), (64, 64, 2, 1))
     _, rows, n_res, *_ = q_shape
-    if (n_res <= FOUR_ROWS_MAX_N and rows % 4 == 0 and pair == 1 and head_dim <= 32
-            and not dropout):
+    if (skips_masked_queries and n_res <= FOUR_ROWS_MAX_N and rows % 4 == 0 and pair == 1
+            and head_dim <= 32 and not dropout):
         shapes = ((64, 64, 2, 4),) + shapes
     if pair > 1 or dropout:
         # Two heads' logit tiles, or one and the dropout words, in

@@ -185,14 +185,15 @@ def test_default_tiles_fit_shared_memory(head_dim, bias_dtype, save_stats):
             (1, rows, n_res, 8, head_dim), jnp.bfloat16, bias_dtype, save_stats, **options
         )
 
-    # Up to N = 256 four MSA rows per CTA where S allows and d <= 32 (one
-    # head per tile), in 64 x 64 tiles; else, and from N = 384 up, two.
+    # Where masked queries are skipped, up to N = 256, four MSA rows per CTA
+    # where S allows and d <= 32 (one head per tile), in 64 x 64 tiles; else,
+    # from N = 384 up, and where they are not skipped, two.
     for rows, n_res in ((4, 256), (8, 128)):
         if 16 <= head_dim <= 32:
-            assert default(rows, n_res) == MosaicTiles(64, 64, 2, 4, ping_pong=False,
-                                                       persistent=True)
-    for rows, n_res in ((4, 384), (6, 256), (2, 256)):
-        tiles = default(rows, n_res)
+            assert default(rows, n_res, skips_masked_queries=True) == MosaicTiles(
+                64, 64, 2, 4, ping_pong=False, persistent=True)
+    for rows, n_res, skips in ((4, 256, False), (4, 384, True), (6, 256, True), (2, 256, True)):
+        tiles = default(rows, n_res, skips_masked_queries=skips)
         if head_dim == 8:
             assert tiles == MosaicTiles(128, 64, 2, 2, persistent=True)
         # The preferred (largest) tiles are taken where they fit, persistent.
@@ -200,7 +201,7 @@ def test_default_tiles_fit_shared_memory(head_dim, bias_dtype, save_stats):
             assert tiles == MosaicTiles(128, 128, 2, 2, persistent=True)
         if head_dim == 32 and jnp.dtype(bias_dtype).itemsize == 4 and save_stats:
             assert tiles == MosaicTiles(128, 64, 2, 2, persistent=True)
-    assert default(4, 256, dropout=True).msa_rows != 4
+    assert default(4, 256, dropout=True, skips_masked_queries=True).msa_rows != 4
     assert not default(4, 256, persistent=False).persistent
 
 

@@ -182,7 +182,8 @@ def test_persistent_forward_equals_one_cta_per_item(shape, bias_dtype, seed):
 @pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "per-item"])
 def test_four_msa_rows_per_cta_equal_two(shape, bias_dtype, persistent, seed):
     """Four consumers per CTA (`MosaicTiles.msa_rows` = 4, the default up
-    to N = 256) compute each row as two do with the same 64 x 64 tiles: the
+    to N = 256 where masked queries are skipped) compute each row as two do
+    with the same 64 x 64 tiles: the
     outputs and residuals are bitwise equal, at the training crop, at N =
     328 (six key tiles, the last past N) and with two batch elements and
     d = 16."""
