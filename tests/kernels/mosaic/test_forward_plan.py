@@ -24,7 +24,7 @@ from msa_pallas.kernels.mosaic.smem import (
 )
 from msa_pallas.kernels.mosaic.support import HEAD_DIMS, supports
 from msa_pallas.kernels.mosaic.plan import forward_plan
-from msa_pallas.kernels.mosaic.tiles import MosaicTiles
+from msa_pallas.kernels.mosaic.tiles import MosaicBackwardTiles, MosaicTiles
 
 SMALL_TILES = MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=2)
 
@@ -255,7 +255,12 @@ def test_tiles_validate_their_fields():
         MosaicTiles(block_q=32)
     with pytest.raises(ValueError, match="block_k"):
         MosaicTiles(block_k=96)
-    for msa_rows in (3, 4):
+    for msa_rows in (3, 4):  # four rows take 64 x 64 tiles alone
         with pytest.raises(ValueError, match="msa_rows"):
             MosaicTiles(msa_rows=msa_rows)
     assert MosaicTiles(msa_rows=2).msa_rows_for(5) == 1
+    four = MosaicTiles(64, 64, msa_rows=4)
+    assert [four.msa_rows_for(rows) for rows in (12, 6, 3)] == [4, 2, 1]
+    # The backward kernels take one or two rows per CTA.
+    with pytest.raises(ValueError, match="backward kernels take 1 or 2"):
+        MosaicBackwardTiles(dq=four)
