@@ -145,8 +145,8 @@ def forward_tiles(
     backward: 0.053 -> 0.046 / 0.255 -> 0.246 ms with a bf16 bias, 0.050 ->
     0.049 / 0.255 -> 0.252 ms with a float32 one. Not elsewhere: at the
     unpadded training crop they took 0.059-0.060 against 0.053 ms forward
-    (bf16 bias; 0.063 against 0.059 with a float32 one), and at N = 384 up
-    to 28% longer.
+    (bf16 bias; 0.063 against 0.059 with a float32 one), and at N = 384,
+    timed call by call, up to 28% longer.
 
     The persistent grid (with the residuals 2-22% faster at the SPEC
     shapes, within 1% at one) where its output tile fits beside them,
