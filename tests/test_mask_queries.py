@@ -36,6 +36,11 @@ CASES = {
     # 1 beside them or loop from query tile 0).
     "spans-of-their-own": ((1, 4, 256, 2, 16), jnp.bfloat16,
                            dict(spans=((0, 250), (0, 250), (140, 200), (140, 200)))),
+    # The Mosaic forward's four MSA rows per CTA (64 x 64 tiles, its plan where
+    # masked queries are skipped): the second 64-query tile padding in every
+    # row, row 1 dead beside live rows, the second group of four rows dead.
+    "four-rows-dead-group": ((1, 8, 128, 1, 32), jnp.bfloat16,
+                             dict(end_padding=0.5, dead=(1, 4, 5, 6, 7))),
 }
 
 # On the GPU alone: the padded training crop's rows and heads, whose masked
@@ -121,6 +126,17 @@ def test_masked_queries_against_float64(case, implementation, skip_padding, seed
         pytest.skip("the plain-jnp path skips nothing")
     result = _fwd_bwd(implementation, skip_padding)(*inputs.args)
     _check(result, inputs, f"{case} {implementation} skip={skip_padding}")
+
+
+def test_four_rows_case_runs_four_rows_per_cta():
+    """The case meant for the forward's four MSA rows per CTA plans them, in
+    the interpreter as on an H100, with the kernels masking the queries."""
+    inputs = _inputs("four-rows-dead-group", 0)
+    for target in (None, msa_pallas.dispatch.Target("gpu", 90)):
+        with msa_pallas.skipping_padding():
+            plan = msa_pallas.explain(*inputs.args[:4], inputs.mask, inputs.gate,
+                                      implementation="mosaic", mask_queries=True, target=target)
+        assert plan.kernels_mask_queries and plan.forward_tiles.msa_rows == 4, plan
 
 
 def test_the_mosaic_kernels_mask_the_queries_where_padding_is_skipped():
