@@ -130,7 +130,7 @@ def test_masked_queries_against_float64(case, implementation, skip_padding, seed
 
 def test_four_rows_case_runs_four_rows_per_cta():
     """The case meant for the forward's four MSA rows per CTA plans them, in
-    the interpreter as on an H100, with the kernels masking the queries."""
+    the interpreter as on a Hopper GPU, with the kernels masking the queries."""
     inputs = _inputs("four-rows-dead-group", 0)
     for target in (None, msa_pallas.dispatch.Target("gpu", 90)):
         with msa_pallas.skipping_padding():

@@ -183,10 +183,9 @@ def test_persistent_forward_equals_one_cta_per_item(shape, bias_dtype, seed):
 def test_four_msa_rows_per_cta_equal_two(shape, bias_dtype, persistent, seed):
     """Four consumers per CTA (`MosaicTiles.msa_rows` = 4, the default up
     to N = 256 where masked queries are skipped) compute each row as two do
-    with the same 64 x 64 tiles: the
-    outputs and residuals are bitwise equal, at the training crop, at N =
-    328 (six key tiles, the last past N) and with two batch elements and
-    d = 16."""
+    with the same 64 x 64 tiles: the outputs and residuals are bitwise
+    equal, at the training crop, at N = 328 (six key tiles, the last past
+    N) and with two batch elements and d = 16."""
     inputs = device_inputs(seed, shape, jnp.bfloat16, bias_dtype=bias_dtype)
     q, k, v, bias, mask, gate, _ = inputs.args
     two, four = [
