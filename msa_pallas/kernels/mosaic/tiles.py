@@ -119,9 +119,10 @@ class MosaicBackwardTiles:
 
     def __post_init__(self):
         for kernel in ("dkdv", "dq", "dbias"):
-            if getattr(self, kernel).msa_rows > 2:
-                raise ValueError(f"{kernel}: msa_rows={getattr(self, kernel).msa_rows}; the "
-                                 "backward kernels take 1 or 2 MSA rows per CTA.")
+            rows = getattr(self, kernel).msa_rows
+            if rows > 2:
+                raise ValueError(f"{kernel}: msa_rows={rows}; the backward kernels take 1 "
+                                 "or 2 MSA rows per CTA.")
 
 
 def forward_tiles(
@@ -160,10 +161,9 @@ def forward_tiles(
     and take 1.18 ms against 0.73 ms for 64-key ones
     (benchmarks/log/2026-12-04-09-dropout-tiles.md).
     """
-    *_, heads, head_dim = q_shape
+    batch, rows, n_res, heads, head_dim = q_shape
     pair = heads_per_tile(head_dim, heads)
     shapes = ((128, 128, 2, 2), (128, 64, 2, 2), (64, 64, 2, 2), (64, 64, 2, 1))
-    _, rows, n_res, *_ = q_shape
     if (skips_masked_queries and n_res <= FOUR_ROWS_MAX_N and rows % 4 == 0 and pair == 1
             and head_dim <= 32 and not dropout):
         shapes = ((64, 64, 2, 4),) + shapes
@@ -179,7 +179,7 @@ def forward_tiles(
     for tiles in preferred:
         # Sized for the candidate's MSA rows: the shared memory does not
         # depend on S.
-        rows_shape = (q_shape[0], tiles.msa_rows, *q_shape[2:])
+        rows_shape = (batch, tiles.msa_rows, n_res, heads, head_dim)
         kernel_plan = forward_plan(
             rows_shape, q_dtype, bias_dtype, tiles, mask_dtype=jnp.int8,
             gate_dtype=q_dtype if has_gate else None, save_stats=save_stats, interpret=False,
