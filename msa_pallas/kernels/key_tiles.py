@@ -256,17 +256,29 @@ class SpanReader:
         that serves groups in order gives those after it no work item."""
         if self.dead_rows_whole:
             return jnp.int32(groups)
-        ends = self.extents[1]
-        batch_size = ends.shape[0]
+        return ceil_div(self._largest(self.extents[1]), self.rows_per_group)
+
+    def live_query_tiles(self, block_q: int):
+        """The query tiles of `block_q` residues up to the last that holds a
+        residue any row of any batch element keeps: where the mask masks
+        queries too (`mask_queries`), every query after it is masked in
+        every row, and a kernel that serves query tiles in order gives the
+        tiles after it no work item. Not with `dead_rows_whole`."""
+        return ceil_div(self._largest(self.extents[3]), block_q)
+
+    @staticmethod
+    def _largest(per_batch):
+        """The largest of a `[B]` int32 ref's values (0 for none above it)."""
+        batch_size = per_batch.shape[0]
         if batch_size <= _UNROLLED_BATCH:
-            end = jnp.int32(0)
+            largest = jnp.int32(0)
             for batch in range(batch_size):
-                end = jnp.maximum(end, ends[batch])
-        else:
-            end = lax.fori_loop(
-                0, batch_size, lambda batch, end: jnp.maximum(end, ends[batch]), jnp.int32(0)
-            )
-        return ceil_div(end, self.rows_per_group)
+                largest = jnp.maximum(largest, per_batch[batch])
+            return largest
+        return lax.fori_loop(
+            0, batch_size, lambda batch, largest: jnp.maximum(largest, per_batch[batch]),
+            jnp.int32(0),
+        )
 
     def rows_of_key_tile(self, batch, key_tile, block_k: int, queries=None):
         """`(first, end)`: the rows first <= row < end of batch element

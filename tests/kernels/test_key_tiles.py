@@ -162,6 +162,13 @@ def test_query_tiles_where_queries_are_masked(batch, rows, n_res, block_k, group
             got = ints(reader.rows_of_key_tile(b, 0, n_res, queries=(start, size)))
             meets = end_key > 0 and start < end_key and start + size > first_key
             assert got == (live_rows if meets else (0, 0)), (b, start, size)
+    # The forward serves the query tiles up to the last that any row keeps a
+    # residue of: every tile after it is masked in every row and batch element.
+    last_kept = max(bounds_of(keep[b].any(0))[1] for b in range(batch))
+    assert int(reader.live_query_tiles(block_q)) == -(-last_kept // block_q)
+    assert not any(bool(reader.holds_queries(b, g, t, block_q))
+                   for b in range(batch) for g in range(rows // group)
+                   for t in range(int(reader.live_query_tiles(block_q)), query_tiles))
 
 
 def test_end_padding_gives_the_tight_rows():
@@ -186,6 +193,7 @@ def test_no_live_row_gives_empty_bounds():
     assert not any(np.asarray(x).any() for x in key_tiles.live_extents(*key_tiles.key_spans(mask, 64)))
     assert ints(reader.key_tiles(1, 1, 64)) == (0, 0)
     assert int(reader.live_row_groups(2)) == 0
+    assert int(reader.live_query_tiles(32)) == 0
     assert ints(reader.rows_of_key_tile(0, 0, 64)) == (0, 0)
     whole = span_reader(mask, 64, 2, dead_rows_whole=True)
     assert ints(whole.key_tiles(1, 1, 32)) == (0, 2)
@@ -202,7 +210,7 @@ def test_any_mask_dtype(dtype):
 
 
 @pytest.mark.parametrize("batch", [3, 11])  # read one by one, and in a loop
-def test_live_row_groups_over_many_batch_elements(batch, seed):
+def test_live_row_groups_and_query_tiles_over_many_batch_elements(batch, seed):
     rng = np.random.default_rng(seed)
     rows, n_res = 12, 32
     keep = np.zeros((batch, rows, n_res), bool)
@@ -211,3 +219,5 @@ def test_live_row_groups_over_many_batch_elements(batch, seed):
         keep[b, :end, : rng.integers(1, n_res + 1)] = True
     reader = span_reader(jnp.asarray(keep.astype(np.int8)), n_res, 2)
     assert int(reader.live_row_groups(rows // 2)) == -(-int(ends.max()) // 2)
+    last_kept = max(int(np.flatnonzero(keep[b].any(0)).max(initial=-1)) + 1 for b in range(batch))
+    assert int(reader.live_query_tiles(8)) == -(-last_kept // 8)

@@ -45,7 +45,8 @@ means of v. A dead row's CTA here would spend a work item's latency on a
 mean it need not compute. Where the mask masks queries too (`mask_queries`:
 out is 0 at a masked residue), an item whose query tile holds no kept
 residue visits no key tile either, and nothing is filled but zeros, at every
-masked residue (`triton.dead_rows.zero_masked_queries`).
+masked residue (`triton.dead_rows.zero_masked_queries`); the query tiles
+after the last that holds a kept residue have no items at all.
 With `dropout_rate` > 0 the weights `dropout` drops (their words read from
 XLA's arrays, `dropout_words`) are zeroed after the row statistics, and the
 output scaled by 1 / (1 - rate). Skipping with dropout, a dead row's
@@ -396,6 +397,10 @@ def _kernel(
     items = ForwardItems(
         grid, heads, block_q, tiles.persistent,
         row_groups=spans.live_row_groups(grid[2]) if skips_masked else None,
+        # The query tiles after the last kept residue: results 0, as the
+        # wrapper writes them, and residuals that nothing reads. Each would
+        # cost an item's q tile and stores, and hand its q latency to the next.
+        query_tiles=spans.live_query_tiles(block_q) if mask_queries else None,
     )
     first_item = items.first
 

@@ -11,7 +11,9 @@ When padding is skipped, only the first `row_groups` row groups (a count
 read at run time: those before the last group that keeps a key) have
 items: the dead groups after them (padding rows at the end of the
 alignment) take none, so a padded batch's items are as many as its live
-rows need, and their results are filled in by the caller.
+rows need, and their results are filled in by the caller. Where the mask
+masks queries too, the query tiles after the last that holds a kept
+residue (padding residues at the end of the crop) take none either.
 
 The persistent dq and dk/dv kernels' items (`BackwardItems`) are counted
 the same way, a query or key tile in place of the first query; their
@@ -50,34 +52,42 @@ class ForwardItems:
     the kernel's start: the CTA's share and first item are computed there.
     `row_groups`: None (every row group has items) or a traced int32, the
     row groups that have items (the first ones); the CTA may then have
-    none (`items_here` 0), and its `first` item is not one to load."""
+    none (`items_here` 0), and its `first` item is not one to load.
+    `query_tiles`: likewise for the query tiles (None: all of them; a
+    traced int32: the first ones, those after holding no query to serve)."""
 
-    def __init__(self, grid, heads: int, block_q: int, persistent: bool, row_groups=None):
+    def __init__(self, grid, heads: int, block_q: int, persistent: bool, row_groups=None,
+                 query_tiles=None):
         self.grid, self.heads, self.block_q, self.persistent = grid, heads, block_q, persistent
-        self.runtime_count = row_groups is not None
-        # Row groups per (batch-head, query tile) in the items' numbering; at
-        # least 1, so that numbering a CTA's (absent) first item divides by it.
+        self.runtime_count = row_groups is not None or query_tiles is not None
+        # Row groups and query tiles in the items' numbering; at least 1, so
+        # that numbering a CTA's (absent) first item divides by them.
         self.row_groups = grid[2] if row_groups is None else lax.max(row_groups, 1)
+        self.query_tiles = grid[1] if query_tiles is None else lax.max(query_tiles, 1)
         if persistent:
             # CTA `cta` takes items cta, cta + ctas, ...: the CTAs at work at
             # the same time take neighbouring row groups, so they read the
             # same bias tiles, as with one CTA per item.
             self.ctas, self.cta = lax.axis_size("ctas"), lax.axis_index("ctas")
-            total = grid[0] * grid[1] * (grid[2] if row_groups is None else row_groups)
+            total = (grid[0] * (grid[1] if query_tiles is None else query_tiles)
+                     * (grid[2] if row_groups is None else row_groups))
             self.items_here = total // self.ctas + (self.cta < total % self.ctas).astype(jnp.int32)
             self.first = self.item(self.cta)
         else:
             batch, head, _ = batch_head_and_warpgroup(heads)
-            row_group = lax.axis_index("row_groups")
-            self.items_here = (
-                1 if row_groups is None else (row_group < row_groups).astype(jnp.int32)
-            )
-            self.first = (batch, head, row_group, lax.axis_index("query_tiles") * block_q)
+            row_group, query_tile = lax.axis_index("row_groups"), lax.axis_index("query_tiles")
+            here = True
+            if row_groups is not None:
+                here = jnp.logical_and(here, row_group < row_groups)
+            if query_tiles is not None:
+                here = jnp.logical_and(here, query_tile < query_tiles)
+            self.items_here = 1 if here is True else here.astype(jnp.int32)
+            self.first = (batch, head, row_group, query_tile * block_q)
 
     def item(self, linear):
         """(batch, head, row_group, q_start) of work item `linear`."""
         batch, head, row_group, query_tile = decode_item(
-            linear, self.grid[1], self.row_groups, self.heads
+            linear, self.query_tiles, self.row_groups, self.heads
         )
         return batch, head, row_group, query_tile * self.block_q
 
