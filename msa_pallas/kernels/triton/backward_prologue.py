@@ -17,7 +17,9 @@ reads the dead rows' `do` again for their dv (`dead_rows.dead_row_means`).
 This kernel is one launch that reads each row once, and a dead row's
 float32 attention output not at all. A program serves one MSA row and a
 slice of its heads (whole heads: delta is a sum over each head's d
-columns) and loops over the row's residues:
+columns) and loops over the row's residues, or, where no dead row's dv is
+made, over a chunk of them, so that a launch over few rows has programs
+enough (`_MIN_PROGRAMS`) to keep the memory busy:
 
 - a live row: `do = round(dout * sigmoid(g))` (rounded to q's dtype, as the
   kernels multiply it), `dgate = dout * o * sigmoid(g) * (1 - sigmoid(g))`,
@@ -74,6 +76,11 @@ from msa_pallas.kernels.triton import common
 # row); the launch.
 _TILE_ELEMENTS = 4096
 _MAX_COLUMNS = 128
+# Where no row's sum over its residues is made (no dead rows' dv), a row's
+# residues are split among programs until the launch has this many: with one
+# program per row slice a short alignment's launch (the training crop's 128
+# rows) has too few loads in flight to stream at the memory's rate.
+_MIN_PROGRAMS = 2048
 _LAUNCH = collections.namedtuple("Launch", "num_warps num_stages")(num_warps=4, num_stages=2)
 
 
@@ -132,9 +139,11 @@ def _check(dout, gate, attention, means, row_max, row_log2_sum, key_end, live_ro
 def _prologue_kernel(
     end_ref, live_end_ref, dout_ref, gate_ref, attention_ref, means_ref, row_max_ref,
     row_log2_sum_ref, query_mask_ref, do_ref, dgate_ref, stats_ref, dead_dv_ref, *, n_res: int,
-    heads: int, head_dim: int, block: int, do_dtype, rows_per_group: int,
+    heads: int, head_dim: int, block: int, do_dtype, rows_per_group: int, chunk_tiles: int,
 ):
-    """One MSA row's column slice (`heads` heads of `head_dim` columns):
+    """One MSA row's column slice (`heads` heads of `head_dim` columns),
+    its tiles of `block` residues from `chunk_tiles` * the grid's fourth
+    index on, `chunk_tiles` of them (all the row's where dead_dv is made):
     refs `[N, width]` (dout, gate, attention, do, dgate), `[width]` (means,
     dead_dv), `[heads, N']` (the row statistics), `[N']` int8 (query_mask),
     `[heads, 3, N]` (stats), the scalar `end_ref` (the row's
@@ -146,6 +155,13 @@ def _prologue_kernel(
     where every dead row is read."""
     width = heads * head_dim
     every_head = pl.ds(common.index(0), heads)
+    tiles = pl.cdiv(n_res, block)
+    # This program's tiles: first_tile <= tile < end_tile.
+    if chunk_tiles >= tiles:
+        first_tile, end_tile = 0, tiles
+    else:
+        first_tile = pl.program_id(3) * chunk_tiles
+        end_tile = jnp.minimum(first_tile + chunk_tiles, tiles)
 
     def stats_in_range(start):
         """`[heads, block]` bool: the statistics' columns below N."""
@@ -197,8 +213,6 @@ def _prologue_kernel(
         view = ref.at[every_head, pl.ds(start, block)]
         return plgpu.load(view, mask=stats_in_range(start), other=0.0)
 
-    tiles = pl.cdiv(n_res, block)
-
     def live():
         def visit(tile, carry):
             start = tile * block
@@ -220,13 +234,13 @@ def _prologue_kernel(
             return carry
 
         if query_mask_ref is None:
-            common.tile_loop(0, tiles, visit, jnp.int32(0))
+            common.tile_loop(first_tile, end_tile, visit, jnp.int32(0))
         else:
             # The tiles past the row's last kept residue hold masked queries
             # alone: their results are constants, and nothing of them is read.
-            kept_tiles = ceil_div(end_ref[...], block)
-            common.tile_loop(0, kept_tiles, visit, jnp.int32(0))
-            common.tile_loop(kept_tiles, tiles, masked_tile, jnp.int32(0))
+            kept_tiles = jnp.clip(ceil_div(end_ref[...], block), first_tile, end_tile)
+            common.tile_loop(first_tile, kept_tiles, visit, jnp.int32(0))
+            common.tile_loop(kept_tiles, end_tile, masked_tile, jnp.int32(0))
         if dead_dv_ref is not None:
             dead_dv_ref[...] = jnp.zeros((width,), jnp.float32)
 
@@ -262,7 +276,7 @@ def _prologue_kernel(
             store_masked_queries(tile * block, MASKED_LOGIT_LOG2, math.log2(n_res), read)
             return carry
 
-        common.tile_loop(0, tiles, visit, jnp.int32(0))
+        common.tile_loop(first_tile, end_tile, visit, jnp.int32(0))
 
     def dead_row(read: bool):
         if query_mask_ref is not None:
@@ -349,13 +363,21 @@ def backward_prologue(dout, gate, attention, means, row_max, row_log2_sum, key_e
     program_heads = heads_per_program(heads, head_dim)
     width = program_heads * head_dim
     block = max(1, min(next_power_of_2(n_res), _TILE_ELEMENTS // width))
+    programs = rows * batch * (heads // program_heads)
+    tiles = pl.cdiv(n_res, block)
+    # A dead row's dv sums over all its residues: one program per row slice.
+    chunks = 1 if means is not None else max(1, min(tiles, pl.cdiv(_MIN_PROGRAMS, programs)))
+    chunk_tiles = pl.cdiv(tiles, chunks)
+    chunks = pl.cdiv(tiles, chunk_tiles)
     as_rows = lambda x: x.reshape(batch, rows, n_res, heads * head_dim)  # noqa: E731
-    row_spec = pl.BlockSpec((None, None, n_res, width), lambda s, b, c: (b, s, 0, c))
-    vector_spec = pl.BlockSpec((None, None, width), lambda s, b, c: (b, s, c))
+    # Each program's blocks are its row slice's whole rows: it indexes its
+    # own residues (`_prologue_kernel`'s chunk of tiles).
+    row_spec = pl.BlockSpec((None, None, n_res, width), lambda s, b, c, t: (b, s, 0, c))
+    vector_spec = pl.BlockSpec((None, None, width), lambda s, b, c, t: (b, s, c))
 
     def plane_spec(plane):
         return pl.BlockSpec((None, None, program_heads, plane.shape[-1]),
-                            lambda s, b, c: (b, s, c, 0))
+                            lambda s, b, c, t: (b, s, c, 0))
 
     rows_type = jax.ShapeDtypeStruct((batch, rows, n_res, heads * head_dim), do_dtype)
     # `do` is the cotangent itself only without a gate and a query mask;
@@ -372,23 +394,23 @@ def backward_prologue(dout, gate, attention, means, row_max, row_log2_sum, key_e
         means = means.reshape(batch, rows, heads * head_dim)
     out_specs = [
         row_spec if writes_do else None, None if gate is None else row_spec,
-        pl.BlockSpec((None, None, program_heads, 3, n_res), lambda s, b, c: (b, s, c, 0, 0)),
+        pl.BlockSpec((None, None, program_heads, 3, n_res), lambda s, b, c, t: (b, s, c, 0, 0)),
         None if means is None else vector_spec,
     ]
     kernel = functools.partial(
         _prologue_kernel, n_res=n_res, heads=program_heads, head_dim=head_dim, block=block,
-        do_dtype=jnp.dtype(do_dtype), rows_per_group=rows_per_group,
+        do_dtype=jnp.dtype(do_dtype), rows_per_group=rows_per_group, chunk_tiles=chunk_tiles,
     )
     do, dgate, stats, dead_dv = common.pallas_call(
-        kernel, _LAUNCH, grid=(rows, batch, heads // program_heads),
+        kernel, _LAUNCH, grid=(rows, batch, heads // program_heads, chunks),
         in_specs=[
-            None if key_end is None else pl.BlockSpec((None, None), lambda s, b, c: (b, s)),
-            None if live_rows_end is None else pl.BlockSpec((None,), lambda s, b, c: (b,)),
+            None if key_end is None else pl.BlockSpec((None, None), lambda s, b, c, t: (b, s)),
+            None if live_rows_end is None else pl.BlockSpec((None,), lambda s, b, c, t: (b,)),
             row_spec, None if gate is None else row_spec, row_spec,
             None if means is None else vector_spec,
             plane_spec(row_max), plane_spec(row_log2_sum),
             None if query_mask is None else pl.BlockSpec((None, None, query_mask.shape[-1]),
-                                                         lambda s, b, c: (b, s, 0)),
+                                                         lambda s, b, c, t: (b, s, 0)),
         ],
         out_specs=out_specs, out_shape=out_shape, interpret=interpret,
         name="msa_backward_prologue",

@@ -383,6 +383,28 @@ def test_query_mask_against_float64(case, gated, rows_per_group, seed):
     check_masked(args, query_mask, keep, dead, interpret=True, rows_per_group=rows_per_group)
 
 
+@pytest.mark.parametrize("min_programs", [0, 16, 24])
+def test_query_mask_chunks_of_residues_change_nothing(min_programs, monkeypatch, seed):
+    """A row's residues split among programs (N = 100 in four 32-residue
+    tiles, 8 row slices): one program per row slice (0), two tiles per
+    program (16; 24 asks for three chunks, which two tiles each make two),
+    one (the default, 2048): the results are the same, bit for bit, and
+    each is checked against float64 with its unwritten rows left NaN."""
+    args, query_mask, keep, dead = masked_case("N100-H8-d32", seed)
+    got = {}
+    for programs in (min_programs, backward_prologue._MIN_PROGRAMS):
+        with monkeypatch.context() as patched:
+            patched.setattr(backward_prologue, "_MIN_PROGRAMS", programs)
+            check_masked(args, query_mask, keep, dead, interpret=True, rows_per_group=2)
+            got[programs] = backward_prologue.backward_prologue(
+                *args, do_dtype=jnp.bfloat16, interpret=True, query_mask=query_mask,
+                **told_rows(dead, 2)[0])
+    for ours, default in zip(*got.values()):
+        if ours is not None:
+            np.testing.assert_array_equal(np.asarray(ours, np.float32),
+                                          np.asarray(default, np.float32))
+
+
 def test_query_mask_float32_gate_float16_do_and_wide_planes(seed):
     args, query_mask, keep, dead = masked_case("N37-H3-d8-middle-and-end", seed,
                                                mask_padding=0, plane_padding=11)
