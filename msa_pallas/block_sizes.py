@@ -229,6 +229,34 @@ def default_block_config(n_res: int, head_dim: int, dtype, bias_dtype=None) -> B
     return BlockConfig(forward, dkdv, dq, dbias, dq_dbias).clipped(n_res)
 
 
+def row_chunks_in_waves(programs: int, rows: int, slots: int) -> int:
+    """How many slices of the S MSA rows the Mosaic dbias kernel splits into:
+    at most `row_chunks`' count, and fewer where they take no longer.
+
+    The kernel's CTAs run `slots` at a time (one per SM: its shared memory
+    leaves no room for a second), each over S / chunks rows, so a launch
+    takes about waves x S / chunks row steps, waves = ceil(programs x chunks
+    / slots). Of the divisors of S up to `row_chunks(programs, rows)`, the
+    count is the one of fewest row steps, and of those the fewest chunks:
+    fewer float32 partial sums of the bias to write and add. At the training
+    crop (32 programs, S = 128) that is 4 chunks, one wave of 128 CTAs,
+    where `row_chunks` takes 16, four waves of a quarter of the rows each.
+    More chunks than `row_chunks` takes are never chosen: each adds a
+    partial sum (B x H x N^2 float32) that a shorter tail may not repay.
+
+    Args:
+      programs: programs of the grid without the split.
+      rows: S.
+      slots: CTAs that run at once (the GPU's SMs).
+    """
+    def row_steps(chunks: int) -> int:
+        return -(-programs * chunks // slots) * (rows // chunks)
+
+    most = row_chunks(programs, rows)
+    divisors = [chunks for chunks in range(1, most + 1) if rows % chunks == 0]
+    return min(divisors, key=lambda chunks: (row_steps(chunks), chunks))
+
+
 def row_chunks(programs: int, rows: int) -> int:
     """How many slices of the S MSA rows a kernel that loops over S splits into.
 

@@ -15,6 +15,7 @@ from msa_pallas.block_sizes import (
     next_power_of_2,
     padded_head_dim,
     row_chunks,
+    row_chunks_in_waves,
 )
 
 POWERS = (16, 32, 64, 128, 256)
@@ -90,6 +91,41 @@ def test_row_chunks(programs, rows, expected):
     chunks = row_chunks(programs, rows)
     assert chunks == expected
     assert rows % chunks == 0 and 1 <= chunks <= MAX_ROW_CHUNKS
+
+
+@pytest.mark.parametrize(
+    "programs, rows, slots, expected",
+    [
+        (32, 128, 132, 4),  # train: one wave of 128 CTAs; row_chunks takes 16 (four waves)
+        (72, 512, 132, 8),  # finetune: row_chunks' 8 (5 waves of 64 rows); 16 is never tried
+        (36, 1024, 132, 16),  # extra MSA: the cap, 5 waves of 64 rows
+        (144, 768, 132, 4),  # triangle attention at N = 768: 5 waves of 192 rows
+        (512, 512, 132, 1),  # long: enough programs already
+        (32, 128, 100, 8),  # 100 SMs: 3 waves of 16 rows beat 2 of 32
+        (2, 34, 132, 2),  # S = 2 x 17: 17 is above MAX_ROW_CHUNKS
+    ],
+)
+def test_row_chunks_in_waves(programs, rows, slots, expected):
+    chunks = row_chunks_in_waves(programs, rows, slots)
+    assert chunks == expected
+    assert rows % chunks == 0 and chunks <= row_chunks(programs, rows)
+
+
+@pytest.mark.parametrize("slots", [8, 100, 132])
+@pytest.mark.parametrize("rows", [1, 7, 24, 128, 130, 512])
+@pytest.mark.parametrize("programs", [1, 3, 32, 72, 144, 600])
+def test_row_chunks_in_waves_take_the_fewest_row_steps(programs, rows, slots):
+    """Against every other count up to row_chunks': no fewer row steps, and
+    none as few with fewer chunks."""
+    def row_steps(chunks):
+        return -(-programs * chunks // slots) * (rows // chunks)
+
+    chosen = row_chunks_in_waves(programs, rows, slots)
+    for other in range(1, row_chunks(programs, rows) + 1):
+        if rows % other == 0:
+            assert row_steps(chosen) <= row_steps(other)
+            if other < chosen:
+                assert row_steps(chosen) < row_steps(other)
 
 
 def test_next_power_of_2():

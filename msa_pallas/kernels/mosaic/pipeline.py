@@ -182,14 +182,17 @@ def batch_head_and_warpgroup(heads: int):
     return lax.div(batch_head, heads), lax.rem(batch_head, heads), lax.axis_index("wg")
 
 
-def multiprocessors(interpret: bool) -> int:
-    """The CTAs of a persistent grid: one per SM of the GPU the kernel runs on."""
-    if interpret:
-        return INTERPRETED_CTAS
+def gpu_multiprocessors() -> int:
+    """The SMs of the GPU the kernels run on (an H100 / H200's without one)."""
     device = jax.devices()[0]
     if device.platform == "gpu":
         return device.core_count
     return HOPPER_MULTIPROCESSORS
+
+
+def multiprocessors(interpret: bool) -> int:
+    """The CTAs of a persistent grid: one per SM of the GPU the kernel runs on."""
+    return INTERPRETED_CTAS if interpret else gpu_multiprocessors()
 
 
 def launch(body, plan, *, inputs: dict, out_types: dict, interpret: bool):

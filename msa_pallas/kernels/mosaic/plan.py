@@ -24,7 +24,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from msa_pallas import block_sizes
 from msa_pallas.kernels.constants import FLOAT32_PIECES
 from msa_pallas.kernels.mosaic.heads import heads_per_tile, tile_heads
-from msa_pallas.kernels.mosaic.pipeline import multiprocessors
+from msa_pallas.kernels.mosaic.pipeline import gpu_multiprocessors, multiprocessors
 from msa_pallas.kernels.mosaic.smem import (
     row_tile, smem_tile, smem_vectors, split_tiles, takes_row_views,
 )
@@ -403,7 +403,11 @@ def dbias_plan(
         row_copies += ("key_words",)
     query_tiles = pl.cdiv(n_res, block_q * consumers)
     key_tiles = pl.cdiv(n_res, block_k)
-    chunks = block_sizes.row_chunks(query_tiles * key_tiles * batch * heads // pair, rows)
+    # One CTA per SM (the shared memory allows no second); sized for the GPU in
+    # the interpreter too, so that it splits S as the GPU does.
+    chunks = block_sizes.row_chunks_in_waves(
+        query_tiles * key_tiles * batch * heads // pair, rows, slots=gpu_multiprocessors()
+    )
     return KernelPlan(
         name="msa_mosaic_dbias", smem=smem,
         copies={"bias": ("bias",), "step": consumer_copies * consumers + row_copies},

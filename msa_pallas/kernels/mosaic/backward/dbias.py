@@ -236,8 +236,8 @@ def backward_dbias(
     `skipping_padding`) visits every row.
 
     When (tiles x heads x batch) gives too few CTAs to fill the GPU, the rows
-    are split into chunks (`block_sizes.row_chunks`), one CTA each, and the
-    chunks' float32 partial sums are added in a fixed order. When skipping,
+    are split into chunks (`block_sizes.row_chunks_in_waves`), one CTA each,
+    and the chunks' float32 partial sums are added in a fixed order. When skipping,
     the chunks share the rows between the bounds, not all S: the sum is the
     same up to float32 rounding (its terms grouped otherwise).
 
