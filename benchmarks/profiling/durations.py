@@ -55,16 +55,18 @@ def parse_launches(csv_text: str) -> list[tuple[str, float]]:
 
 
 def last_call(launches: list, calls: int) -> list:
-    """The launches of the last of `calls` identical calls. Compilation
-    launches kernels of its own first (autotuning, buffer checks), so the
-    last call starts at the last launch of the first kernel that ran exactly
-    `calls` times (the call's first kernel); all launches if there is none."""
-    counts = collections.Counter(kernel for kernel, _ in launches)
-    first = next((k for k, _ in launches if counts[k] == calls), None)
-    if first is None:
-        return launches
-    start = max(i for i, (kernel, _) in enumerate(launches) if kernel == first)
-    return launches[start:]
+    """The launches of the last of `calls` identical calls: the shortest
+    tail that the launches before it repeat `calls` - 1 times, kernel by
+    kernel; all launches if there is none. (Making the inputs and compiling
+    launch kernels of their own first, some as many times as there are
+    calls: a count of launches per kernel cannot tell where the calls begin.)"""
+    names = [kernel for kernel, _ in launches]
+    for length in range(1, len(names) // calls + 1):
+        tail = names[len(names) - length:]
+        if all(names[len(names) - (i + 1) * length: len(names) - i * length] == tail
+               for i in range(1, calls)):
+            return launches[len(launches) - length:]
+    return launches
 
 
 def main(argv=None, prog: str | None = None) -> int:

@@ -967,20 +967,22 @@ def test_parse_mosaic_candidates():
 
 def test_launch_durations_reads_the_last_call_from_ncu_csv():
     """The per-launch table of `profile durations`: compile-time launches
-    (here two autotuning kernels and a transpose) are left out, the last
-    call's launches kept in order, each value converted to microseconds."""
+    (here an autotuning kernel and a transpose) and the inputs' (an iota run
+    twice, as many times as there are calls) are left out, the last call's
+    launches kept in order, each value converted to microseconds."""
     header = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream",'
               '"Block Size","Grid Size","Device","CC","Section Name","Metric Name",'
               '"Metric Unit","Metric Value"')
     calls = [("forward", "58,688"), ("input_reduce_fusion", "19,392"), ("dq", "72,256")]
-    launches = [("RedzoneAllocatorKernel", "24,160"), ("wrapped_transpose", "3,392")] + calls * 2
+    inputs = [("wrapped_iota", "2,304"), ("loop_compare_fusion", "2,816")] * 2
+    launches = inputs + [("RedzoneAllocatorKernel", "24,160"), ("wrapped_transpose", "3,392")] + calls * 2
     lines = ["==PROF== Connected to process", header] + [
         f'"{i}","1","python3","host","{name}","1","7","(128, 1, 1)","(132, 1, 1)","0","9.0",'
         f'"Command line profiler metrics","gpu__time_duration.sum","nsecond","{value}"'
         for i, (name, value) in enumerate(launches)
     ] + ["ran 2 forward+backward calls"]
     parsed = launch_durations.parse_launches("\n".join(lines))
-    assert len(parsed) == len(launches) and parsed[0] == ("RedzoneAllocatorKernel", 24.16)
+    assert len(parsed) == len(launches) and parsed[4] == ("RedzoneAllocatorKernel", 24.16)
     last = launch_durations.last_call(parsed, calls=2)
     assert [name for name, _ in last] == ["forward", "input_reduce_fusion", "dq"]
     assert [us for _, us in last] == [58.688, 19.392, 72.256]
