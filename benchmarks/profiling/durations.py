@@ -17,7 +17,6 @@ script's). Needs `ncu` on PATH or in /opt/nvidia/nsight-compute.
 from __future__ import annotations
 
 import argparse
-import collections
 import csv
 import glob
 import os

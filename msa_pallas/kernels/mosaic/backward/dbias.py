@@ -237,9 +237,9 @@ def backward_dbias(
 
     When (tiles x heads x batch) gives too few CTAs to fill the GPU, the rows
     are split into chunks (`block_sizes.row_chunks_in_waves`), one CTA each,
-    and the chunks' float32 partial sums are added in a fixed order. When skipping,
-    the chunks share the rows between the bounds, not all S: the sum is the
-    same up to float32 rounding (its terms grouped otherwise).
+    and the chunks' float32 partial sums are added in a fixed order. When
+    skipping, the chunks share the rows between the bounds, not all S: the
+    sum is the same up to float32 rounding (its terms grouped otherwise).
 
     float32 q, k, v and do enter as `FLOAT32_PIECES` bfloat16 pieces each
     (`matmul.split_float32`, a pass over them in XLA), and each product is
