@@ -28,6 +28,7 @@ from msa_pallas.kernels.mosaic.pipeline import gpu_multiprocessors, multiprocess
 from msa_pallas.kernels.mosaic.smem import (
     row_tile, smem_tile, smem_vectors, split_tiles, takes_row_views,
 )
+from msa_pallas.kernels.mosaic.work_items import dead_zeros_smem
 
 if TYPE_CHECKING:
     from msa_pallas.kernels.mosaic.tiles import MosaicTiles
@@ -291,6 +292,9 @@ def dkdv_plan(
         "step": step_copies * msa_rows + ("bias",) * pair,
     }
     produced = {"kv": msa_rows, "step": stages}
+    if mask_dtype is not None and tiles.persistent:
+        # The dead row groups' zeros, every head's at once.
+        smem["dead_zeros"] = dead_zeros_smem(msa_rows, heads * head_dim, q_dtype, n_res)
     if mask_dtype is not None and dead_rows:
         smem["dead_dv"] = smem_vectors((msa_rows, 1, tile_dim), jnp.float32)
         copies["dead_dv"] = ("dead_dv",)
@@ -348,6 +352,9 @@ def dq_plan(
     if dropout:
         smem["key_words"] = _ring_words(stages, msa_rows, pair, block_k)
         key_copies += ("key_words",)
+    if mask_dtype is not None and tiles.persistent:
+        # The dead row groups' zeros, every head's at once.
+        smem["dead_zeros"] = dead_zeros_smem(msa_rows, heads * head_dim, q_dtype, n_res)
     copies = {"q": ("q", "do", "stats"), "step": key_copies * msa_rows + ("bias",) * pair}
     # Work items, the MSA-row groups fastest.
     items = (batch * heads // pair, pl.cdiv(n_res, block_q), rows // msa_rows)

@@ -121,6 +121,45 @@ class ForwardItems:
 DEAD_STORES_IN_FLIGHT = 8
 
 
+# Shared memory per consumer for the tile of zeros a persistent backward
+# kernel stores over its dead row groups' rows (`dead_zeros_smem`).
+DEAD_ZEROS_BYTES = 8192
+# The widest box a TMA copy takes along one axis, in elements.
+_TMA_BOX_MAX = 256
+
+
+def dead_zeros_smem(consumers: int, width: int, dtype, residues: int):
+    """The plans' shared memory for `store_dead_zeros`: per consumer one
+    tile of `[rows, columns]`, neither tiled nor swizzled, for an output
+    whose rows are `width` wide (every head of a residue, `H' * tile
+    width`: whole rows, contiguous in global memory). Its columns: the
+    widest divisor of `width` that one TMA box takes, a multiple of 8 (as
+    `width` is); its rows: as many as fit in `DEAD_ZEROS_BYTES`, a power of
+    two, at least 8 and at most N rounded up to one."""
+    columns = 8 * max(c for c in range(1, _TMA_BOX_MAX // 8 + 1) if (width // 8) % c == 0)
+    rows = max(8, DEAD_ZEROS_BYTES // (columns * jnp.dtype(dtype).itemsize))
+    rows = min(1 << (rows.bit_length() - 1), max(8, 1 << (residues - 1).bit_length()))
+    return plgpu.SMEM((consumers, rows, columns), dtype)
+
+
+def fill_dead_zeros(tile) -> None:
+    """Writes zeros to a consumer's tile of `dead_zeros_smem`, made visible
+    to the TMA stores that read it."""
+    tile[...] = jnp.zeros(tile.shape, tile.dtype)
+    plgpu.commit_smem()
+
+
+def store_dead_zeros(tile, out_row, chunk) -> None:
+    """Starts the TMA stores of `tile` (`fill_dead_zeros`' `[rows,
+    columns]`) over residues `chunk * rows` on of one row of an output,
+    `out_row` (`[N, width]`), every `columns` of its width; keeps
+    `DEAD_STORES_IN_FLIGHT` in flight. Residues past N are not written."""
+    rows, columns = tile.shape
+    for start in range(0, out_row.shape[-1], columns):
+        plgpu.wait_smem_to_gmem(DEAD_STORES_IN_FLIGHT, wait_read_only=True)
+        plgpu.copy_smem_to_gmem(tile, out_row.at[pl.ds(chunk * rows, rows), pl.ds(start, columns)])
+
+
 def store_every_tile(tiles, store) -> None:
     """`store(tile)` (TMA stores of one dead row group's tile `tile`, from
     shared memory that holds the same values for each) for 0 <= tile <
@@ -180,6 +219,22 @@ class BackwardItems:
             work(batch, head, self.groups + dead_group)
 
         self._for_each(batch_heads * dead, unit)
+
+    def for_each_dead_chunk(self, chunks: int, work) -> None:
+        """`work(batch, row_group, chunk)` for this CTA's share of the dead row
+        groups' `chunks` chunks of residues, every head at once (the
+        residues of a chunk are contiguous in an output, whose heads are
+        its last axes); the chunks of a group fastest, so that the CTAs at
+        work at the same time write neighbouring memory."""
+        batch_heads, _, groups = self.grid
+        dead = groups - self.groups
+        per_batch = lax.max(dead, 1) * chunks
+
+        def unit(linear):
+            batch, within = lax.div(linear, per_batch), lax.rem(linear, per_batch)
+            work(batch, self.groups + lax.div(within, chunks), lax.rem(within, chunks))
+
+        self._for_each(batch_heads // self.heads * dead * chunks, unit)
 
 
 def serve_items(consume, produce, bounds_of, *, consumers: int, heads: int, persistent: bool,

@@ -51,7 +51,8 @@ from benchmarks import shapes
 PAIRS = MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=2)
 ONE_ROW = MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=1)
 # The GPU tests' shapes (train-like, 16 MSA rows).
-GPU_SHAPES = {"N256": (1, 16, 256, 8, 32), "N333": (1, 16, 333, 8, 32), "d8": (1, 16, 256, 8, 8)}
+GPU_SHAPES = {"N256": (1, 16, 256, 8, 32), "N333": (1, 16, 333, 8, 32), "d8": (1, 16, 256, 8, 8),
+              "H16": (1, 16, 200, 16, 32)}
 # Enough dead row groups (B·H·S/8 of them) that a persistent CTA (one per
 # SM) writes several, one after the other.
 MANY_DEAD_GROUPS = {"S256": (2, 256, 128, 8, 32), "S256-d8": (2, 256, 128, 8, 8)}
@@ -215,9 +216,18 @@ def test_bias_gradient_over_row_chunks(seed):
                  regrouped=("dbias",))
 
 
-@pytest.mark.parametrize("tiles", [PAIRS, ONE_ROW], ids=["row-pairs", "one-row"])
+# (tiles, H, d, N): two heads per tile (d = 8), and rows of 9 heads of d = 32,
+# whose dead rows' zeros take two boxes per row (144 of 288 columns) and
+# 16-residue chunks, the last past N.
+PERSISTENT_CASES = {
+    "row-pairs": (PAIRS, 2, 8, 72), "one-row": (ONE_ROW, 2, 8, 72),
+    "wide-rows": (PAIRS, 9, 32, 40),
+}
+
+
+@pytest.mark.parametrize("case", list(PERSISTENT_CASES))
 @pytest.mark.parametrize("kernel", ["dq", "dkdv"])
-def test_persistent_kernel_equals_one_cta_per_item(kernel, tiles, seed):
+def test_persistent_kernel_equals_one_cta_per_item(kernel, case, seed):
     """The persistent dq and dk/dv kernels (one CTA per SM,
     `tiles.persistent`) on padding rows at the end of the alignment: rows
     5-7 dead in every batch element, so the row groups after row 5 have no
@@ -226,10 +236,11 @@ def test_persistent_kernel_equals_one_cta_per_item(kernel, tiles, seed):
     residues masked. Row pairs (row 5 dead beside live row 4) and one row
     per group. Skipping and not (every group live), against float64 and
     bitwise against the kernel of one CTA per item."""
-    rows, n_res = 8, 72
+    tiles, heads, head_dim, n_res = PERSISTENT_CASES[case]
+    rows = 8
     keep = padded_keep("end", 2, rows, n_res, np.random.default_rng(seed))
     keep[:, 5:] = False
-    inputs = inputs_with_keep(seed, keep, 2, 8, jnp.bfloat16, jnp.float32)
+    inputs = inputs_with_keep(seed, keep, heads, head_dim, jnp.bfloat16, jnp.float32)
     operands, scale = helpers.mosaic_backward_operands(inputs)
     per_item = MosaicBackwardTiles(dkdv=tiles, dq=tiles, dbias=tiles)
     per_sm = dataclasses.replace(per_item, **{kernel: dataclasses.replace(tiles, persistent=True)})

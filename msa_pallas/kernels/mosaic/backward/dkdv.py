@@ -11,6 +11,7 @@ the kernel's B·S·H·N² logits)."""
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +45,9 @@ from msa_pallas.kernels.mosaic.smem import (
 )
 from msa_pallas.kernels.mosaic.support import check_kernel_inputs
 from msa_pallas.kernels.mosaic.tiles import MosaicTiles
-from msa_pallas.kernels.mosaic.work_items import serve_items, store_every_tile
+from msa_pallas.kernels.mosaic.work_items import (
+    fill_dead_zeros, serve_items, store_dead_zeros, store_every_tile,
+)
 from msa_pallas.kernels.triton.dead_rows import dead_row_means
 
 
@@ -77,12 +80,17 @@ def _dkdv_kernel(
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
     pair = heads_per_tile
     query_tiles = pl.cdiv(n_res, block_q)
-    tile_dim = gmem["dk"].shape[-1]
+    # The gradients' rows hold every head: `[B, S, N, heads * tile width]`.
+    tile_dim = gmem["dk"].shape[-1] // heads
     has_mask = "mask" in gmem
     wg = lax.axis_index("wg")
     # 16-bit: K's and V's tiles are free after the loop and hold the
     # gradients on their way out.
     dk_name, dv_name = ("dk", "dv") if "dk" in smem else ("k", "v")
+
+    def out_tile(name, batch, row, keys, head):
+        """Head `head`'s `[keys, tile width]` window of gradient `name`."""
+        return gmem[name].at[batch, row, keys, pl.ds(head * tile_dim, tile_dim)]
 
     def copy_dead_dv(batch, head, row):
         """Starts the copy of row `row`'s dead-row dv (the mean of its `do`,
@@ -230,7 +238,7 @@ def _dkdv_kernel(
         plgpu.commit_smem()
         for name, tile in (("dk", dk_name), ("dv", dv_name)):
             copy_row_tile_to_gmem(
-                row_tile_at(smem_tma[tile], wg), gmem[name].at[batch, row, keys, head]
+                row_tile_at(smem_tma[tile], wg), out_tile(name, batch, row, keys, head)
             )
         # The tiles are read out before the CTA ends or its next item loads
         # them. The CTA may end once its stores have read shared memory: their
@@ -268,51 +276,42 @@ def _dkdv_kernel(
         produce(lb, ub, stages, issue_copies, consumed["step"])
 
     def dead_groups(items):
-        """A dead row group's dk is 0 and each key's dv its row's mean of do:
-        per group one load of that mean, then the same two tiles stored for
-        every key tile (the last item's stores have read the tiles). Where
-        the mask masks queries too, its dv is 0 as well: one tile of zeros,
-        stored as both."""
-        store_row_tile(row_tile_at(smem[dk_name], wg), zeros((block_k, tile_dim)).astype(dtype))
-        if "dead_dv" not in gmem:
-            plgpu.commit_smem()
+        """A dead row group's dk is 0, and where the mask masks queries too
+        its dv as well: every head's rows at once, stored from a tile of
+        zeros (`work_items.store_dead_zeros`: contiguous boxes, where one
+        head's tiles would be narrow strided ones). Otherwise each key's dv
+        is its row's mean of `do`: per head one load of that mean, then the
+        same tile stored for every key tile (the last item's stores have
+        read the tile)."""
+        zero_names = ("dk",) if "dead_dv" in gmem else ("dk", "dv")
+        zeros_tile = smem["dead_zeros"].at[wg]
+        fill_dead_zeros(zeros_tile)
 
+        @functools.partial(items.for_each_dead_chunk, pl.cdiv(n_res, zeros_tile.shape[0]))
+        def _(batch, row_group, chunk):
+            for name in zero_names:
+                store_dead_zeros(zeros_tile, gmem[name].at[batch, row_group * msa_rows + wg], chunk)
+
+        if "dead_dv" in gmem:
             @items.for_each_dead_group
             def _(batch, head, row_group):
                 row = row_group * msa_rows + wg
+                copy_dead_dv(batch, head, row)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last group's dv tile
+                # In the accumulators' layout, as the loop's dv.
+                dv = zeros((block_k, tile_dim)) + lax.broadcast_in_dim(
+                    copied_dead_dv(), (block_k, tile_dim), [1]
+                )
+                store_row_tile(row_tile_at(smem[dv_name], wg), dv.astype(dtype))
+                plgpu.commit_smem()
 
                 def store(key_tile):
                     keys = pl.ds(key_tile * block_k, block_k)
-                    for name in ("dk", "dv"):
-                        copy_row_tile_to_gmem(
-                            row_tile_at(smem_tma[dk_name], wg), gmem[name].at[batch, row, keys, head]
-                        )
-
-                store_every_tile(pl.cdiv(n_res, block_k), store)
-
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            return
-
-        @items.for_each_dead_group
-        def _(batch, head, row_group):
-            row = row_group * msa_rows + wg
-            copy_dead_dv(batch, head, row)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last group's dv tile
-            # In the accumulators' layout, as the loop's dv.
-            dv = zeros((block_k, tile_dim)) + lax.broadcast_in_dim(
-                copied_dead_dv(), (block_k, tile_dim), [1]
-            )
-            store_row_tile(row_tile_at(smem[dv_name], wg), dv.astype(dtype))
-            plgpu.commit_smem()
-
-            def store(key_tile):
-                keys = pl.ds(key_tile * block_k, block_k)
-                for name, tile in (("dk", dk_name), ("dv", dv_name)):
                     copy_row_tile_to_gmem(
-                        row_tile_at(smem_tma[tile], wg), gmem[name].at[batch, row, keys, head]
+                        row_tile_at(smem_tma[dv_name], wg), out_tile("dv", batch, row, keys, head)
                     )
 
-            store_every_tile(pl.cdiv(n_res, block_k), store)
+                store_every_tile(pl.cdiv(n_res, block_k), store)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -417,8 +416,11 @@ def backward_dkdv(
         inputs |= key_tiles.span_operands(mask, n_res)
         if dead_dv is not None:
             inputs["dead_dv"] = dead_dv
-    out_types = {"dk": jax.ShapeDtypeStruct(k.shape[pieces > 1:], q.dtype),
-                 "dv": jax.ShapeDtypeStruct(k.shape[pieces > 1:], q.dtype)}
+    # Every head of a residue in one row (`dead_groups` stores whole rows).
+    out_shape = k.shape[pieces > 1:]
+    out_shape = (*out_shape[:3], math.prod(out_shape[3:]))
+    out_types = {"dk": jax.ShapeDtypeStruct(out_shape, q.dtype),
+                 "dv": jax.ShapeDtypeStruct(out_shape, q.dtype)}
     kernel_plan = dkdv_plan(
         q.shape, q.dtype, bias.dtype, tiles,
         mask_dtype=None if mask is None else mask.dtype, interpret=interpret,

@@ -6,6 +6,7 @@ online softmax."""
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +40,7 @@ from msa_pallas.kernels.mosaic.smem import (
 )
 from msa_pallas.kernels.mosaic.support import check_kernel_inputs
 from msa_pallas.kernels.mosaic.tiles import MosaicTiles
-from msa_pallas.kernels.mosaic.work_items import serve_items, store_every_tile
+from msa_pallas.kernels.mosaic.work_items import fill_dead_zeros, serve_items, store_dead_zeros
 
 
 def _copy_key_tiles(gmem, smem_tma, smem, rows, batch, keys, head, pair, slot, barrier):
@@ -118,7 +119,8 @@ def _dq_kernel(
     key_tile_count = pl.cdiv(n_res, block_k)
     has_mask = "mask" in gmem
     wg = lax.axis_index("wg")
-    tile_dim = gmem["dq"].shape[-1]
+    # dq's rows hold every head: `[B, S, N, heads * tile width]`.
+    tile_dim = gmem["dq"].shape[-1] // heads
     # 16-bit: q's tile is free after the loop and holds dq on its way out.
     out_name = "dq" if "dq" in smem else "q"
 
@@ -216,7 +218,8 @@ def _dq_kernel(
         store_row_tile(row_tile_at(smem[out_name], wg), (dq * scale).astype(dtype))
         plgpu.commit_smem()
         copy_row_tile_to_gmem(
-            row_tile_at(smem_tma[out_name], wg), gmem["dq"].at[batch, row, queries, head]
+            row_tile_at(smem_tma[out_name], wg),
+            gmem["dq"].at[batch, row, queries, pl.ds(head * tile_dim, tile_dim)],
         )
         # The tile is read out before the CTA ends or its next item loads it.
         # The CTA may end once its stores have read shared memory: their
@@ -244,21 +247,14 @@ def _dq_kernel(
         produce(lb, ub, stages, issue_copies, consumed["step"])
 
     def dead_groups(items):
-        """The dead row groups' dq is 0: stores of one tile of zeros, written
-        once (the last item's store has read the tile)."""
-        store_row_tile(row_tile_at(smem[out_name], wg), zeros((block_q, tile_dim)).astype(dtype))
-        plgpu.commit_smem()
+        """The dead row groups' dq is 0: every head's rows at once, stored
+        from a tile of zeros (`work_items.store_dead_zeros`)."""
+        zeros_tile = smem["dead_zeros"].at[wg]
+        fill_dead_zeros(zeros_tile)
 
-        @items.for_each_dead_group
-        def _(batch, head, row_group):
-            def store(query_tile):
-                copy_row_tile_to_gmem(
-                    row_tile_at(smem_tma[out_name], wg),
-                    gmem["dq"].at[batch, row_group * msa_rows + wg,
-                                  pl.ds(query_tile * block_q, block_q), head],
-                )
-
-            store_every_tile(pl.cdiv(n_res, block_q), store)
+        @functools.partial(items.for_each_dead_chunk, pl.cdiv(n_res, zeros_tile.shape[0]))
+        def _(batch, row_group, chunk):
+            store_dead_zeros(zeros_tile, gmem["dq"].at[batch, row_group * msa_rows + wg], chunk)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -330,7 +326,9 @@ def backward_dq(
         raise ValueError("mask_queries: only where padding is skipped (a mask, skip_masked)")
     if skips:
         inputs |= key_tiles.span_operands(mask, n_res)
-    out_types = {"dq": jax.ShapeDtypeStruct(k.shape[pieces > 1:], q.dtype)}
+    # Every head of a residue in one row (`dead_groups` stores whole rows).
+    out_shape = k.shape[pieces > 1:]
+    out_types = {"dq": jax.ShapeDtypeStruct((*out_shape[:3], math.prod(out_shape[3:])), q.dtype)}
     kernel_plan = dq_plan(
         q.shape, q.dtype, bias.dtype, tiles,
         mask_dtype=None if mask is None else mask.dtype, interpret=interpret,
