@@ -19,7 +19,11 @@ The persistent dq and dk/dv kernels' items (`BackwardItems`) are counted
 the same way, a query or key tile in place of the first query; their
 CTAs write the dead groups' results themselves, after their live items:
 a few stores per row group, where the one-CTA-per-item grid spends a CTA
-on each of its items.
+on each of its items. Zeros (dq, dk, and dv where the mask masks queries
+too) go out in boxes of whole output rows, every head at once
+(`store_dead_zeros`): one head's tile is a strided box of 32- or 64-byte
+pieces, and on an H100 the dk/dv kernel's such stores at the padded extra
+MSA took 62 of its 305 us, where whole rows took 15 (2026-12-06).
 """
 
 from __future__ import annotations

@@ -22,8 +22,11 @@ from msa_pallas.kernels.mosaic.plan import dbias_plan, dkdv_plan, dq_plan
 from msa_pallas.kernels.mosaic.smem import MAX_SHARED_MEMORY
 from msa_pallas.kernels.mosaic.support import HEAD_DIMS
 from msa_pallas.kernels.mosaic.tiles import MosaicTiles
+from msa_pallas.kernels.mosaic.work_items import DEAD_ZEROS_BYTES, dead_zeros_smem
 
 SMALL = MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=2)
+# One CTA per SM: with a mask, the consumers' tiles of zeros for dead rows too.
+PERSISTENT = dataclasses.replace(SMALL, persistent=True)
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 # id -> (d, N, mask, q dtype, bias dtypes). The default tiles of every head dim
@@ -116,8 +119,11 @@ def lowered_and_planned_bytes(kernel, shape, dtype, bias_dtype, tiles, has_mask=
         ((1, 3, 200, 4, 8), jnp.bfloat16, jnp.bfloat16, MosaicTiles(64, 128, 3, 2), False),
         ((1, 4, 333, 8, 64), jnp.float32, jnp.float32, MosaicTiles(64, 64, 2, 1), True),
         ((1, 2, 101, 8, 32), jnp.float32, jnp.bfloat16, SMALL, False),
+        ((1, 4, 200, 16, 32), jnp.bfloat16, jnp.float32, PERSISTENT, True),
+        ((1, 4, 384, 8, 8), jnp.bfloat16, jnp.bfloat16, PERSISTENT, True),
     ],
-    ids=["d32", "d8-pairs-odd-S", "float32-N333-d64", "float32-N101-bias-bf16"],
+    ids=["d32", "d8-pairs-odd-S", "float32-N333-d64", "float32-N101-bias-bf16",
+         "persistent-H16", "persistent-d8-pairs"],
 )
 def test_plan_bytes_are_what_the_lowered_kernel_allocates(
     kernel, shape, dtype, bias_dtype, tiles, has_mask
@@ -154,12 +160,16 @@ def test_barrier_arrivals_count_the_copies():
 @pytest.mark.parametrize("bias_dtype", [jnp.float32, jnp.bfloat16])
 def test_default_tiles_fit_shared_memory(head_dim, bias_dtype):
     """The default tiles' kernels, lowered, ask for no more shared memory
-    than a CTA has, as their plans say."""
+    than a CTA has, as their plans say; also the persistent dq and dk/dv
+    kernels (where padding is skipped), with their tiles of zeros."""
     shape = (1, 4, 256, 8, head_dim)
     tiles = mosaic_backward.default_tiles(shape, jnp.bfloat16, bias_dtype)
-    for kernel in KERNELS:
+    persistent = mosaic_backward.default_tiles(shape, jnp.bfloat16, bias_dtype, persistent=True)
+    cases = [(kernel, getattr(tiles, kernel)) for kernel in KERNELS]
+    cases += [(kernel, getattr(persistent, kernel)) for kernel in ("dq", "dkdv")]
+    for kernel, kernel_tiles in cases:
         used, planned = lowered_and_planned_bytes(
-            kernel, shape, jnp.bfloat16, bias_dtype, getattr(tiles, kernel)
+            kernel, shape, jnp.bfloat16, bias_dtype, kernel_tiles
         )
         assert used == planned <= MAX_SHARED_MEMORY, (kernel, used, planned)
     # Turns pay with a 16-bit bias only (benchmarks/RESULTS.md).
@@ -204,3 +214,19 @@ def test_dkdv_refuses_block_k_192():
         dkdv_plan((1, 4, 256, 8, 32), jnp.bfloat16, jnp.float32, MosaicTiles(64, 192, 2, 2),
                   mask_dtype=jnp.int8, interpret=False)
 
+
+
+@pytest.mark.parametrize(
+    "width, n_res, rows, columns",
+    [(64, 384, 64, 64), (256, 256, 16, 256), (512, 200, 16, 256), (288, 40, 16, 144),
+     (16, 40, 64, 16)],
+)
+def test_dead_zeros_tiles(width, n_res, rows, columns):
+    """A persistent consumer's tile of zeros (`work_items.dead_zeros_smem`):
+    columns a divisor of the output's row width that one TMA box takes (at
+    most 256), rows as many as 8 KB hold, a power of two, at most N rounded
+    up to one."""
+    smem = dead_zeros_smem(2, width, jnp.bfloat16, n_res)
+    assert smem.shape == (2, rows, columns)
+    assert width % columns == 0 and columns <= 256
+    assert rows * columns * 2 <= DEAD_ZEROS_BYTES

@@ -353,9 +353,11 @@ def backward_dkdv(
     With `tiles.persistent` one CTA per SM loops over its share of the
     work items (`work_items.BackwardItems`); skipping padding, the row
     groups after the last that keeps a key (padding rows at the end of the
-    alignment) have no item of their own: each CTA then loads the mean of
-    `do` of its share of their rows once per row and stores it (and dk = 0)
-    to every key tile. Not with dropout.
+    alignment) have no item of their own: each CTA then stores dk = 0 over
+    its share of their rows, every head at once (`work_items.
+    store_dead_zeros`), and dv: 0 the same way where the mask masks
+    queries too, else each row's mean of `do`, loaded once per row and
+    head and stored to every key tile. Not with dropout.
 
     With dropout a dead row's uniform weights are dropped too: skipping,
     its query loops run as if it kept every key

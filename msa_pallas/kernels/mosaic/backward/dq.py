@@ -291,8 +291,9 @@ def backward_dq(
     With `tiles.persistent` one CTA per SM loops over its share of the
     work items (`work_items.BackwardItems`); skipping padding, the row
     groups after the last that keeps a key (padding rows at the end of the
-    alignment) have no item of their own: each CTA then stores zeros for
-    its share of their tiles. Not with dropout.
+    alignment) have no item of their own: each CTA then stores zeros over
+    its share of their rows, every head at once (`work_items.
+    store_dead_zeros`). Not with dropout.
 
     Args:
       tile_bounds: None, or, to test the pipeline's runtime bounds,
