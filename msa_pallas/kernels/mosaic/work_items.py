@@ -240,6 +240,19 @@ class BackwardItems:
 
         self._for_each(batch_heads // self.heads * dead * chunks, unit)
 
+    def zero_dead_rows(self, tile, outs, rows_per_group: int, member) -> None:
+        """Starts the stores of zeros over this CTA's share of the dead row
+        groups' rows, row `member` of each group (a consumer's), in every
+        output of `outs` (`[B, S, N, width]` refs, every head of a residue
+        in its row), from `tile` (`dead_zeros_smem`'s, filled here)."""
+        fill_dead_zeros(tile)
+
+        def store(batch, row_group, chunk):
+            for out in outs:
+                store_dead_zeros(tile, out.at[batch, row_group * rows_per_group + member], chunk)
+
+        self.for_each_dead_chunk(pl.cdiv(outs[0].shape[2], tile.shape[0]), store)
+
 
 def serve_items(consume, produce, bounds_of, *, consumers: int, heads: int, persistent: bool,
                 tile_axis: str, work_items=None, live_groups=None, dead_groups=None) -> None:

@@ -45,9 +45,7 @@ from msa_pallas.kernels.mosaic.smem import (
 )
 from msa_pallas.kernels.mosaic.support import check_kernel_inputs
 from msa_pallas.kernels.mosaic.tiles import MosaicTiles
-from msa_pallas.kernels.mosaic.work_items import (
-    fill_dead_zeros, serve_items, store_dead_zeros, store_every_tile,
-)
+from msa_pallas.kernels.mosaic.work_items import serve_items, store_every_tile
 from msa_pallas.kernels.triton.dead_rows import dead_row_means
 
 
@@ -284,13 +282,8 @@ def _dkdv_kernel(
         same tile stored for every key tile (the last item's stores have
         read the tile)."""
         zero_names = ("dk",) if "dead_dv" in gmem else ("dk", "dv")
-        zeros_tile = smem["dead_zeros"].at[wg]
-        fill_dead_zeros(zeros_tile)
-
-        @functools.partial(items.for_each_dead_chunk, pl.cdiv(n_res, zeros_tile.shape[0]))
-        def _(batch, row_group, chunk):
-            for name in zero_names:
-                store_dead_zeros(zeros_tile, gmem[name].at[batch, row_group * msa_rows + wg], chunk)
+        items.zero_dead_rows(smem["dead_zeros"].at[wg], [gmem[name] for name in zero_names],
+                             msa_rows, wg)
 
         if "dead_dv" in gmem:
             @items.for_each_dead_group

@@ -40,7 +40,7 @@ from msa_pallas.kernels.mosaic.smem import (
 )
 from msa_pallas.kernels.mosaic.support import check_kernel_inputs
 from msa_pallas.kernels.mosaic.tiles import MosaicTiles
-from msa_pallas.kernels.mosaic.work_items import fill_dead_zeros, serve_items, store_dead_zeros
+from msa_pallas.kernels.mosaic.work_items import serve_items
 
 
 def _copy_key_tiles(gmem, smem_tma, smem, rows, batch, keys, head, pair, slot, barrier):
@@ -249,13 +249,7 @@ def _dq_kernel(
     def dead_groups(items):
         """The dead row groups' dq is 0: every head's rows at once, stored
         from a tile of zeros (`work_items.store_dead_zeros`)."""
-        zeros_tile = smem["dead_zeros"].at[wg]
-        fill_dead_zeros(zeros_tile)
-
-        @functools.partial(items.for_each_dead_chunk, pl.cdiv(n_res, zeros_tile.shape[0]))
-        def _(batch, row_group, chunk):
-            store_dead_zeros(zeros_tile, gmem["dq"].at[batch, row_group * msa_rows + wg], chunk)
-
+        items.zero_dead_rows(smem["dead_zeros"].at[wg], [gmem["dq"]], msa_rows, wg)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     serve_items(
