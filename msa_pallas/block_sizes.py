@@ -234,15 +234,19 @@ def row_chunks_in_waves(programs: int, rows: int, slots: int) -> int:
     at most `row_chunks`' count, and fewer where they take no longer.
 
     The kernel's CTAs run `slots` at a time (one per SM: its shared memory
-    leaves no room for a second), each over S / chunks rows, so a launch
-    takes about waves x S / chunks row steps, waves = ceil(programs x chunks
-    / slots). Of the divisors of S up to `row_chunks(programs, rows)`, the
-    count is the one of fewest row steps, and of those the fewest chunks:
-    fewer float32 partial sums of the bias to write and add. At the training
-    crop (32 programs, S = 128) that is 4 chunks, one wave of 128 CTAs,
-    where `row_chunks` takes 16, four waves of a quarter of the rows each.
-    More chunks than `row_chunks` takes are never chosen: each adds a
-    partial sum (B x H x N^2 float32) that a shorter tail may not repay.
+    leaves no room for a second), each over at most ceil(S / chunks) rows
+    (the chunks need not divide S: they split it as evenly as whole rows
+    allow), so a launch takes about waves x ceil(S / chunks) row steps,
+    waves = ceil(programs x chunks / slots). Of the counts up to
+    `row_chunks(programs, rows)`, the one of fewest row steps, and of those
+    the fewest chunks: fewer float32 partial sums of the bias to write and
+    add. At the training crop (32 programs, S = 128) that is 4 chunks, one
+    wave of 128 CTAs, where `row_chunks` takes 16, four waves of a quarter
+    of the rows each; at the extra MSA (36 programs, S = 1,024) 11 chunks,
+    three whole waves of 93-94 rows, where 16 take five of 64 (the last
+    a third full). More chunks than `row_chunks` takes are never chosen:
+    each adds a partial sum (B x H x N^2 float32) that a shorter tail may
+    not repay.
 
     Args:
       programs: programs of the grid without the split.
@@ -250,11 +254,10 @@ def row_chunks_in_waves(programs: int, rows: int, slots: int) -> int:
       slots: CTAs that run at once (the GPU's SMs).
     """
     def row_steps(chunks: int) -> int:
-        return -(-programs * chunks // slots) * (rows // chunks)
+        return -(-programs * chunks // slots) * -(-rows // chunks)
 
-    most = row_chunks(programs, rows)
-    divisors = [chunks for chunks in range(1, most + 1) if rows % chunks == 0]
-    return min(divisors, key=lambda chunks: (row_steps(chunks), chunks))
+    return min(range(1, row_chunks(programs, rows) + 1),
+               key=lambda chunks: (row_steps(chunks), chunks))
 
 
 def row_chunks(programs: int, rows: int) -> int:

@@ -28,11 +28,13 @@ import pytest
 import helpers
 import pipeline_bounds
 import numpy_reference
+from msa_pallas import block_sizes
 from msa_pallas.block_sizes import default_block_config, row_chunks
 from msa_pallas.kernels.mosaic import backward as mosaic_backward
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
 from msa_pallas.kernels.constants import FLOAT32_PIECES
 from msa_pallas.kernels.mosaic.matmul import split_float32
+from msa_pallas.kernels.mosaic.plan import dbias_plan
 from msa_pallas.kernels.mosaic.tiles import MosaicBackwardTiles, MosaicTiles
 from msa_pallas.kernels.triton import forward as triton_forward
 
@@ -151,6 +153,28 @@ def test_bias_gradient_over_row_chunks(seed):
     expected = numpy_reference.vjp(q, k, v, bias, mask, None, scale, dout)[3]
     error = helpers.rel_err(dbias, expected)
     print(f"[rel err] mosaic dbias over row chunks: {error:.2e}")
+    assert error <= helpers.tolerance(jnp.bfloat16), error
+
+
+def test_bias_gradient_over_uneven_row_chunks(seed, monkeypatch):
+    """S = 35 in 3 row chunks (11, 12 and 12 rows: chunks need not divide S,
+    `block_sizes.row_chunks_in_waves`), a dead row in the first: the
+    chunks' rows computed at run time, against float64."""
+    rows = 35
+    monkeypatch.setattr(block_sizes, "row_chunks_in_waves", lambda programs, rows, slots: 3)
+    tiles = ONE_DBIAS_CONSUMER.dbias
+    inputs = helpers.random_inputs(
+        seed, 1, rows, 128, 1, 16, jnp.bfloat16, gate=False, fully_masked_row=(0, 5)
+    )
+    operands, scale = helpers.mosaic_backward_operands(inputs)
+    plan = dbias_plan(inputs.q.shape, jnp.bfloat16, inputs.bias.dtype, tiles,
+                      mask_dtype=jnp.int8, interpret=True)
+    assert plan.grid[-1] == 3  # chunks x batch x heads
+    dbias = mosaic_backward.backward_dbias(*operands, scale=scale, tiles=tiles, interpret=True)
+    q, k, v, bias, mask, _, dout = inputs.args
+    expected = numpy_reference.vjp(q, k, v, bias, mask, None, scale, dout)[3]
+    error = helpers.rel_err(dbias, expected)
+    print(f"[rel err] mosaic dbias over uneven row chunks: {error:.2e}")
     assert error <= helpers.tolerance(jnp.bfloat16), error
 
 

@@ -49,7 +49,7 @@ def _chunk_batch_and_head(batch_heads: int, heads: int):
 
 def _dbias_kernel(
     gmem, smem, produced, consumed, *, scale: float, tiles: MosaicTiles, consumers: int,
-    chunks: int, rows_per_chunk: int, batch_heads: int, heads: int, heads_per_tile: int,
+    chunks: int, rows: int, batch_heads: int, heads: int, heads_per_tile: int,
     n_res: int, interpret: bool, row_views: tuple[str, ...] = (), dropout=None,
     mask_queries: bool = False,
 ):
@@ -77,8 +77,13 @@ def _dbias_kernel(
     keys = pl.ds(key_tile * block_k, block_k)
     # The chunk's rows the loop visits, first_row <= row < first_row + visited_rows;
     # the consumers and the producer both read them here, so they agree on
-    # the ring's steps (`visited_rows` per head).
-    first_row, visited_rows = chunk * rows_per_chunk, rows_per_chunk
+    # the ring's steps (`visited_rows` per head). The S rows as evenly as
+    # whole rows allow: a count known when tracing where the chunks divide S.
+    if rows % chunks == 0:
+        first_row, visited_rows = chunk * (rows // chunks), rows // chunks
+    else:
+        first_row = lax.div(rows * chunk, chunks)
+        visited_rows = lax.div(rows * (chunk + 1), chunks) - first_row
     spans = key_tiles.SpanReader.reads(gmem, n_res=n_res)
     if spans is not None:
         # With a mask, the rows between the first and the last that keep a
@@ -288,7 +293,7 @@ def backward_dbias(
     out_types = {"dbias": jax.ShapeDtypeStruct(dbias_shape, jnp.float32)}
     body = functools.partial(
         _dbias_kernel, scale=scale, tiles=tiles, consumers=consumers,
-        chunks=chunks, rows_per_chunk=rows // chunks, batch_heads=batch * heads // pair,
+        chunks=chunks, rows=rows, batch_heads=batch * heads // pair,
         heads=heads // pair, heads_per_tile=pair, n_res=n_res, interpret=interpret,
         row_views=row_view_names(kernel_plan.smem), dropout=dropout, mask_queries=mask_queries,
     )
