@@ -11,6 +11,7 @@ Mosaic GPU kernels' PTX is written to DIR as they compile (their SASS too with
     python -m benchmarks profile launch --shape extra_padded --skip \
         --kernel-options prologue_kernel=0,mask_without_select=0
     python -m benchmarks profile launch --shape train_padded --skip --mask-queries
+    python -m benchmarks profile launch --shape extra_padded --skip --mask-queries --forward-only
     python -m benchmarks profile launch --shape finetune --dropout-rate 0.1
     python -m benchmarks profile launch --layer reference --shape train --dropout-rate 0.1
 
@@ -45,9 +46,9 @@ def layer_step_call(args):
     arguments that runs it, the compiled program, and a line saying what it runs."""
     if (args.no_gate or args.bias_dtype != "input" or args.persistent_backward
             or args.kernel_options or args.mask_queries or args.narrow_keys
-            or args.narrow_queries):
+            or args.narrow_queries or args.forward_only):
         raise ValueError("--no-gate, --bias-dtype, --persistent-backward, --kernel-options, "
-                         "--mask-queries and --narrow-keys/--narrow-queries "
+                         "--mask-queries, --forward-only and --narrow-keys/--narrow-queries "
                          "are the op's: the layer has its gate, and its bias takes the "
                          "compute dtype")
     options = core_options(args.implementation)
@@ -61,8 +62,9 @@ def layer_step_call(args):
 
 
 def op_call(args):
-    """The op's forward+backward: a call without arguments that runs it, the compiled
-    program, and a line saying what it runs."""
+    """The op's forward+backward (its forward alone with `--forward-only`): a call
+    without arguments that runs it, the compiled program, and a line saying what it
+    runs."""
     dtype = DTYPES[args.dtype]
     bias_dtype = dtype if args.bias_dtype == "input" else DTYPES[args.bias_dtype]
     q, k, v, do, gate, bias, mask = make_inputs(parse_shape(args.shape), dtype, bias_dtype=bias_dtype)
@@ -86,13 +88,15 @@ def op_call(args):
             dropout_rng=jax.random.key(2) if args.dropout_rate else None,
             mask_queries=args.mask_queries,
         )
+        if args.forward_only:
+            return out
         return jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32))
 
-    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    program = jax.jit(loss if args.forward_only else jax.grad(loss, argnums=(0, 1, 2, 3)))
     with skipping_padding() if args.skip else contextlib.nullcontext():
-        grads = grads.lower(q, k, v, bias, gate).compile()
-    return (lambda: grads(q, k, v, bias, gate)), grads, (
-        f"forward+backward calls at {args.shape} {args.dtype}"
+        program = program.lower(q, k, v, bias, gate).compile()
+    return (lambda: program(q, k, v, bias, gate)), program, (
+        f"{'forward' if args.forward_only else 'forward+backward'} calls at {args.shape} {args.dtype}"
         + (" skipping padding" if args.skip else "")
         + (", persistent dq and dk/dv" if args.persistent_backward else "")
         + (f", kernel options {args.kernel_options}" if args.kernel_options else "")
@@ -122,6 +126,8 @@ def make_parser(prog: str | None = None, description: str | None = None) -> argp
                         help="attention dropout's rate (0: none)")
     parser.add_argument("--mask-queries", action="store_true",
                         help="msa_row_attention's mask_queries (the mask masks queries too)")
+    parser.add_argument("--forward-only", action="store_true",
+                        help="the op's forward alone (its output, no gradient)")
     add_narrow_arguments(parser)
     parser.add_argument("--layer", choices=PRESETS, default=None,
                         help="run the layer's training step (this preset) instead of the op's")
