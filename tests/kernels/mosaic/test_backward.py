@@ -138,30 +138,9 @@ def test_several_heads_and_batch_elements(batch, heads, head_dim, bias_dtype, se
     check_gradients(gradients, inputs, scale, f"mosaic backward B={batch} H={heads} d={head_dim}")
 
 
-def test_bias_gradient_over_row_chunks(seed):
-    """S = 34 on two tiles: two row chunks of 17 rows each, so the dbias
-    kernel's loop over rows and the sum of the chunks both run."""
-    rows = 34
-    tiles = ONE_DBIAS_CONSUMER.dbias
-    assert row_chunks(2, rows) == 2
-    inputs = helpers.random_inputs(
-        seed, 1, rows, 128, 1, 16, jnp.bfloat16, gate=False, fully_masked_row=(0, 5)
-    )
-    operands, scale = helpers.mosaic_backward_operands(inputs)
-    dbias = mosaic_backward.backward_dbias(*operands, scale=scale, tiles=tiles, interpret=True)
-    q, k, v, bias, mask, _, dout = inputs.args
-    expected = numpy_reference.vjp(q, k, v, bias, mask, None, scale, dout)[3]
-    error = helpers.rel_err(dbias, expected)
-    print(f"[rel err] mosaic dbias over row chunks: {error:.2e}")
-    assert error <= helpers.tolerance(jnp.bfloat16), error
-
-
-def test_bias_gradient_over_uneven_row_chunks(seed, monkeypatch):
-    """S = 35 in 3 row chunks (11, 12 and 12 rows: chunks need not divide S,
-    `block_sizes.row_chunks_in_waves`), a dead row in the first: the
-    chunks' rows computed at run time, against float64."""
-    rows = 35
-    monkeypatch.setattr(block_sizes, "row_chunks_in_waves", lambda programs, rows, slots: 3)
+def _dbias_against_float64(rows: int, seed, label: str, chunks: int):
+    """The dbias kernel (one consumer) at S = `rows` on two tiles, with a dead
+    row, against float64; its grid holds `chunks` row chunks."""
     tiles = ONE_DBIAS_CONSUMER.dbias
     inputs = helpers.random_inputs(
         seed, 1, rows, 128, 1, 16, jnp.bfloat16, gate=False, fully_masked_row=(0, 5)
@@ -169,13 +148,28 @@ def test_bias_gradient_over_uneven_row_chunks(seed, monkeypatch):
     operands, scale = helpers.mosaic_backward_operands(inputs)
     plan = dbias_plan(inputs.q.shape, jnp.bfloat16, inputs.bias.dtype, tiles,
                       mask_dtype=jnp.int8, interpret=True)
-    assert plan.grid[-1] == 3  # chunks x batch x heads
+    assert plan.grid[-1] == chunks  # chunks x batch x heads
     dbias = mosaic_backward.backward_dbias(*operands, scale=scale, tiles=tiles, interpret=True)
     q, k, v, bias, mask, _, dout = inputs.args
     expected = numpy_reference.vjp(q, k, v, bias, mask, None, scale, dout)[3]
     error = helpers.rel_err(dbias, expected)
-    print(f"[rel err] mosaic dbias over uneven row chunks: {error:.2e}")
+    print(f"[rel err] mosaic dbias over {label}: {error:.2e}")
     assert error <= helpers.tolerance(jnp.bfloat16), error
+
+
+def test_bias_gradient_over_row_chunks(seed):
+    """S = 34 on two tiles: two row chunks of 17 rows each, so the dbias
+    kernel's loop over rows and the sum of the chunks both run."""
+    assert row_chunks(2, 34) == 2
+    _dbias_against_float64(34, seed, "row chunks", chunks=2)
+
+
+def test_bias_gradient_over_uneven_row_chunks(seed, monkeypatch):
+    """S = 35 in 3 row chunks (11, 12 and 12 rows: chunks need not divide S,
+    `block_sizes.row_chunks_in_waves`), a dead row in the first: the
+    chunks' rows computed at run time, against float64."""
+    monkeypatch.setattr(block_sizes, "row_chunks_in_waves", lambda programs, rows, slots: 3)
+    _dbias_against_float64(35, seed, "uneven row chunks", chunks=3)
 
 
 def spy_head_dims(monkeypatch, forward_module) -> list:
