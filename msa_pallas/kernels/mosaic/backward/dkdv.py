@@ -11,7 +11,6 @@ the kernel's B·S·H·N² logits)."""
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +21,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from msa_pallas.kernels import key_tiles
 from msa_pallas.kernels.key_tiles import SpanReader
 from msa_pallas.kernels.mosaic.backward.operands import (
-    kernel_operands, load_stats, recompute, split_operands,
+    gradient_rows, kernel_operands, load_stats, recompute, split_operands,
 )
 from msa_pallas.kernels.mosaic.dropout_words import (
     HeadDropout, check_dropout, copy_words_to_ring, kept, load_ring_words, word_length,
@@ -412,10 +411,7 @@ def backward_dkdv(
         if dead_dv is not None:
             inputs["dead_dv"] = dead_dv
     # Every head of a residue in one row (`dead_groups` stores whole rows).
-    out_shape = k.shape[pieces > 1:]
-    out_shape = (*out_shape[:3], math.prod(out_shape[3:]))
-    out_types = {"dk": jax.ShapeDtypeStruct(out_shape, q.dtype),
-                 "dv": jax.ShapeDtypeStruct(out_shape, q.dtype)}
+    out_types = {name: gradient_rows(k, pieces, q.dtype) for name in ("dk", "dv")}
     kernel_plan = dkdv_plan(
         q.shape, q.dtype, bias.dtype, tiles,
         mask_dtype=None if mask is None else mask.dtype, interpret=interpret,

@@ -6,7 +6,6 @@ online softmax."""
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +16,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from msa_pallas.kernels import key_tiles
 from msa_pallas.kernels.key_tiles import SpanReader
 from msa_pallas.kernels.mosaic.backward.operands import (
-    kernel_operands, load_stats, recompute, split_operands,
+    gradient_rows, kernel_operands, load_stats, recompute, split_operands,
 )
 from msa_pallas.kernels.mosaic.dropout_words import (
     HeadDropout, check_dropout, copy_words_to_ring, kept, load_ring_words, word_length,
@@ -322,8 +321,7 @@ def backward_dq(
     if skips:
         inputs |= key_tiles.span_operands(mask, n_res)
     # Every head of a residue in one row (`dead_groups` stores whole rows).
-    out_shape = k.shape[pieces > 1:]
-    out_types = {"dq": jax.ShapeDtypeStruct((*out_shape[:3], math.prod(out_shape[3:])), q.dtype)}
+    out_types = {"dq": gradient_rows(k, pieces, q.dtype)}
     kernel_plan = dq_plan(
         q.shape, q.dtype, bias.dtype, tiles,
         mask_dtype=None if mask is None else mask.dtype, interpret=interpret,

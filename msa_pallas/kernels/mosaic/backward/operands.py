@@ -5,6 +5,9 @@ gradient recomputed from them (`recompute`)."""
 
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -12,6 +15,16 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from msa_pallas.kernels.constants import FLOAT32_PIECES, LOG2E, MASKED_LOGIT_LOG2
 from msa_pallas.kernels.mosaic.matmul import split_float32
 from msa_pallas.kernels.mosaic.support import pad_bias_rows, pad_residues
+
+
+def gradient_rows(operand, pieces: int, dtype):
+    """The `jax.ShapeDtypeStruct` of a gradient like `operand` (`[B, S, N,
+    heads, tile width]`, or its `pieces` bf16 pieces stacked first), in
+    `dtype` and in whole rows, `[B, S, N, heads * tile width]`: every head
+    of a residue in one row, so that the persistent kernels store a dead
+    row's zeros in contiguous boxes (`work_items.store_dead_zeros`)."""
+    shape = operand.shape[pieces > 1:]
+    return jax.ShapeDtypeStruct((*shape[:3], math.prod(shape[3:])), dtype)
 
 
 def recompute(
