@@ -29,7 +29,9 @@ Mosaic forward leaves arbitrary values there (or, in rows of padding at the
 end of the alignment, nothing at all), and this kernel zeroes them in place
 after it. It reads only the mask and writes only the masked residues: a
 tile of residues all kept costs its mask read alone, nothing of the output
-is read, and a dead row is one whose every residue is zeroed.
+is read, and a dead row is one whose every residue is zeroed. Each of its
+programs serves a chunk of one row's residues in one column slice, so that
+the stores of a few rows spread over every SM.
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ _MAX_COLUMNS = 64
 # `zero_masked_queries`' widest column slice: it only stores, and wider
 # stores are fewer (512 bytes of a bf16 row, all of C = 256).
 _MAX_ZERO_COLUMNS = 256
+# About how many programs `zero_masked_queries` launches (fewer where its
+# rows hold fewer tiles of residues).
+_ZERO_PROGRAMS = 2048
 _LAUNCH = collections.namedtuple("Launch", "num_warps num_stages")(num_warps=4, num_stages=2)
 
 
@@ -79,13 +84,14 @@ def _row_keeps_a_key(mask_ref, n_res: int):
 
 
 def _row_specs(mask_width: int, n_res: int, width: int):
-    """BlockSpecs of an (S, B, column slices) grid: the mask `[B, S,
+    """BlockSpecs of an (S, B, column slices, ...) grid: the mask `[B, S,
     mask_width]` (the program's row), rows `[B, S, N, C]` and means `[B, S,
-    C]` (its row and column slice, `width` wide)."""
+    C]` (its row and column slice, `width` wide); axes after the third
+    leave the blocks as they are."""
     return {
-        "mask": pl.BlockSpec((None, None, mask_width), lambda s, b, c: (b, s, 0)),
-        "rows": pl.BlockSpec((None, None, n_res, width), lambda s, b, c: (b, s, 0, c)),
-        "means": pl.BlockSpec((None, None, width), lambda s, b, c: (b, s, c)),
+        "mask": pl.BlockSpec((None, None, mask_width), lambda s, b, c, *_: (b, s, 0)),
+        "rows": pl.BlockSpec((None, None, n_res, width), lambda s, b, c, *_: (b, s, 0, c)),
+        "means": pl.BlockSpec((None, None, width), lambda s, b, c, *_: (b, s, c)),
     }
 
 
@@ -193,9 +199,11 @@ def fill_dead_rows(out, v, gate, mask, *, n_res: int, interpret: bool):
     return filled.reshape(out.shape), means
 
 
-def _zero_kernel(mask_ref, out_in_ref, out_ref, *, n_res: int, width: int):
+def _zero_kernel(mask_ref, out_in_ref, out_ref, *, n_res: int, width: int,
+                 tiles_per_program: int):
     del out_in_ref  # the same buffer as out_ref, never read
     block = _residues_per_tile(width, n_res)
+    first = pl.program_id(3) * tiles_per_program
 
     def zero_tile(tile, carry):
         start = tile * block
@@ -212,7 +220,19 @@ def _zero_kernel(mask_ref, out_in_ref, out_ref, *, n_res: int, width: int):
 
         return carry
 
-    common.tile_loop(0, pl.cdiv(n_res, block), zero_tile, jnp.int32(0))
+    if tiles_per_program == 1:
+        zero_tile(first, None)
+    else:
+        end = jnp.minimum(first + tiles_per_program, pl.cdiv(n_res, block))
+        common.tile_loop(first, end, zero_tile, jnp.int32(0))
+
+
+def _zero_tiles_per_program(programs: int, tiles: int) -> int:
+    """Tiles of residues per program of `zero_masked_queries`, for `programs`
+    rows and column slices of `tiles` tiles each: at least one, and at most
+    as many as leave `_ZERO_PROGRAMS` programs (where there are that many
+    tiles), to keep every SM storing."""
+    return max(1, min(tiles, programs * tiles // _ZERO_PROGRAMS))
 
 
 def zero_masked_queries(out, mask, *, n_res: int, interpret: bool):
@@ -234,10 +254,17 @@ def zero_masked_queries(out, mask, *, n_res: int, interpret: bool):
     out_rows = _as_rows(out)
     batch, rows, _, columns = out_rows.shape
     width = _column_slice(columns, _MAX_ZERO_COLUMNS)
+    slices = columns // width
+    tiles = pl.cdiv(n_res, _residues_per_tile(width, n_res))
+    per_program = _zero_tiles_per_program(rows * batch * slices, tiles)
+    # With a whole row per program the padded training crop's 128 rows were
+    # 128 programs, each storing its 8 KB tiles one after another: 8.0 us
+    # against 5.0 in chunks on an H100 (benchmarks/log, 2026-12-06 08).
     specs = _row_specs(mask.shape[-1], n_res, width)
-    kernel = functools.partial(_zero_kernel, n_res=n_res, width=width)
+    kernel = functools.partial(_zero_kernel, n_res=n_res, width=width,
+                               tiles_per_program=per_program)
     zeroed = common.pallas_call(
-        kernel, _LAUNCH, grid=(rows, batch, columns // width),
+        kernel, _LAUNCH, grid=(rows, batch, slices, pl.cdiv(tiles, per_program)),
         in_specs=[specs["mask"], specs["rows"]], out_specs=specs["rows"],
         out_shape=jax.ShapeDtypeStruct(out_rows.shape, out.dtype),
         interpret=interpret, name="msa_zero_masked_queries", input_output_aliases={1: 0},

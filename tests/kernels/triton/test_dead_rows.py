@@ -189,6 +189,16 @@ def test_zero_masked_queries(case, dtype, seed):
     check_zero(*zero_case(case, seed, dtype), interpret=True)
 
 
+@pytest.mark.parametrize("programs", [4, 16])
+def test_zero_masked_queries_in_chunks_of_tiles(programs, seed, monkeypatch):
+    """Programs that serve several tiles of a row's residues: N = 100 in 7
+    tiles of 16 (C = 256), for 6 rows; with 4 programs wanted each serves
+    a whole row, with 16 chunks of 2 tiles, the last of one."""
+    monkeypatch.setattr(dead_rows, "_ZERO_PROGRAMS", programs)
+    assert dead_rows._zero_tiles_per_program(6, 7) == {4: 7, 16: 2}[programs]
+    check_zero(*zero_case("N100-C256-dead-batch", seed, jnp.bfloat16), interpret=True)
+
+
 @pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])
 def test_zero_masked_queries_lowers_for_the_gpu_in_place(x64):
     """The zeroing lowers to Triton for an H200 on this machine, with and
