@@ -193,7 +193,8 @@ def test_zero_masked_queries(case, dtype, seed):
 def test_zero_masked_queries_in_chunks_of_tiles(programs, seed, monkeypatch):
     """Programs that serve several tiles of a row's residues: N = 100 in 7
     tiles of 16 (C = 256), for 6 rows; with 4 programs wanted each serves
-    a whole row, with 16 chunks of 2 tiles, the last of one."""
+    a whole row, with 16 a chunk of 2 tiles (each row's last chunk, of
+    one)."""
     monkeypatch.setattr(dead_rows, "_ZERO_PROGRAMS", programs)
     assert dead_rows._zero_tiles_per_program(6, 7) == {4: 7, 16: 2}[programs]
     check_zero(*zero_case("N100-C256-dead-batch", seed, jnp.bfloat16), interpret=True)
