@@ -159,9 +159,27 @@ def store_dead_zeros(tile, out_row, chunk) -> None:
     `out_row` (`[N, width]`), every `columns` of its width; keeps
     `DEAD_STORES_IN_FLIGHT` in flight. Residues past N are not written."""
     rows, columns = tile.shape
-    for start in range(0, out_row.shape[-1], columns):
-        plgpu.wait_smem_to_gmem(DEAD_STORES_IN_FLIGHT, wait_read_only=True)
-        plgpu.copy_smem_to_gmem(tile, out_row.at[pl.ds(chunk * rows, rows), pl.ds(start, columns)])
+    n_res = out_row.shape[0]
+    # The last chunk's box ends at N: a box that runs past N is not clipped
+    # there, its residues past N land at the start of the next MSA row
+    # (measured on an H100 at N = 136, where that row was the next batch
+    # element's first and live: benchmarks/log, 2026-12-06 09).
+    last_rows = n_res - (pl.cdiv(n_res, rows) - 1) * rows
+
+    def store(count):
+        for start in range(0, out_row.shape[-1], columns):
+            plgpu.wait_smem_to_gmem(DEAD_STORES_IN_FLIGHT, wait_read_only=True)
+            plgpu.copy_smem_to_gmem(
+                tile.at[pl.ds(0, count)],
+                out_row.at[pl.ds(chunk * rows, count), pl.ds(start, columns)],
+            )
+
+    if last_rows == rows:
+        store(rows)
+    else:
+        last = chunk == pl.cdiv(n_res, rows) - 1
+        pl.when(jnp.logical_not(last))(lambda: store(rows))
+        pl.when(last)(lambda: store(last_rows))
 
 
 def store_every_tile(tiles, store) -> None:
