@@ -160,10 +160,11 @@ def store_dead_zeros(tile, out_row, chunk) -> None:
     `DEAD_STORES_IN_FLIGHT` in flight. Residues past N are not written."""
     rows, columns = tile.shape
     n_res = out_row.shape[0]
-    # The last chunk's box ends at N: a box that runs past N is not clipped
-    # there, its residues past N land at the start of the next MSA row
-    # (measured on an H100 at N = 136, where that row was the next batch
-    # element's first and live: benchmarks/log, 2026-12-06 09).
+    # The last chunk's box ends at N. A box contiguous in global memory is
+    # stored with one plain bulk copy (`cp.async.bulk`, not a TMA tensor
+    # copy), bounded only by the array's end: one that ran past N wrote its
+    # residues past N at the start of the next MSA row, on an H100 the next
+    # batch element's first row (benchmarks/log, 2026-12-06 09).
     last_rows = n_res - (pl.cdiv(n_res, rows) - 1) * rows
 
     def store(count):
