@@ -56,9 +56,9 @@ GPU_SHAPES = {"N256": (1, 16, 256, 8, 32), "N333": (1, 16, 333, 8, 32), "d8": (1
 # Enough dead row groups (B·H·S/8 of them) that a persistent CTA (one per
 # SM) writes several, one after the other.
 MANY_DEAD_GROUPS = {"S256": (2, 256, 128, 8, 32), "S256-d8": (2, 256, 128, 8, 8),
-                    # N no whole number of the dead rows' zero chunks (16 residues):
-                    # the last chunk of batch element 0's last dead row ends at N,
-                    # where batch element 1's first row (live) starts.
+                    # N no whole number of the dead rows' zero chunks (16 residues),
+                    # so a row's last chunk is cut at N; past it, after batch
+                    # element 0's last row (dead), lies batch element 1's first (live).
                     "S256-N136": (2, 256, 136, 8, 32)}
 KERNEL_OUTPUTS = {"dq": ("dq",), "dkdv": ("dk", "dv"), "dbias": ("dbias",)}
 # The skipping inputs every Mosaic kernel reads (`key_tiles.span_operands`).
