@@ -165,7 +165,8 @@ def store_dead_zeros(tile, out_row, chunk) -> None:
     # copy), bounded only by the array's end: one that ran past N wrote its
     # residues past N at the start of the next MSA row, on an H100 the next
     # batch element's first row (benchmarks/log, 2026-12-06 09).
-    last_rows = n_res - (pl.cdiv(n_res, rows) - 1) * rows
+    chunks = pl.cdiv(n_res, rows)
+    last_rows = n_res - (chunks - 1) * rows
 
     def store(count):
         for start in range(0, out_row.shape[-1], columns):
@@ -178,7 +179,7 @@ def store_dead_zeros(tile, out_row, chunk) -> None:
     if last_rows == rows:
         store(rows)
     else:
-        last = chunk == pl.cdiv(n_res, rows) - 1
+        last = chunk == chunks - 1
         pl.when(jnp.logical_not(last))(lambda: store(rows))
         pl.when(last)(lambda: store(last_rows))
 
