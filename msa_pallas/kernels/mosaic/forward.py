@@ -45,8 +45,11 @@ means of v. A dead row's CTA here would spend a work item's latency on a
 mean it need not compute. Where the mask masks queries too (`mask_queries`:
 out is 0 at a masked residue), an item whose query tile holds no kept
 residue visits no key tile either, and nothing is filled but zeros, at every
-masked residue (`triton.dead_rows.zero_masked_queries`); the query tiles
-after the last that holds a kept residue have no items at all.
+masked residue; the query tiles after the last that holds a kept residue
+have no items at all. A persistent grid writes those zeros itself: its
+items zero their masked queries, and a spare warp of the producer the rows
+and query tiles without items (`zeroes_masked_queries`); with one CTA per
+item a small kernel does after it (`triton.dead_rows.zero_masked_queries`).
 With `dropout_rate` > 0 the weights `dropout` drops (their words read from
 XLA's arrays, `dropout_words`) are zeroed after the row statistics, and the
 output scaled by 1 / (1 - rate). Skipping with dropout, a dead row's
@@ -86,12 +89,28 @@ from msa_pallas.kernels.mosaic.smem import (
 )
 from msa_pallas.kernels.mosaic.support import check_kernel_inputs
 from msa_pallas.kernels.mosaic.tiles import MosaicTiles, forward_tiles
-from msa_pallas.kernels.mosaic.work_items import ForwardItems
+from msa_pallas.kernels.mosaic.work_items import ForwardItems, RowZeros
 from msa_pallas.kernels.triton.dead_rows import fill_dead_rows, zero_masked_queries
 
 
 # The tiles `attention_forward` takes by default (`tiles.forward_tiles`).
 default_tiles = forward_tiles
+
+
+def zeroes_masked_queries(mask_queries: bool, tiles: MosaicTiles) -> bool:
+    """Whether the kernel writes the zeros of the masked queries itself
+    (`attention_forward`'s `mask_queries` on a persistent grid): its items
+    zero their masked queries, and the producer's third warp, idle beside
+    the K and V rings' warps, stores the zeros of the rows and query tiles
+    that have no item, in boxes of whole rows (`work_items.RowZeros`),
+    while the consumers compute. With one CTA per item,
+    `triton.dead_rows.zero_masked_queries` writes them after the kernel, a
+    pass of its own (at the padded extra MSA on an H100, 13.5 us of the
+    forward's 240, 2026-12-06). Stored by the consumers after their items,
+    the same zeros cost that forward 77 us more; from the spare warp its
+    forward took 3.2-7.6% less than with the pass (benchmarks/log,
+    2026-12-06 08 and 10)."""
+    return mask_queries and tiles.persistent
 
 
 def _kernel(
@@ -109,7 +128,10 @@ def _kernel(
     (`key_tiles.span_operands`); without dropout, dead rows' results are
     not the op's (`attention_forward` replaces them). `mask_queries`
     (with `skips_masked`): an item whose query tile holds no residue its
-    rows keep visits no key tile (its results are 0, as the op's there).
+    rows keep visits no key tile (its results are 0, as the op's there);
+    with a persistent grid the kernel writes every zero of the output
+    (`zeroes_masked_queries`), whose gmem ref is then `[B, S, N, H' * w]`,
+    every head of a residue in one row.
     `dropout` (`dropout_words.Dropout`): gmem holds "query_words", "key_words"."""
     smem_tma, smem = split_row_views(smem, row_views)
     block_q, block_k, stages = tiles.block_q, tiles.block_k, tiles.num_stages
@@ -122,6 +144,7 @@ def _kernel(
     masked = masked_accumulator_logit(scale)
     wg = lax.axis_index("wg")
     static_bounds = key_bounds is None and not skips_masked  # every item, every key tile
+    writes_zeros = zeroes_masked_queries(mask_queries, tiles)
     if skips_masked:
         # With dropout a dead row's dropped uniform weights have no shortcut:
         # its items visit every key tile.
@@ -156,10 +179,17 @@ def _kernel(
         )
 
     def load_row_data(work):
-        """Item `work`'s gate tile, read in the epilogue: the next item's
-        load after it."""
+        """Item `work`'s gate tile and query mask, read in the epilogue: the
+        next item's loads after it."""
         if has_gate:
             load_own("gate", work)
+        if writes_zeros:
+            batch, _, row_group, q_start = work
+            plgpu.copy_gmem_to_smem(
+                gmem["mask"].at[batch, pl.ds(row_group * msa_rows + wg, 1),
+                                pl.ds(q_start, block_q)],
+                smem["query_mask"].at[wg, :, pl.ds(0, block_q)], produced["q"].at[wg],
+            )
 
     def consume_item(work, steps_before, next_work, has_next):
         """Work item `(batch, head, row_group, q_start)` for consumer `wg`,
@@ -317,6 +347,12 @@ def _kernel(
                 smem["row_log2_sum"][wg, h] = jnp.log2(row_sum)
         if has_gate:
             out = out * sigmoid(smem["gate"][wg].astype(jnp.float32))
+        if writes_zeros:
+            # 0 at the masked queries (their rows' results otherwise).
+            kept = plgpu.load(
+                smem["query_mask"].at[wg, 0, pl.ds(0, block_q)], layout=WGMMA_ROW
+            ) != 0
+            out = jnp.where(lax.broadcast_in_dim(kept, out.shape, [0]), out, 0.0)
         # With one CTA per item q's tile is free by now and holds the output on
         # its way out; a persistent CTA's holds the next item's queries.
         out_name = "out" if "out" in smem else "q"
@@ -324,8 +360,10 @@ def _kernel(
         # Every thread's reads of the gate and writes of the output are done.
         plgpu.commit_smem()
         pl.when(has_next)(lambda: load_row_data(next_work))
+        # Whole rows: the head's columns of them.
+        out_columns = pl.ds(head * tile_dim, tile_dim) if writes_zeros else head
         plgpu.copy_smem_to_gmem(
-            smem_tma[out_name].at[wg], gmem["out"].at[batch, row, queries, head]
+            smem_tma[out_name].at[wg], gmem["out"].at[batch, row, queries, out_columns]
         )
         if save_stats:
             copy_row_tile_to_gmem(
@@ -407,6 +445,21 @@ def _kernel(
     def for_each_item(work):
         return items.for_each(work, key_tiles if static_bounds else None)
 
+    def zeros_without_items():
+        """The output's zeros that no item writes: every residue of the row
+        groups without items (padding rows at the end of the alignment),
+        and of the others the query tiles without items (padding residues
+        at the end of the crop), every head and every row of a group at
+        once (`work_items.RowZeros`)."""
+        zeros_tile = smem["dead_zeros"]
+        live_groups, live_tiles = items.live_row_groups, items.live_query_tiles
+        regions = [
+            (live_groups, grid[2] - live_groups, 0),
+            (0, live_groups, live_tiles * (block_q // zeros_tile.shape[0])),
+        ]
+        return RowZeros(items.shares, zeros_tile, [gmem["out"]], msa_rows, range(msa_rows),
+                        grid[0] // heads, regions)
+
     # The consumers take turns across items too: the one whose epilogue runs
     # leaves the units to the other.
     turns = PingPong(schedule, wg, enabled=ping_pong)
@@ -430,6 +483,7 @@ def _kernel(
     @pl.when(wg == msa_rows)
     def _producer():
         producer_registers()
+        zeros = zeros_without_items() if writes_zeros else None
 
         def feed(ring):
             steps = for_each_item(functools.partial(produce_item, ring=ring))
@@ -453,6 +507,13 @@ def _kernel(
         def _(warp):
             pl.when(warp == 0)(lambda: feed("k"))
             pl.when(warp == 1)(lambda: feed("v"))
+            if zeros is not None:
+
+                @pl.when(warp == 2)
+                def _():
+                    zeros.store()
+                    # The CTA may end once the stores have read the tile.
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 @functools.partial(
@@ -502,11 +563,12 @@ def attention_forward(
       mask_queries: skipping (a mask, no dropout): the mask masks queries
         too, and out is 0 at the residues it masks in a row (the op's
         `mask_queries`): an item whose query tile holds no kept residue
-        visits no key tile, dead rows are rows of zeros, and after the
-        kernel `triton.dead_rows.zero_masked_queries` writes the zeros in
-        place. The residuals are as the kernel left them (unwritten for the
-        row groups after the last live one): `triton.backward_prologue`
-        with the query mask reads a live row's alone.
+        visits no key tile, dead rows are rows of zeros, written by the
+        kernel where its grid is persistent (`zeroes_masked_queries`), else
+        after it, in place, by `triton.dead_rows.zero_masked_queries`. The
+        residuals are as the kernel left them (unwritten for the row groups
+        after the last live one): `triton.backward_prologue` with the query
+        mask reads a live row's alone.
 
     Returns:
       out `[B, S, N, H, d]` in q's dtype, and, if `save_stats`, the ungated
@@ -530,10 +592,14 @@ def attention_forward(
         tiles=tiles, msa_rows=msa_rows, pair=pair, skips_masked=skips_masked,
         save_stats=save_stats,
     )
+    writes_zeros = zeroes_masked_queries(mask_queries, tiles)
+    if writes_zeros:
+        # Every head of a residue in one row: boxes of whole rows for the zeros.
+        out_types["out"] = jax.ShapeDtypeStruct((*shape[:3], heads * head_dim), q.dtype)
     kernel_plan = forward_plan(
         shape, q.dtype, bias.dtype, tiles, mask_dtype=None if mask is None else mask.dtype,
         gate_dtype=None if gate is None else gate.dtype, save_stats=save_stats,
-        interpret=interpret,
+        interpret=interpret, mask_queries=mask_queries,
     )
     body = functools.partial(
         _kernel, scale=scale, n_res=n_res, tiles=tiles, msa_rows=msa_rows,
@@ -545,8 +611,9 @@ def attention_forward(
     outs = tuple(x.reshape(shapes.get(name, x.shape)) for name, x in zip(out_types, outs))
     means = ()
     if mask_queries:
-        out, *residuals = outs
-        outs = (zero_masked_queries(out, mask, n_res=n_res, interpret=interpret), *residuals)
+        if not writes_zeros:
+            out, *residuals = outs
+            outs = (zero_masked_queries(out, mask, n_res=n_res, interpret=interpret), *residuals)
     elif skips_masked and dropout is None:
         outs = _with_dead_rows(outs, v, gate, mask, n_res, interpret,
                                selected=not (save_stats and dead_row_means))

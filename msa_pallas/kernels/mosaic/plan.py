@@ -147,11 +147,17 @@ def _item_grid(items: tuple, tile_axis: str, persistent: bool, interpret: bool):
 
 def forward_plan(
     q_shape, q_dtype, bias_dtype, tiles: MosaicTiles, *, mask_dtype, gate_dtype,
-    save_stats: bool, interpret: bool,
+    save_stats: bool, interpret: bool, mask_queries: bool = False,
 ) -> KernelPlan:
     """The forward kernel's plan for q of `q_shape` `[B, S, N, H, d]` (d = 8
     with an even H: two heads per tile, `heads.pairs_heads`), a mask and a
     gate of these dtypes (None: none), with the residuals or without.
+    `mask_queries` (with a mask): the mask masks queries too, and where the
+    grid is persistent the kernel writes every zero of the output itself
+    (`forward.zeroes_masked_queries`): each consumer loads its item's query
+    mask with the gate ("q"), and the producer stores a tile of zeros
+    (`work_items.dead_zeros_smem`) over the rows and query tiles without
+    items.
 
     Shared memory: each consumer's q tile (and one copy per head of it for
     two heads per tile), gate and output tiles, the residual and statistics
@@ -195,6 +201,14 @@ def forward_plan(
         "k": ("k",) * msa_rows + masks + ("bias",) * pair,
         "v": ("v",) * msa_rows,
     }
+    if mask_queries and tiles.persistent and mask_dtype is not None:
+        smem["query_mask"] = smem_vectors((msa_rows, 1, block_q), mask_dtype)
+        copies["q"] += ("query_mask",)
+        # Chunks of at most a query tile's residues: the query tiles without
+        # items start at a chunk.
+        smem["dead_zeros"] = dead_zeros_smem(
+            heads // pair * tile_dim, q_dtype, min(n_res, block_q)
+        )
     # Work items, the MSA-row groups fastest.
     items = (batch * heads // pair, pl.cdiv(n_res, block_q), rows // msa_rows)
     grid, grid_names = _item_grid(items, "query_tiles", tiles.persistent, interpret)
@@ -294,7 +308,7 @@ def dkdv_plan(
     produced = {"kv": msa_rows, "step": stages}
     if mask_dtype is not None and tiles.persistent:
         # The dead row groups' zeros, every head's at once.
-        smem["dead_zeros"] = dead_zeros_smem(msa_rows, heads * head_dim, q_dtype, n_res)
+        smem["dead_zeros"] = dead_zeros_smem(heads * head_dim, q_dtype, n_res)
     if mask_dtype is not None and dead_rows:
         smem["dead_dv"] = smem_vectors((msa_rows, 1, tile_dim), jnp.float32)
         copies["dead_dv"] = ("dead_dv",)
@@ -354,7 +368,7 @@ def dq_plan(
         key_copies += ("key_words",)
     if mask_dtype is not None and tiles.persistent:
         # The dead row groups' zeros, every head's at once.
-        smem["dead_zeros"] = dead_zeros_smem(msa_rows, heads * head_dim, q_dtype, n_res)
+        smem["dead_zeros"] = dead_zeros_smem(heads * head_dim, q_dtype, n_res)
     copies = {"q": ("q", "do", "stats"), "step": key_copies * msa_rows + ("bias",) * pair}
     # Work items, the MSA-row groups fastest.
     items = (batch * heads // pair, pl.cdiv(n_res, block_q), rows // msa_rows)

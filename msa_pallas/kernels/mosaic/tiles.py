@@ -183,6 +183,7 @@ def forward_tiles(
         kernel_plan = forward_plan(
             rows_shape, q_dtype, bias_dtype, tiles, mask_dtype=jnp.int8,
             gate_dtype=q_dtype if has_gate else None, save_stats=save_stats, interpret=False,
+            mask_queries=skips_masked_queries,
         )
         if kernel_plan.shared_memory_bytes <= MAX_SHARED_MEMORY:
             return tiles

@@ -17,13 +17,17 @@ residue (padding residues at the end of the crop) take none either.
 
 The persistent dq and dk/dv kernels' items (`BackwardItems`) are counted
 the same way, a query or key tile in place of the first query; their
-CTAs write the dead groups' results themselves, after their live items:
-a few stores per row group, where the one-CTA-per-item grid spends a CTA
-on each of its items. Zeros (dq, dk, and dv where the mask masks queries
-too) go out in boxes of whole output rows, every head at once
-(`store_dead_zeros`): one head's tile is a strided box of 32- or 64-byte
-pieces, and on an H100 the dk/dv kernel's such stores at the padded extra
-MSA took 62 of its 305 us, where whole rows took 15 (2026-12-06).
+CTAs write the dead groups' results themselves: a few stores per row
+group, where the one-CTA-per-item grid spends a CTA on each of its items.
+Zeros (dq, dk, and dv where the mask masks queries too) go out in boxes
+of whole output rows, every head at once (`RowZeros`): one head's tile
+is a strided box of 32- or 64-byte pieces, and on an H100 the dk/dv
+kernel's such stores at the padded extra MSA took 62 of its 305 us, where
+whole rows took 15 (2026-12-06). A spare warp of the producer stores them,
+from the kernel's start, while the consumers compute: stored by the
+consumers, between their items or after them, they cost more
+(benchmarks/log, 2026-12-06 07 and 08). The persistent forward stores the
+zeros of masked queries the same way (`forward.zeroes_masked_queries`).
 """
 
 from __future__ import annotations
@@ -48,6 +52,22 @@ def decode_item(linear, tiles: int, row_groups, heads: int):
             lax.rem(lax.div(linear, row_groups), tiles))
 
 
+class CtaShare:
+    """A persistent CTA's share of a count of indices (one CTA per SM, the
+    "ctas" axis): CTA `cta` takes indices cta, cta + ctas, ..."""
+
+    def __init__(self):
+        self.ctas, self.cta = lax.axis_size("ctas"), lax.axis_index("ctas")
+
+    def share(self, count):
+        """How many of `count` indices this CTA takes (an int32)."""
+        return count // self.ctas + (self.cta < count % self.ctas).astype(jnp.int32)
+
+    def index(self, local):
+        """The index of the CTA's `local`-th of its share."""
+        return local * self.ctas + self.cta
+
+
 class ForwardItems:
     """This CTA's work items. `grid`: (B * H', query tiles, row groups);
     `heads`: H' (heads as the kernel sees them); `block_q`: queries per
@@ -64,6 +84,9 @@ class ForwardItems:
                  query_tiles=None):
         self.grid, self.heads, self.block_q, self.persistent = grid, heads, block_q, persistent
         self.runtime_count = row_groups is not None or query_tiles is not None
+        # The counts of row groups and query tiles that have items (0 or more).
+        self.live_row_groups = grid[2] if row_groups is None else row_groups
+        self.live_query_tiles = grid[1] if query_tiles is None else query_tiles
         # Row groups and query tiles in the items' numbering; at least 1, so
         # that numbering a CTA's (absent) first item divides by them.
         self.row_groups = grid[2] if row_groups is None else lax.max(row_groups, 1)
@@ -72,10 +95,11 @@ class ForwardItems:
             # CTA `cta` takes items cta, cta + ctas, ...: the CTAs at work at
             # the same time take neighbouring row groups, so they read the
             # same bias tiles, as with one CTA per item.
-            self.ctas, self.cta = lax.axis_size("ctas"), lax.axis_index("ctas")
+            self.shares = CtaShare()
+            self.ctas, self.cta = self.shares.ctas, self.shares.cta
             total = (grid[0] * (grid[1] if query_tiles is None else query_tiles)
                      * (grid[2] if row_groups is None else row_groups))
-            self.items_here = total // self.ctas + (self.cta < total % self.ctas).astype(jnp.int32)
+            self.items_here = self.shares.share(total)
             self.first = self.item(self.cta)
         else:
             batch, head, _ = batch_head_and_warpgroup(heads)
@@ -111,7 +135,7 @@ class ForwardItems:
             )
 
         def visit(index, steps_before):
-            linear = index * self.ctas + self.cta
+            linear = self.shares.index(index)
             if steps_per_item is not None:
                 steps_before = index * steps_per_item
             return work(self.item(linear), steps_before, self.item(linear + self.ctas),
@@ -125,25 +149,25 @@ class ForwardItems:
 DEAD_STORES_IN_FLIGHT = 8
 
 
-# Shared memory per consumer for the tile of zeros a persistent backward
-# kernel stores over its dead row groups' rows (`dead_zeros_smem`).
+# Shared memory for the tile of zeros a persistent kernel stores over whole
+# rows of its outputs (`dead_zeros_smem`).
 DEAD_ZEROS_BYTES = 8192
 # The widest box a TMA copy takes along one axis, in elements.
 _TMA_BOX_MAX = 256
 
 
-def dead_zeros_smem(consumers: int, width: int, dtype, residues: int):
-    """The plans' shared memory for `store_dead_zeros`: per consumer one
-    tile of `[rows, columns]`, neither tiled nor swizzled, for an output
+def dead_zeros_smem(width: int, dtype, residues: int):
+    """The plans' shared memory for `store_dead_zeros`: a tile of `[rows,
+    columns]`, neither tiled nor swizzled, for an output
     whose rows are `width` wide (every head of a residue, `H' * tile
     width`: whole rows, contiguous in global memory). Its columns: the
     widest divisor of `width` that one TMA box takes, a multiple of 8 (as
     `width` is); its rows: as many as fit in `DEAD_ZEROS_BYTES`, a power of
-    two, at least 8 and at most N rounded up to one."""
+    two, at least 8 and at most `residues` rounded up to one."""
     columns = 8 * max(c for c in range(1, _TMA_BOX_MAX // 8 + 1) if (width // 8) % c == 0)
     rows = max(8, DEAD_ZEROS_BYTES // (columns * jnp.dtype(dtype).itemsize))
     rows = min(1 << (rows.bit_length() - 1), max(8, 1 << (residues - 1).bit_length()))
-    return plgpu.SMEM((consumers, rows, columns), dtype)
+    return plgpu.SMEM((rows, columns), dtype)
 
 
 def fill_dead_zeros(tile) -> None:
@@ -179,9 +203,10 @@ def store_dead_zeros(tile, out_row, chunk) -> None:
     if last_rows == rows:
         store(rows)
     else:
-        last = chunk == chunks - 1
-        pl.when(jnp.logical_not(last))(lambda: store(rows))
-        pl.when(last)(lambda: store(last_rows))
+        # Comparisons, not a negation: warps (a producer's spare one) lower
+        # no `not`.
+        pl.when(chunk < chunks - 1)(lambda: store(rows))
+        pl.when(chunk == chunks - 1)(lambda: store(last_rows))
 
 
 def store_every_tile(tiles, store) -> None:
@@ -211,15 +236,14 @@ class BackwardItems:
     def __init__(self, grid, heads: int, live_groups=None):
         self.grid, self.heads = grid, heads
         self.groups = grid[2] if live_groups is None else lax.clamp(0, live_groups, grid[2])
-        self.ctas, self.cta = lax.axis_size("ctas"), lax.axis_index("ctas")
+        self.shares = CtaShare()
 
     def _for_each(self, count, work) -> None:
         """`work(index)` for this CTA's share of `count` indices."""
-        here = count // self.ctas + (self.cta < count % self.ctas).astype(jnp.int32)
 
-        @pl.loop(0, here)
-        def _(index):
-            work(index * self.ctas + self.cta)
+        @pl.loop(0, self.shares.share(count))
+        def _(local):
+            work(self.shares.index(local))
 
     def for_each_live(self, work) -> None:
         """`work(batch, head, row_group, tile)` for this CTA's live items, in order."""
@@ -230,6 +254,13 @@ class BackwardItems:
             batch_heads * tiles * self.groups,
             lambda linear: work(*decode_item(linear, tiles, groups, self.heads)),
         )
+
+    def dead_row_zeros(self, tile, outs, rows_per_group: int):
+        """The `RowZeros` of the dead row groups' rows (all their residues,
+        every row of a group) in every output of `outs`."""
+        batch_heads, _, groups = self.grid
+        return RowZeros(self.shares, tile, outs, rows_per_group, range(rows_per_group),
+                        batch_heads // self.heads, [(self.groups, groups - self.groups, 0)])
 
     def for_each_dead_group(self, work) -> None:
         """`work(batch, head, row_group)` for this CTA's share of the dead row
@@ -244,38 +275,66 @@ class BackwardItems:
 
         self._for_each(batch_heads * dead, unit)
 
-    def for_each_dead_chunk(self, chunks: int, work) -> None:
-        """`work(batch, row_group, chunk)` for this CTA's share of the dead row
-        groups' `chunks` chunks of residues, every head at once (the
-        residues of a chunk are contiguous in an output, whose heads are
-        its last axes); the chunks of a group fastest, so that the CTAs at
-        work at the same time write neighbouring memory."""
-        batch_heads, _, groups = self.grid
-        dead = groups - self.groups
-        per_batch = lax.max(dead, 1) * chunks
 
-        def unit(linear):
-            batch, within = lax.div(linear, per_batch), lax.rem(linear, per_batch)
-            work(batch, self.groups + lax.div(within, chunks), lax.rem(within, chunks))
+class RowZeros:
+    """Zeros stored by a persistent CTA over whole rows of outputs (`[B, S,
+    N, width]` refs, every head of a residue in its row: one box of
+    `store_dead_zeros` for any number of heads, where one head's tile would
+    be a strided box of narrow pieces), from `tile` (`dead_zeros_smem`'s,
+    filled here by the warpgroup that builds this, at the kernel's start),
+    in chunks of its rows of residues.
 
-        self._for_each(batch_heads // self.heads * dead * chunks, unit)
+    `regions`: per batch element (of `batch`), (first group, groups, first
+    chunk) triples (ints or traced int32s): rows `members` of each of those
+    row groups (of `rows_per_group` rows), their chunks from the first on.
+    The units are (batch, region, group, chunk), the chunks of a group
+    fastest, so that the CTAs at work at the same time write neighbouring
+    memory; `shares` (a `CtaShare`) gives this CTA its share of them, whose
+    stores `store` starts: their thread (the elected one of the warp or
+    warpgroup that runs it) must wait for them to have read `tile` before
+    the CTA ends."""
 
-    def zero_dead_rows(self, tile, outs, rows_per_group: int, member) -> None:
-        """Starts the stores of zeros over this CTA's share of the dead row
-        groups' rows, row `member` of each group (a consumer's), in every
-        output of `outs` (`[B, S, N, width]` refs, every head of a residue
-        in its row), from `tile` (`dead_zeros_smem`'s, filled here)."""
+    def __init__(self, shares: CtaShare, tile, outs, rows_per_group: int, members,
+                 batch: int, regions):
         fill_dead_zeros(tile)
+        self.shares, self.tile, self.outs = shares, tile, outs
+        self.rows_per_group, self.members = rows_per_group, tuple(members)
+        self.chunks = pl.cdiv(outs[0].shape[2], tile.shape[0])
+        # Per region: its first group, its first chunk, its chunks per group
+        # (at least 1, a divisor), and its units per batch element.
+        self.regions = []
+        for first_group, groups, first_chunk in regions:
+            chunks = self.chunks - first_chunk
+            self.regions.append((first_group, first_chunk, lax.max(chunks, 1),
+                                 lax.max(groups, 0) * lax.max(chunks, 0)))
+        self.per_batch = sum(units for *_, units in self.regions)
+        self.here = shares.share(batch * self.per_batch)
 
-        def store(batch, row_group, chunk):
-            for out in outs:
-                store_dead_zeros(tile, out.at[batch, row_group * rows_per_group + member], chunk)
+    def store(self) -> None:
 
-        self.for_each_dead_chunk(pl.cdiv(outs[0].shape[2], tile.shape[0]), store)
+        @pl.loop(0, self.here)
+        def _(local):
+            linear = self.shares.index(local)
+            batch = lax.div(linear, lax.max(self.per_batch, 1))
+            within = lax.rem(linear, lax.max(self.per_batch, 1))
+            # The region of the unit, and the unit within it.
+            row_group = chunk = jnp.int32(0)
+            before = jnp.int32(0)
+            for first_group, first_chunk, chunks, units in self.regions:
+                unit = within - before
+                here = jnp.logical_and(unit >= 0, unit < units)
+                row_group = jnp.where(here, first_group + lax.div(unit, chunks), row_group)
+                chunk = jnp.where(here, first_chunk + lax.rem(unit, chunks), chunk)
+                before = before + units
+            for member in self.members:
+                row = row_group * self.rows_per_group + member
+                for out in self.outs:
+                    store_dead_zeros(self.tile, out.at[batch, row], chunk)
 
 
 def serve_items(consume, produce, bounds_of, *, consumers: int, heads: int, persistent: bool,
-                tile_axis: str, work_items=None, live_groups=None, dead_groups=None) -> None:
+                tile_axis: str, work_items=None, live_groups=None, dead_zeros=None,
+                dead_groups=None) -> None:
     """A backward kernel's warp-specialised body over its work items
     (batch, head, row group, tile): the consumer warpgroups (wg < consumers)
     run `consume(*item, lb, ub)` for each, the producer `produce(*item, lb,
@@ -285,8 +344,11 @@ def serve_items(consume, produce, bounds_of, *, consumers: int, heads: int, pers
     "row_groups" and `tile_axis` axes name it. Persistent: the CTA's share
     of `work_items` (`BackwardItems`); with `live_groups`, the count of
     row groups that have items (a traced int32, `key_tiles.SpanReader.
-    live_row_groups`; None: all), those alone, then, on the consumers,
-    `dead_groups(items)` for the groups after them (all dead).
+    live_row_groups`; None: all), those alone; the groups after them are
+    dead: the zeros of `dead_zeros(items)` (a `RowZeros`, or None) go out
+    from the producer's second warp, its first serving the items, and
+    `dead_groups(items)` (or None) writes the rest on the consumers, after
+    their items.
     """
     wg = lax.axis_index("wg")
     if not persistent:
@@ -315,10 +377,26 @@ def serve_items(consume, produce, bounds_of, *, consumers: int, heads: int, pers
     def _consumer():
         consumer_registers(consumers)
         items.for_each_live(with_bounds(consume))
-        if live_groups is not None:
+        if live_groups is not None and dead_groups:
             dead_groups(items)
+        # The CTA may end once its stores have read shared memory.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     @pl.when(wg == consumers)
     def _producer():
         producer_registers()
-        items.for_each_live(with_bounds(produce))
+        if live_groups is None or dead_zeros is None:
+            items.for_each_live(with_bounds(produce))
+            return
+        zeros = dead_zeros(items)
+
+        # The dead groups' zeros from a warp of their own, while the
+        # consumers compute.
+        @plgpu.warp_map
+        def _(warp):
+            pl.when(warp == 0)(lambda: items.for_each_live(with_bounds(produce)))
+
+            @pl.when(warp == 1)
+            def _():
+                zeros.store()
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)

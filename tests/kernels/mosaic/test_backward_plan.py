@@ -226,7 +226,7 @@ def test_dead_zeros_tiles(width, n_res, rows, columns):
     columns a divisor of the output's row width that one TMA box takes (at
     most 256), rows as many as 8 KB hold, a power of two, at most N rounded
     up to one."""
-    smem = dead_zeros_smem(2, width, jnp.bfloat16, n_res)
-    assert smem.shape == (2, rows, columns)
+    smem = dead_zeros_smem(width, jnp.bfloat16, n_res)
+    assert smem.shape == (rows, columns)
     assert width % columns == 0 and columns <= 256
     assert rows * columns * 2 <= DEAD_ZEROS_BYTES

@@ -31,11 +31,12 @@ SMALL_TILES = MosaicTiles(block_q=64, block_k=64, num_stages=2, msa_rows=2)
 
 def compiled_forward(
     n_res, head_dim, bias_dtype, tiles=None, has_mask=True, has_gate=True, save_stats=True,
-    **tile_changes,
+    mask_queries=False, **tile_changes,
 ):
     """The compiled forward at (1, 4, N, 8, d) bf16, with or without a mask,
     a gate and the residuals, with `tiles` (default: the default tiles)
-    changed by `tile_changes`: (the function, its arguments as
+    changed by `tile_changes`; `mask_queries`: skipping padding, the mask
+    masking queries too: (the function, its arguments as
     `jax.ShapeDtypeStruct`s, its plan)."""
     shape = (1, 4, n_res, 8, head_dim)
     q = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
@@ -47,13 +48,15 @@ def compiled_forward(
             shape, jnp.bfloat16, bias_dtype, save_stats=save_stats, has_gate=has_gate
         )
     tiles = dataclasses.replace(tiles, **tile_changes)
+    queries = {"skip_masked": True, "mask_queries": True} if mask_queries else {}
     forward = lambda q, k, v, bias, mask, gate: mosaic_forward.attention_forward(  # noqa: E731
         q, k, v, bias, mask, gate, scale=0.2, tiles=tiles, interpret=False,
-        save_stats=save_stats,
+        save_stats=save_stats, **queries,
     )
     plan = forward_plan(
         shape, jnp.bfloat16, bias_dtype, tiles, mask_dtype=jnp.int8 if has_mask else None,
         gate_dtype=jnp.bfloat16 if has_gate else None, save_stats=save_stats, interpret=False,
+        mask_queries=mask_queries,
     )
     return forward, (q, q, q, bias, mask, gate), plan
 
@@ -127,28 +130,39 @@ def test_row_tiles_are_view_pairs_one_swizzle_wide():
 
 
 @pytest.mark.parametrize(
-    "n_res, head_dim, bias_dtype, tiles, has_mask, has_gate, save_stats",
+    "n_res, head_dim, bias_dtype, tiles, has_mask, has_gate, save_stats, mask_queries",
     [
-        (256, 32, jnp.float32, MosaicTiles(128, 64, 2, 2, persistent=True), True, True, True),
-        (256, 32, jnp.bfloat16, MosaicTiles(64, 128, 3, 1), False, False, False),
-        (200, 8, jnp.bfloat16, MosaicTiles(128, 64, 2, 2), True, True, True),
-        (333, 64, jnp.float32, MosaicTiles(64, 64, 2, 2, persistent=True), True, False, True),
-        (37, 16, jnp.float32, MosaicTiles(64, 64, 2, 2), False, True, False),
+        (256, 32, jnp.float32, MosaicTiles(128, 64, 2, 2, persistent=True), True, True, True,
+         False),
+        (256, 32, jnp.bfloat16, MosaicTiles(64, 128, 3, 1), False, False, False, False),
+        (200, 8, jnp.bfloat16, MosaicTiles(128, 64, 2, 2), True, True, True, False),
+        (333, 64, jnp.float32, MosaicTiles(64, 64, 2, 2, persistent=True), True, False, True,
+         False),
+        (37, 16, jnp.float32, MosaicTiles(64, 64, 2, 2), False, True, False, False),
+        (384, 8, jnp.float32, MosaicTiles(128, 64, 2, 2, persistent=True), True, True, True,
+         True),
+        (256, 32, jnp.bfloat16, MosaicTiles(128, 128, 2, 2, persistent=True), True, True, True,
+         True),
+        (200, 32, jnp.float32, MosaicTiles(64, 64, 2, 4, ping_pong=False, persistent=True),
+         True, True, False, True),
     ],
-    ids=["d32-persistent", "d32-one-row-3-stages", "d8-pairs", "N333-d64-views", "N37-d16"],
+    ids=["d32-persistent", "d32-one-row-3-stages", "d8-pairs", "N333-d64-views", "N37-d16",
+         "d8-pairs-masked-queries", "d32-128x128-masked-queries", "N200-four-rows-masked-queries"],
 )
 def test_plan_bytes_are_what_the_lowered_kernel_allocates(
-    n_res, head_dim, bias_dtype, tiles, has_mask, has_gate, save_stats
+    n_res, head_dim, bias_dtype, tiles, has_mask, has_gate, save_stats, mask_queries
 ):
     """`plan.forward_plan`'s shared-memory bytes are those Mosaic GPU's lowering
     asks for at launch: every spec (two heads per tile's q copies, the row
     views of N no multiple of 8, the float32 residual's column pieces, the
-    persistent output tile) and barrier is in the plan, aligned as Mosaic
-    GPU aligns it."""
+    persistent output tile; with masked queries on a persistent grid the
+    query masks and the tile of zeros) and barrier is in the plan, aligned
+    as Mosaic GPU aligns it, and within a CTA's shared memory."""
     forward, args, plan = compiled_forward(
-        n_res, head_dim, bias_dtype, tiles, has_mask, has_gate, save_stats
+        n_res, head_dim, bias_dtype, tiles, has_mask, has_gate, save_stats, mask_queries
     )
     assert mosaic_lowering.lowered_shared_memory(forward, *args) == plan.shared_memory_bytes
+    assert plan.shared_memory_bytes <= MAX_SHARED_MEMORY
 
 
 def test_barrier_arrivals_count_the_copies():

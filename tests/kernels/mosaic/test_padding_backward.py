@@ -220,12 +220,14 @@ def test_bias_gradient_over_row_chunks(seed):
                  regrouped=("dbias",))
 
 
-# (tiles, H, d, N): two heads per tile (d = 8), and rows of 9 heads of d = 32,
-# whose dead rows' zeros take two boxes per row (144 of 288 columns) and
-# 16-residue chunks, the last past N.
+# (tiles, H, d, N, first dead row at the end): two heads per tile (d = 8), and
+# rows of 9 heads of d = 32, whose dead rows' zeros take two boxes per row (144 of
+# 288 columns) and 16-residue chunks, the last past N. "few-items": one live row,
+# one key or query tile: two live items for the interpreter's three CTAs, the third
+# of which stores its share of the dead rows' zeros and serves no item.
 PERSISTENT_CASES = {
-    "row-pairs": (PAIRS, 2, 8, 72), "one-row": (ONE_ROW, 2, 8, 72),
-    "wide-rows": (PAIRS, 9, 32, 40),
+    "row-pairs": (PAIRS, 2, 8, 72, 5), "one-row": (ONE_ROW, 2, 8, 72, 5),
+    "wide-rows": (PAIRS, 9, 32, 40, 5), "few-items": (ONE_ROW, 2, 8, 40, 1),
 }
 
 
@@ -234,16 +236,17 @@ PERSISTENT_CASES = {
 def test_persistent_kernel_equals_one_cta_per_item(kernel, case, seed):
     """The persistent dq and dk/dv kernels (one CTA per SM,
     `tiles.persistent`) on padding rows at the end of the alignment: rows
-    5-7 dead in every batch element, so the row groups after row 5 have no
-    loop, only their stores (dq = dk = 0, dv the mean of do); row 1 dead in
-    the middle, batch element 1 all padding, the last quarter of the
-    residues masked. Row pairs (row 5 dead beside live row 4) and one row
-    per group. Skipping and not (every group live), against float64 and
+    5-7 dead in every batch element (1-7 in "few-items"), so the row groups
+    after row 5 have no loop, only their stores (dq = dk = 0 from the
+    producer's spare warp, dv the mean of do); row 1 dead in the middle,
+    batch element 1 all padding, the last quarter of the residues masked.
+    Row pairs (row 5 dead beside live row 4) and one row per group. Skipping
+    and not (every group live), against float64 and
     bitwise against the kernel of one CTA per item."""
-    tiles, heads, head_dim, n_res = PERSISTENT_CASES[case]
+    tiles, heads, head_dim, n_res, first_dead = PERSISTENT_CASES[case]
     rows = 8
     keep = padded_keep("end", 2, rows, n_res, np.random.default_rng(seed))
-    keep[:, 5:] = False
+    keep[:, first_dead:] = False
     inputs = inputs_with_keep(seed, keep, heads, head_dim, jnp.bfloat16, jnp.float32)
     operands, scale = helpers.mosaic_backward_operands(inputs)
     per_item = MosaicBackwardTiles(dkdv=tiles, dq=tiles, dbias=tiles)

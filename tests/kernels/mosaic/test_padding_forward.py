@@ -135,10 +135,67 @@ def test_dead_row_means_hand_over_the_residuals_unselected(seed):
         forward(skip_masked=False, dead_row_means=True)
 
 
-@pytest.mark.parametrize("persistent", [False, True])
-def test_skipping_kernel_lowers_for_the_gpu_on_a_cpu(persistent):
+# Masked queries (`mask_queries`) on the persistent grid, whose kernel writes every
+# zero of the output itself. (shape, mask, tiles, save_stats): "end" leaves query
+# tile 2 of 3 (residues 128-135) without items, a partly masked tile 1, a dead row
+# beside a live one, the last row pair dead and batch element 1 all padding;
+# "d8-middle" two heads per tile and a masked tile in the middle of the odd rows;
+# "four-rows" the padded training crop's tiles; "few-items" one live row and one
+# query tile, two items for the interpreter's three CTAs (the third stores zeros
+# alone).
+MASKED_QUERY_CASES = {
+    "end": ((2, 8, 136, 2, 16), dict(end_padding=0.27, dead=(1, 6, 7), dead_batch=(1,)),
+            TILES, True),
+    "d8-middle": ((1, 4, 192, 4, 8), dict(end_padding=0.0, middle=(64, 128), dead=(2, 3)),
+                  TILES, False),
+    "four-rows": ((1, 8, 128, 2, 32), dict(end_padding=0.5, dead=(1, 4, 5, 6, 7)),
+                  MosaicTiles(64, 64, 2, 4, ping_pong=False), True),
+    "few-items": ((1, 8, 40, 2, 16), dict(end_padding=0.2, dead=range(1, 8)), TILES, False),
+}
+
+
+@pytest.mark.parametrize("case", list(MASKED_QUERY_CASES))
+def test_persistent_kernel_writes_the_masked_queries_zeros(case, seed):
+    """Where the mask masks queries too, the persistent kernel writes the
+    zeros of every masked residue itself (`forward.zeroes_masked_queries`):
+    its items zero their masked queries, and the producer's spare warp
+    stores the zeros of the rows and query tiles without items, in boxes of
+    whole rows. Its output is bitwise that of one CTA per item, whose zeros
+    a kernel of their own writes after it (`zero_masked_queries`), and 0 at
+    every masked residue; the output starts as NaN in the interpreter, so an
+    element left unwritten fails. Live rows' residuals are bitwise too."""
+    (batch, rows, n_res, heads, head_dim), mask_spec, tiles, save_stats = MASKED_QUERY_CASES[case]
+    inputs = helpers.random_inputs(seed, batch, rows, n_res, heads, head_dim, jnp.bfloat16)
+    keep = helpers.padded_mask(batch, rows, n_res, seed, **mask_spec)
+    q, k, v, bias, _, gate, _ = inputs.args
+
+    def forward(persistent):
+        results = mosaic_forward.attention_forward(
+            q, k, v, bias, jnp.asarray(keep, jnp.int8), gate, scale=head_dim ** -0.5,
+            tiles=dataclasses.replace(tiles, persistent=persistent), interpret=True,
+            save_stats=save_stats, skip_masked=True, mask_queries=True,
+        )
+        return [np.asarray(x.astype(jnp.float32)) for x in (results if save_stats else [results])]
+
+    assert mosaic_forward.zeroes_masked_queries(True, dataclasses.replace(tiles, persistent=True))
+    per_sm, per_item = forward(True), forward(False)
+    out = per_sm[0]
+    assert np.isfinite(out).all()
+    assert not out[~keep].any()
+    np.testing.assert_array_equal(out, per_item[0])
+    live = keep.any(axis=-1)
+    for got, want in zip(per_sm[1:], per_item[1:]):
+        np.testing.assert_array_equal(got[live], want[live])
+
+
+@pytest.mark.parametrize(
+    "persistent, mask_queries", [(False, False), (True, False), (True, True)]
+)
+def test_skipping_kernel_lowers_for_the_gpu_on_a_cpu(persistent, mask_queries):
     """Its scalar loads of the bounds and of the row groups' count from GMEM
-    lower for CUDA, persistent too."""
+    lower for CUDA, persistent too; with masked queries, the producer warp
+    that stores the zeros, whose last box per row (N = 200, boxes of 16
+    residues) ends at N."""
     q = jnp.zeros((1, 4, 200, 8, 32), jnp.bfloat16)
     mask = jnp.zeros((1, 4, 200), jnp.int8)
     bias = jnp.zeros((1, 8, 200, 200), jnp.float32)
@@ -147,7 +204,7 @@ def test_skipping_kernel_lowers_for_the_gpu_on_a_cpu(persistent):
     def forward(q, bias, mask):
         return mosaic_forward.attention_forward(
             q, q, q, bias, mask, q, scale=0.2, tiles=tiles, interpret=False, save_stats=True,
-            skip_masked=True,
+            skip_masked=True, mask_queries=mask_queries,
         )
 
     assert "mosaic_gpu" in mosaic_lowering.lowered_for_cuda(forward, q, bias, mask)

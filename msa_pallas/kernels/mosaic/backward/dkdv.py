@@ -272,40 +272,40 @@ def _dkdv_kernel(
 
         produce(lb, ub, stages, issue_copies, consumed["step"])
 
-    def dead_groups(items):
+    def dead_zeros(items):
         """A dead row group's dk is 0, and where the mask masks queries too
         its dv as well: every head's rows at once, stored from a tile of
-        zeros (`work_items.store_dead_zeros`: contiguous boxes, where one
-        head's tiles would be narrow strided ones). Otherwise each key's dv
+        zeros (`work_items.RowZeros`: contiguous boxes, where one head's
+        tiles would be narrow strided ones)."""
+        zero_names = ("dk",) if "dead_dv" in gmem else ("dk", "dv")
+        return items.dead_row_zeros(smem["dead_zeros"], [gmem[name] for name in zero_names],
+                                    msa_rows)
+
+    def dead_groups(items):
+        """Where the mask does not mask queries, a dead row's dv at each key
         is its row's mean of `do`: per head one load of that mean, then the
         same tile stored for every key tile (the last item's stores have
         read the tile)."""
-        zero_names = ("dk",) if "dead_dv" in gmem else ("dk", "dv")
-        items.zero_dead_rows(smem["dead_zeros"].at[wg], [gmem[name] for name in zero_names],
-                             msa_rows, wg)
 
-        if "dead_dv" in gmem:
-            @items.for_each_dead_group
-            def _(batch, head, row_group):
-                row = row_group * msa_rows + wg
-                copy_dead_dv(batch, head, row)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last group's dv tile
-                # In the accumulators' layout, as the loop's dv.
-                dv = zeros((block_k, tile_dim)) + lax.broadcast_in_dim(
-                    copied_dead_dv(), (block_k, tile_dim), [1]
+        @items.for_each_dead_group
+        def _(batch, head, row_group):
+            row = row_group * msa_rows + wg
+            copy_dead_dv(batch, head, row)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last group's dv tile
+            # In the accumulators' layout, as the loop's dv.
+            dv = zeros((block_k, tile_dim)) + lax.broadcast_in_dim(
+                copied_dead_dv(), (block_k, tile_dim), [1]
+            )
+            store_row_tile(row_tile_at(smem[dv_name], wg), dv.astype(dtype))
+            plgpu.commit_smem()
+
+            def store(key_tile):
+                keys = pl.ds(key_tile * block_k, block_k)
+                copy_row_tile_to_gmem(
+                    row_tile_at(smem_tma[dv_name], wg), out_tile("dv", batch, row, keys, head)
                 )
-                store_row_tile(row_tile_at(smem[dv_name], wg), dv.astype(dtype))
-                plgpu.commit_smem()
 
-                def store(key_tile):
-                    keys = pl.ds(key_tile * block_k, block_k)
-                    copy_row_tile_to_gmem(
-                        row_tile_at(smem_tma[dv_name], wg), out_tile("dv", batch, row, keys, head)
-                    )
-
-                store_every_tile(pl.cdiv(n_res, block_k), store)
-
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            store_every_tile(pl.cdiv(n_res, block_k), store)
 
     # Dead row groups only where a persistent kernel skips padding (without
     # dropout, so with "dead_dv" or with the queries masked), as in dq.
@@ -314,7 +314,7 @@ def _dkdv_kernel(
         persistent=tiles.persistent, tile_axis="key_tiles", work_items=work_items,
         live_groups=(spans.live_row_groups(work_items[2])
                      if spans is not None and tiles.persistent else None),
-        dead_groups=dead_groups,
+        dead_zeros=dead_zeros, dead_groups=dead_groups if "dead_dv" in gmem else None,
     )
 
 

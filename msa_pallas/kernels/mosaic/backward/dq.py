@@ -245,18 +245,17 @@ def _dq_kernel(
 
         produce(lb, ub, stages, issue_copies, consumed["step"])
 
-    def dead_groups(items):
+    def dead_zeros(items):
         """The dead row groups' dq is 0: every head's rows at once, stored
-        from a tile of zeros (`work_items.store_dead_zeros`)."""
-        items.zero_dead_rows(smem["dead_zeros"].at[wg], [gmem["dq"]], msa_rows, wg)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        from a tile of zeros (`work_items.RowZeros`)."""
+        return items.dead_row_zeros(smem["dead_zeros"], [gmem["dq"]], msa_rows)
 
     serve_items(
         consume_item, produce_item, key_tiles_of, consumers=msa_rows, heads=heads,
         persistent=tiles.persistent, tile_axis="query_tiles", work_items=work_items,
         live_groups=(spans.live_row_groups(work_items[2])
                      if spans is not None and tiles.persistent else None),
-        dead_groups=dead_groups,
+        dead_zeros=dead_zeros,
     )
 
 
