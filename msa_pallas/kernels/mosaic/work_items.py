@@ -311,6 +311,7 @@ class RowZeros:
         self.here = shares.share(batch * self.per_batch)
 
     def store(self) -> None:
+        """Starts the stores of this CTA's units (`store_dead_zeros`)."""
 
         @pl.loop(0, self.here)
         def _(local):
