@@ -142,7 +142,7 @@ def test_dead_row_means_hand_over_the_residuals_unselected(seed):
 # "d8-middle" two heads per tile and a masked tile in the middle of the odd rows;
 # "four-rows" the padded training crop's tiles; "few-items" one live row and one
 # query tile, two items for the interpreter's three CTAs (the third stores zeros
-# alone).
+# alone); "no-gate" the query masks loaded alone, without a gate beside them.
 MASKED_QUERY_CASES = {
     "end": ((2, 8, 136, 2, 16), dict(end_padding=0.27, dead=(1, 6, 7), dead_batch=(1,)),
             TILES, True),
@@ -151,6 +151,8 @@ MASKED_QUERY_CASES = {
     "four-rows": ((1, 8, 128, 2, 32), dict(end_padding=0.5, dead=(1, 4, 5, 6, 7)),
                   MosaicTiles(64, 64, 2, 4, ping_pong=False), True),
     "few-items": ((1, 8, 40, 2, 16), dict(end_padding=0.2, dead=range(1, 8)), TILES, False),
+    "no-gate": ((1, 4, 72, 2, 16), dict(end_padding=0.3, middle=(8, 24), dead=(3,)), TILES,
+                True),
 }
 
 
@@ -168,6 +170,8 @@ def test_persistent_kernel_writes_the_masked_queries_zeros(case, seed):
     inputs = helpers.random_inputs(seed, batch, rows, n_res, heads, head_dim, jnp.bfloat16)
     keep = helpers.padded_mask(batch, rows, n_res, seed, **mask_spec)
     q, k, v, bias, _, gate, _ = inputs.args
+    if case == "no-gate":
+        gate = None
 
     def forward(persistent):
         results = mosaic_forward.attention_forward(
