@@ -457,8 +457,8 @@ def _kernel(
             (live_groups, grid[2] - live_groups, 0),
             (0, live_groups, live_tiles * (block_q // zeros_tile.shape[0])),
         ]
-        return RowZeros(items.shares, zeros_tile, [gmem["out"]], msa_rows, range(msa_rows),
-                        grid[0] // heads, regions)
+        return RowZeros(items.shares, zeros_tile, [gmem["out"]], msa_rows, grid[0] // heads,
+                        regions)
 
     # The consumers take turns across items too: the one whose epilogue runs
     # leaves the units to the other.
@@ -508,12 +508,7 @@ def _kernel(
             pl.when(warp == 0)(lambda: feed("k"))
             pl.when(warp == 1)(lambda: feed("v"))
             if zeros is not None:
-
-                @pl.when(warp == 2)
-                def _():
-                    zeros.store()
-                    # The CTA may end once the stores have read the tile.
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                pl.when(warp == 2)(zeros.store)
 
 
 @functools.partial(

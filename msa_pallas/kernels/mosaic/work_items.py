@@ -259,8 +259,8 @@ class BackwardItems:
         """The `RowZeros` of the dead row groups' rows (all their residues,
         every row of a group) in every output of `outs`."""
         batch_heads, _, groups = self.grid
-        return RowZeros(self.shares, tile, outs, rows_per_group, range(rows_per_group),
-                        batch_heads // self.heads, [(self.groups, groups - self.groups, 0)])
+        return RowZeros(self.shares, tile, outs, rows_per_group, batch_heads // self.heads,
+                        [(self.groups, groups - self.groups, 0)])
 
     def for_each_dead_group(self, work) -> None:
         """`work(batch, head, row_group)` for this CTA's share of the dead row
@@ -285,20 +285,18 @@ class RowZeros:
     in chunks of its rows of residues.
 
     `regions`: per batch element (of `batch`), (first group, groups, first
-    chunk) triples (ints or traced int32s): rows `members` of each of those
-    row groups (of `rows_per_group` rows), their chunks from the first on.
-    The units are (batch, region, group, chunk), the chunks of a group
-    fastest, so that the CTAs at work at the same time write neighbouring
-    memory; `shares` (a `CtaShare`) gives this CTA its share of them, whose
-    stores `store` starts: their thread (the elected one of the warp or
-    warpgroup that runs it) must wait for them to have read `tile` before
-    the CTA ends."""
+    chunk) triples (ints or traced int32s): every row of each of those row
+    groups (of `rows_per_group` rows), its chunks from the first on. The
+    units are (batch, region, group, chunk), the chunks of a group fastest,
+    so that the CTAs at work at the same time write neighbouring memory;
+    `shares` (a `CtaShare`) gives this CTA its share of them, which `store`
+    writes."""
 
-    def __init__(self, shares: CtaShare, tile, outs, rows_per_group: int, members,
-                 batch: int, regions):
+    def __init__(self, shares: CtaShare, tile, outs, rows_per_group: int, batch: int,
+                 regions):
         fill_dead_zeros(tile)
         self.shares, self.tile, self.outs = shares, tile, outs
-        self.rows_per_group, self.members = rows_per_group, tuple(members)
+        self.rows_per_group = rows_per_group
         self.chunks = pl.cdiv(outs[0].shape[2], tile.shape[0])
         # Per region: its first group, its first chunk, its chunks per group
         # (at least 1, a divisor), and its units per batch element.
@@ -311,7 +309,8 @@ class RowZeros:
         self.here = shares.share(batch * self.per_batch)
 
     def store(self) -> None:
-        """Starts the stores of this CTA's units (`store_dead_zeros`)."""
+        """Stores this CTA's units (`store_dead_zeros`), and waits for the
+        stores to have read the tile, so that the CTA may end."""
 
         @pl.loop(0, self.here)
         def _(local):
@@ -327,10 +326,12 @@ class RowZeros:
                 row_group = jnp.where(here, first_group + lax.div(unit, chunks), row_group)
                 chunk = jnp.where(here, first_chunk + lax.rem(unit, chunks), chunk)
                 before = before + units
-            for member in self.members:
+            for member in range(self.rows_per_group):
                 row = row_group * self.rows_per_group + member
                 for out in self.outs:
                     store_dead_zeros(self.tile, out.at[batch, row], chunk)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def serve_items(consume, produce, bounds_of, *, consumers: int, heads: int, persistent: bool,
@@ -396,8 +397,4 @@ def serve_items(consume, produce, bounds_of, *, consumers: int, heads: int, pers
         @plgpu.warp_map
         def _(warp):
             pl.when(warp == 0)(lambda: items.for_each_live(with_bounds(produce)))
-
-            @pl.when(warp == 1)
-            def _():
-                zeros.store()
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            pl.when(warp == 1)(zeros.store)
