@@ -83,7 +83,7 @@ from msa_pallas.kernels.mosaic.matmul import (
 from msa_pallas.kernels.mosaic.pipeline import (
     PingPong, consumer_registers, launch, producer_registers,
 )
-from msa_pallas.kernels.mosaic.plan import forward_plan
+from msa_pallas.kernels.mosaic.plan import forward_plan, zeroes_masked_queries
 from msa_pallas.kernels.mosaic.smem import (
     copy_row_tile_to_gmem, row_tile_at, row_view_names, split_row_views, store_row_tile,
 )
@@ -95,22 +95,6 @@ from msa_pallas.kernels.triton.dead_rows import fill_dead_rows, zero_masked_quer
 
 # The tiles `attention_forward` takes by default (`tiles.forward_tiles`).
 default_tiles = forward_tiles
-
-
-def zeroes_masked_queries(mask_queries: bool, tiles: MosaicTiles) -> bool:
-    """Whether the kernel writes the zeros of the masked queries itself
-    (`attention_forward`'s `mask_queries` on a persistent grid): its items
-    zero their masked queries, and the producer's third warp, idle beside
-    the K and V rings' warps, stores the zeros of the rows and query tiles
-    that have no item, in boxes of whole rows (`work_items.RowZeros`),
-    while the consumers compute. With one CTA per item,
-    `triton.dead_rows.zero_masked_queries` writes them after the kernel, a
-    pass of its own (at the padded extra MSA on an H100, 13.5 us of the
-    forward's 240, 2026-12-06). Stored by the consumers after their items,
-    the same zeros cost that forward 77 us more; from the spare warp its
-    forward took 3.2-7.6% less than with the pass (benchmarks/log,
-    2026-12-06 08 and 10)."""
-    return mask_queries and tiles.persistent
 
 
 def _kernel(

@@ -145,6 +145,23 @@ def _item_grid(items: tuple, tile_axis: str, persistent: bool, interpret: bool):
     return items[::-1], ("row_groups", tile_axis, "batch_heads")
 
 
+def zeroes_masked_queries(mask_queries: bool, tiles: MosaicTiles) -> bool:
+    """Whether the forward kernel writes the zeros of the masked queries
+    itself (`forward.attention_forward`'s `mask_queries` on a persistent
+    grid), which its plan provides for: its items zero their masked
+    queries, and the producer's third warp, idle beside the K and V rings'
+    warps, stores the zeros of the rows and query tiles that have no item,
+    in boxes of whole rows (`work_items.RowZeros`), while the consumers
+    compute. With one CTA per item,
+    `triton.dead_rows.zero_masked_queries` writes them after the kernel, a
+    pass of its own (at the padded extra MSA on an H100, 13.5 us of the
+    forward's 240, 2026-12-06). Stored by the consumers after their items,
+    the same zeros cost that forward 77 us more; from the spare warp its
+    forward took 3.2-7.6% less than with the pass (benchmarks/log,
+    2026-12-06 08 and 10)."""
+    return mask_queries and tiles.persistent
+
+
 def forward_plan(
     q_shape, q_dtype, bias_dtype, tiles: MosaicTiles, *, mask_dtype, gate_dtype,
     save_stats: bool, interpret: bool, mask_queries: bool = False,
@@ -154,7 +171,7 @@ def forward_plan(
     gate of these dtypes (None: none), with the residuals or without.
     `mask_queries` (with a mask): the mask masks queries too, and where the
     grid is persistent the kernel writes every zero of the output itself
-    (`forward.zeroes_masked_queries`): each consumer loads its item's query
+    (`zeroes_masked_queries`): each consumer loads its item's query
     mask with the gate ("q"), and the producer stores a tile of zeros
     (`work_items.dead_zeros_smem`) over the rows and query tiles without
     items.
@@ -201,7 +218,7 @@ def forward_plan(
         "k": ("k",) * msa_rows + masks + ("bias",) * pair,
         "v": ("v",) * msa_rows,
     }
-    if mask_queries and tiles.persistent and mask_dtype is not None:
+    if zeroes_masked_queries(mask_queries, tiles) and mask_dtype is not None:
         smem["query_mask"] = smem_vectors((msa_rows, 1, block_q), mask_dtype)
         copies["q"] += ("query_mask",)
         # Chunks of at most a query tile's residues: the query tiles without

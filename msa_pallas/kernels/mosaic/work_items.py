@@ -27,7 +27,7 @@ whole rows took 15 (2026-12-06). A spare warp of the producer stores them,
 from the kernel's start, while the consumers compute: stored by the
 consumers, between their items or after them, they cost more
 (benchmarks/log, 2026-12-06 07 and 08). The persistent forward stores the
-zeros of masked queries the same way (`forward.zeroes_masked_queries`).
+zeros of masked queries the same way (`plan.zeroes_masked_queries`).
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ import helpers
 import mosaic_lowering
 import numpy_reference
 from msa_pallas.kernels.mosaic import forward as mosaic_forward
+from msa_pallas.kernels.mosaic.plan import zeroes_masked_queries
 from msa_pallas.kernels.mosaic.tiles import MosaicTiles
 
 OUT_TOLERANCE = 2e-2  # bf16 output against float64
@@ -159,7 +160,7 @@ MASKED_QUERY_CASES = {
 @pytest.mark.parametrize("case", list(MASKED_QUERY_CASES))
 def test_persistent_kernel_writes_the_masked_queries_zeros(case, seed):
     """Where the mask masks queries too, the persistent kernel writes the
-    zeros of every masked residue itself (`forward.zeroes_masked_queries`):
+    zeros of every masked residue itself (`plan.zeroes_masked_queries`):
     its items zero their masked queries, and the producer's spare warp
     stores the zeros of the rows and query tiles without items, in boxes of
     whole rows. Its output is bitwise that of one CTA per item, whose zeros
@@ -181,7 +182,7 @@ def test_persistent_kernel_writes_the_masked_queries_zeros(case, seed):
         )
         return [np.asarray(x.astype(jnp.float32)) for x in (results if save_stats else [results])]
 
-    assert mosaic_forward.zeroes_masked_queries(True, dataclasses.replace(tiles, persistent=True))
+    assert zeroes_masked_queries(True, dataclasses.replace(tiles, persistent=True))
     per_sm, per_item = forward(True), forward(False)
     out = per_sm[0]
     assert np.isfinite(out).all()
