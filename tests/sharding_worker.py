@@ -14,6 +14,10 @@ It writes one JSON record per case:
      "out_spec", "dbias_spec": the result shardings (`_spec_entries`),
      "deterministic": bool, "error": traceback or null}
 
+The `prologue-*` cases run the backward's prologue kernel alone; the
+`prologue-row-groups-*` ones record, beside the errors, the rows each run
+left unwritten (`unwritten`: the dead rows no kernel reads).
+
 The `bf16-*` cases (`sharding_bf16_worker.py`) check the rounding of the bias
 gradient with bfloat16 inputs and a bfloat16 bias: their record holds the
 all-reduces of the compiled program and how far the sharded bias gradient lies
@@ -327,6 +331,69 @@ def run_prologue_case(spec_axes, gated: bool, mask_queries: bool = False) -> dic
                 do_spec=_spec_entries(got[0].sharding.spec), error=None)
 
 
+# The prologue told which dead rows no kernel reads (`row_group_tiles`: the
+# Mosaic kernels' groups of two rows), the queries masked: id -> specs kwargs.
+# Each device tells them on its own shard, as its kernels do.
+ROW_GROUP_PROLOGUE_CASES = {
+    "prologue-row-groups-batch-rows": dict(batch_axis="data", row_axis="rows"),
+    "prologue-row-groups-batch-heads": dict(batch_axis="data", head_axis="rows"),
+}
+# (batch element, row) of SHAPE's rows made dead in the row-group cases.
+ROW_GROUP_DEAD_ROWS = ((0, 1), (0, 3), (1, 2), (1, 3))
+
+
+def run_row_group_prologue_case(spec_axes) -> dict:
+    """The prologue on sharded operands, told the dead rows no kernel reads
+    (`ROW_GROUP_DEAD_ROWS`, queries masked, gated), against one device:
+    the rows whose `do` is left unwritten (all NaN: the interpreter's fresh
+    buffers) in each run, and the relative errors over the rows both
+    wrote."""
+    from msa_pallas.kernels import vjp
+    from msa_pallas.kernels.mosaic.tiles import MosaicTiles
+
+    B, S, N, H, d = SHAPE
+    mesh = jax.make_mesh((2, 4), ("data", "rows"), axis_types=(AxisType.Auto,) * 2)
+    rng = np.random.default_rng(9)
+    keep = rng.random((B, S, N)) >= 0.2
+    for batch, row in ROW_GROUP_DEAD_ROWS:
+        keep[batch, row] = False
+    rows = lambda: jnp.asarray(rng.standard_normal((B, S, N, H, d)), jnp.bfloat16)  # noqa: E731
+    args = [rows(), rows(), jnp.asarray(rng.standard_normal((B, S, N, H, d)), jnp.float32),
+            None, *(jnp.asarray(rng.standard_normal((B, S, H, N)), jnp.float32) for _ in range(2)),
+            jnp.asarray(keep, jnp.int8)]
+    specs = msa_partition_specs(**spec_axes)
+    planes = P(*specs.rows[:2], specs.rows[3], None)
+    placement = [specs.rows, specs.rows, specs.rows, None, planes, planes, specs.mask]
+
+    def prologue(*args):
+        return vjp.partitioned_prologue(
+            *args, do_dtype=jnp.bfloat16, interpret=True, mask_queries=True,
+            row_group_tiles=(MosaicTiles(64, 64, 2, 2),))
+
+    place = lambda x, spec: x if x is None else jax.device_put(x, NamedSharding(mesh, spec))
+    placed = [place(x, s) for x, s in zip(args, placement)]
+    compiled = jax.jit(prologue).lower(*placed).compile()
+    hlo = compiled.as_text()
+    got = compiled(*placed)
+    expected = jax.jit(prologue)(*[None if x is None else jax.device_put(x, jax.devices()[0])
+                                   for x in args])
+
+    def unwritten(do):
+        return np.isnan(helpers.to_f64(do)).all(axis=(2, 3, 4))
+
+    both = ~unwritten(got[0]) & ~unwritten(expected[0])
+    errors = {}
+    for name, a, b in zip(("do", "dgate", "stats"), got, expected):
+        a, b = helpers.to_f64(a)[both], helpers.to_f64(b)[both]
+        errors[name] = _rel_err(a, b) if np.isfinite(a).all() else float("inf")
+    return dict(
+        errors=errors, moved=result_shapes(hlo, MOVES_DATA),
+        unwritten={"sharded": np.argwhere(unwritten(got[0])).tolist(),
+                   "one_device": np.argwhere(unwritten(expected[0])).tolist()},
+        dgate_finite=bool(np.isfinite(helpers.to_f64(got[1])).all()), error=None,
+    )
+
+
 def run_export_case() -> dict:
     """`jax.export` of a sharded step for 8 CPU devices, serialised,
     deserialised and called. With `sharded_msa_row_attention` (shard_map) the
@@ -373,13 +440,15 @@ def main(path: str, names=None) -> None:
 
     assert len(jax.devices()) == 8, jax.devices()
     results = {}
-    for name in names or [*CASES, *PROLOGUE_CASES, "export"]:
+    for name in names or [*CASES, *PROLOGUE_CASES, *ROW_GROUP_PROLOGUE_CASES, "export"]:
         start = time.perf_counter()
         try:
             if name == "export":
                 results[name] = run_export_case()
             elif name in PROLOGUE_CASES:
                 results[name] = run_prologue_case(*PROLOGUE_CASES[name])
+            elif name in ROW_GROUP_PROLOGUE_CASES:
+                results[name] = run_row_group_prologue_case(ROW_GROUP_PROLOGUE_CASES[name])
             elif name in sharding_bf16_worker.BF16_CASES:
                 results[name] = sharding_bf16_worker.run_bf16_bias_case(
                     *sharding_bf16_worker.BF16_CASES[name])

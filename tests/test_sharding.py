@@ -154,6 +154,29 @@ def test_prologue_sharded_matches_unsharded(case, records):
     assert _normalise(record["do_spec"]) == _normalise(rows), (case, record["do_spec"], rows)
 
 
+@pytest.mark.parametrize("case", list(sharding_worker.ROW_GROUP_PROLOGUE_CASES))
+def test_prologue_tells_unread_rows_on_each_shard(case, records):
+    """Told the Mosaic kernels' groups of rows (`row_group_tiles`), the
+    prologue leaves the `do` and statistics of dead rows no kernel reads
+    unwritten, and each device tells them on its own shard, as its kernels
+    do: with S split over four devices (one row each) every dead row is
+    left unwritten, where one device (groups of two rows) writes the dead
+    rows that share a group with a live one, or that come before a batch
+    element's last live row. Every row both runs wrote is the same, and
+    the gate's gradient is written everywhere."""
+    record = records[case]
+    assert record["error"] is None, record["error"]
+    dead = [list(row) for row in sharding_worker.ROW_GROUP_DEAD_ROWS]
+    # Batch element 1's dead rows 2 and 3 are the group after its last live row.
+    after_last_live = [[1, 2], [1, 3]]
+    rows_split = "row_axis" in sharding_worker.ROW_GROUP_PROLOGUE_CASES[case]
+    assert record["unwritten"]["one_device"] == after_last_live, record["unwritten"]
+    assert record["unwritten"]["sharded"] == (dead if rows_split else after_last_live), record
+    bad = {n: e for n, e in record["errors"].items() if not e <= 1e-6}
+    assert not bad, f"{case}: relative errors against the unsharded run above 1e-6: {bad}"
+    assert record["dgate_finite"] and record["moved"] == [], record
+
+
 def test_residue_sharding_is_gathered_not_wrong(records):
     """N cannot be split (each query needs every key): the partitioner gathers
     it. The results above stay equal to the unsharded run."""
