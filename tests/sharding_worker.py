@@ -264,6 +264,17 @@ def run_case(implementation, axis_type, spec_axes, options) -> dict:
     )
 
 
+def _sharded_and_on_one_device(function, args, placement, mesh):
+    """`(hlo, got, expected)`: `function` jitted on `args` (arrays or None)
+    placed by `placement` (PartitionSpecs) on `mesh`, its compiled program's
+    text and results, and its results on one device, nothing partitioned."""
+    placed = [x if x is None else jax.device_put(x, NamedSharding(mesh, spec))
+              for x, spec in zip(args, placement)]
+    compiled = jax.jit(function).lower(*placed).compile()
+    single = [None if x is None else jax.device_put(x, jax.devices()[0]) for x in args]
+    return compiled.as_text(), compiled(*placed), jax.jit(function)(*single)
+
+
 # The backward's prologue kernel alone (`vjp.partitioned_prologue`: the
 # Mosaic kernels around it run only on a GPU), gated or not, B and S or B
 # and H sharded, the queries masked too or not: id -> (specs kwargs, gated,
@@ -315,12 +326,7 @@ def run_prologue_case(spec_axes, gated: bool, mask_queries: bool = False) -> dic
         return vjp.partitioned_prologue(*args, do_dtype=jnp.bfloat16, interpret=True,
                                         mask_queries=mask_queries)
 
-    place = lambda x, spec: x if x is None else jax.device_put(x, NamedSharding(mesh, spec))
-    compiled = jax.jit(prologue).lower(*[place(x, s) for x, s in zip(args, placement)]).compile()
-    hlo = compiled.as_text()
-    got = compiled(*[place(x, s) for x, s in zip(args, placement)])
-    single = [None if x is None else jax.device_put(x, jax.devices()[0]) for x in args]
-    expected = jax.jit(prologue)(*single)
+    hlo, got, expected = _sharded_and_on_one_device(prologue, args, placement, mesh)
     errors = {
         name: _rel_err(a, b) if np.all(np.isfinite(helpers.to_f64(a))) else float("inf")
         for name, a, b in zip(("do", "dgate", "stats", "dead_dv"), got, expected)
@@ -370,13 +376,7 @@ def run_row_group_prologue_case(spec_axes) -> dict:
             *args, do_dtype=jnp.bfloat16, interpret=True, mask_queries=True,
             row_group_tiles=(MosaicTiles(64, 64, 2, 2),))
 
-    place = lambda x, spec: x if x is None else jax.device_put(x, NamedSharding(mesh, spec))
-    placed = [place(x, s) for x, s in zip(args, placement)]
-    compiled = jax.jit(prologue).lower(*placed).compile()
-    hlo = compiled.as_text()
-    got = compiled(*placed)
-    expected = jax.jit(prologue)(*[None if x is None else jax.device_put(x, jax.devices()[0])
-                                   for x in args])
+    hlo, got, expected = _sharded_and_on_one_device(prologue, args, placement, mesh)
 
     def unwritten(do):
         return np.isnan(helpers.to_f64(do)).all(axis=(2, 3, 4))
