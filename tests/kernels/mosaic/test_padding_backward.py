@@ -128,9 +128,10 @@ def run_kernels(operands, scale, tiles: MosaicBackwardTiles, kernels, *, skip: b
 def check_padded(inputs, operands, scale, tiles, kernels=tuple(KERNEL_OUTPUTS), *,
                  interpret: bool = True, label: str = "", regrouped: tuple = ()) -> dict:
     """Skipped against unskipped and against float64 (the module docstring);
-    returns the relative errors. `regrouped`: the outputs whose float32 sums
-    skipping groups otherwise (the bias gradient's row chunks), equal to the
-    unskipped ones up to float32 rounding, not bit for bit."""
+    returns the kernels' gradients by name (as `run_kernels`) for each value
+    of `skip`, `{True: ..., False: ...}`. `regrouped`: the outputs whose
+    float32 sums skipping groups otherwise (the bias gradient's row chunks),
+    equal to the unskipped ones up to float32 rounding, not bit for bit."""
     skipped = run_kernels(operands, scale, tiles, kernels, skip=True, interpret=interpret)
     unskipped = run_kernels(operands, scale, tiles, kernels, skip=False, interpret=interpret)
     q, k, v, bias, mask, _, dout = inputs.args
@@ -168,7 +169,7 @@ def check_padded(inputs, operands, scale, tiles, kernels=tuple(KERNEL_OUTPUTS), 
         errors[name] = helpers.rel_err(got, expected[name])
     print(f"[rel err] {label}: {errors}")
     assert all(e <= tolerance for e in errors.values()), errors
-    return errors
+    return {True: skipped, False: unskipped}
 
 
 # (mask kind, B, S, N, H, d, q dtype, bias dtype, tiles).
@@ -251,10 +252,9 @@ def test_persistent_kernel_equals_one_cta_per_item(kernel, case, seed):
     operands, scale = helpers.mosaic_backward_operands(inputs)
     per_item = MosaicBackwardTiles(dkdv=tiles, dq=tiles, dbias=tiles)
     per_sm = dataclasses.replace(per_item, **{kernel: dataclasses.replace(tiles, persistent=True)})
-    check_padded(inputs, operands, scale, per_sm, (kernel,), label=f"persistent {kernel}")
-    for skip in (True, False):
+    runs = check_padded(inputs, operands, scale, per_sm, (kernel,), label=f"persistent {kernel}")
+    for skip, got in runs.items():
         expected = run_kernels(operands, scale, per_item, (kernel,), skip=skip)
-        got = run_kernels(operands, scale, per_sm, (kernel,), skip=skip)
         for name in KERNEL_OUTPUTS[kernel]:
             np.testing.assert_array_equal(helpers.to_f64(got[name]), helpers.to_f64(expected[name]),
                                           err_msg=f"{name} skip={skip}")
