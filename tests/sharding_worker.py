@@ -288,6 +288,18 @@ PROLOGUE_CASES = {
 }
 
 
+def _prologue_placement(spec_axes):
+    """`(mesh, placement)`: the 2 x 4 mesh and the PartitionSpecs of the
+    prologue's operands (`vjp.partitioned_prologue`'s order: do, gate,
+    attention, dead rows' means, the two statistics planes, mask) for
+    `msa_partition_specs(**spec_axes)`."""
+    mesh = jax.make_mesh((2, 4), ("data", "rows"), axis_types=(AxisType.Auto,) * 2)
+    specs = msa_partition_specs(**spec_axes)
+    # [B, S, H, ...]: the means' and the planes' rows and heads as q's.
+    per_row_head = P(*specs.rows[:2], specs.rows[3], None)
+    return mesh, [specs.rows, specs.rows, specs.rows, *(per_row_head,) * 3, specs.mask]
+
+
 def run_prologue_case(spec_axes, gated: bool, mask_queries: bool = False) -> dict:
     """The prologue on sharded operands against one device: a dead row in
     each batch element, NaN in what it must not read (dead rows'
@@ -296,7 +308,6 @@ def run_prologue_case(spec_axes, gated: bool, mask_queries: bool = False) -> dic
     from msa_pallas.kernels import vjp
 
     B, S, N, H, d = SHAPE
-    mesh = jax.make_mesh((2, 4), ("data", "rows"), axis_types=(AxisType.Auto,) * 2)
     rng = np.random.default_rng(5)
     keep = rng.random((B, S, N)) >= 0.2
     keep[:, 1] = False
@@ -316,11 +327,7 @@ def run_prologue_case(spec_axes, gated: bool, mask_queries: bool = False) -> dic
         plane[dead] = np.nan
     args = [dout, gate, jnp.asarray(attention), means, *map(jnp.asarray, planes),
             jnp.asarray(keep, jnp.int8)]
-    specs = msa_partition_specs(**spec_axes)
-    vectors = P(*specs.rows[:2], specs.rows[3], None)
-    placement = [specs.rows, specs.rows, specs.rows, vectors,
-                 P(*specs.rows[:2], specs.rows[3], None), P(*specs.rows[:2], specs.rows[3], None),
-                 specs.mask]
+    mesh, placement = _prologue_placement(spec_axes)
 
     def prologue(*args):
         return vjp.partitioned_prologue(*args, do_dtype=jnp.bfloat16, interpret=True,
@@ -358,7 +365,6 @@ def run_row_group_prologue_case(spec_axes) -> dict:
     from msa_pallas.kernels.mosaic.tiles import MosaicTiles
 
     B, S, N, H, d = SHAPE
-    mesh = jax.make_mesh((2, 4), ("data", "rows"), axis_types=(AxisType.Auto,) * 2)
     rng = np.random.default_rng(9)
     keep = rng.random((B, S, N)) >= 0.2
     for batch, row in ROW_GROUP_DEAD_ROWS:
@@ -367,9 +373,7 @@ def run_row_group_prologue_case(spec_axes) -> dict:
     args = [rows(), rows(), jnp.asarray(rng.standard_normal((B, S, N, H, d)), jnp.float32),
             None, *(jnp.asarray(rng.standard_normal((B, S, H, N)), jnp.float32) for _ in range(2)),
             jnp.asarray(keep, jnp.int8)]
-    specs = msa_partition_specs(**spec_axes)
-    planes = P(*specs.rows[:2], specs.rows[3], None)
-    placement = [specs.rows, specs.rows, specs.rows, None, planes, planes, specs.mask]
+    mesh, placement = _prologue_placement(spec_axes)
 
     def prologue(*args):
         return vjp.partitioned_prologue(
